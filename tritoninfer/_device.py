@@ -1,0 +1,66 @@
+"""The one place that asks about the device and about the Triton interpreter.
+
+Every hardware query in tritoninfer goes through here, so that under ``TRITON_INTERPRET=1`` (the
+CPU test suite) nothing touches CUDA and every answer is a safe, fixed default. tritoninfer never
+sets ``TRITON_INTERPRET`` itself: Triton reads it when ``@triton.jit`` decorates a function, so a
+test suite must set it before importing any kernel module (``tests/conftest.py`` does).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+# What the planner assumes when there is no GPU to ask (interpreter runs): small, so that CPU tests
+# exercise split-KV with tiny shapes.
+INTERPRETER_NUM_SMS = 4
+
+
+def is_interpreter() -> bool:
+    """True when Triton kernels run through the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def has_gpu() -> bool:
+    """True when a CUDA device is usable for real (not interpreted) kernel launches."""
+    return not is_interpreter() and torch.cuda.is_available()
+
+
+def _index(device: torch.device | str | int | None) -> int:
+    if device is None:
+        return torch.cuda.current_device()
+    device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@functools.lru_cache(maxsize=None)
+def _props(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
+def num_sms(device: torch.device | str | int | None = None) -> int:
+    """Streaming multiprocessors of ``device`` (``INTERPRETER_NUM_SMS`` without a GPU)."""
+    if not has_gpu() or (device is not None and torch.device(device).type != "cuda"):
+        return INTERPRETER_NUM_SMS
+    return _props(_index(device)).multi_processor_count
+
+
+def capability(device: torch.device | str | int | None = None) -> tuple[int, int]:
+    """CUDA compute capability of ``device``; ``(0, 0)`` without a GPU."""
+    if not has_gpu():
+        return (0, 0)
+    return torch.cuda.get_device_capability(_index(device))
+
+
+def device_name(device: torch.device | str | int | None = None) -> str:
+    """Human-readable device name, ``"cpu (Triton interpreter)"`` without a GPU."""
+    if not has_gpu():
+        return "cpu (Triton interpreter)" if is_interpreter() else "cpu"
+    return _props(_index(device)).name
+
+
+def can_pin_memory() -> bool:
+    """Pinned host buffers make host-to-device copies asynchronous; only meaningful with a GPU."""
+    return has_gpu()

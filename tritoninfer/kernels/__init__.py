@@ -1,0 +1,1 @@
+"""``@triton.jit`` code only: no torch objects, no host logic, nothing imported from the package."""

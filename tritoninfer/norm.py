@@ -1,0 +1,3 @@
+"""tritoninfer.norm: see README.md for what is implemented."""
+
+__all__: list = []

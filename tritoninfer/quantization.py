@@ -1,0 +1,3 @@
+"""tritoninfer.quantization: see README.md for what is implemented."""
+
+__all__: list = []

@@ -1,0 +1,14 @@
+"""Pure-PyTorch float32 semantics of every public tritoninfer function: the ground truth.
+
+Written once, exactly as FlashInfer 0.5.3 behaves (see ``../shared/reference/flashinfer-api.md``),
+and usable by anyone to check a kernel. Nothing here imports a kernel or a wrapper.
+
+- ``attention``: single/batch decode and prefill (paged and ragged), masks, RoPE, ALiBi, soft cap,
+  sinks, fp8 scales, base-2 LSE, ``merge_state*``.
+- ``elementwise``: RoPE application, RMSNorm variants, gated activations.
+- ``page``: page-table helpers and ``append_paged_kv_cache``, ``packbits``.
+"""
+
+from .attention import *  # noqa: F401,F403
+from .elementwise import *  # noqa: F401,F403
+from .page import *  # noqa: F401,F403

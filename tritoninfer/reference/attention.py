@@ -1,0 +1,3 @@
+"""Reference semantics (see package docstring)."""
+
+__all__: list = []

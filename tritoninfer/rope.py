@@ -1,0 +1,3 @@
+"""tritoninfer.rope: see README.md for what is implemented."""
+
+__all__: list = []
