@@ -1,3 +1,751 @@
-"""tritoninfer.decode: see README.md for what is implemented."""
+"""Decode attention: ``single_decode_with_kv_cache``, ``BatchDecodeWithPagedKVCacheWrapper``,
+``CUDAGraphBatchDecodeWithPagedKVCacheWrapper`` and ``fast_decode_plan`` (FlashInfer 0.5.3's API).
 
-__all__: list = []
+Both ``use_tensor_cores`` settings run tritoninfer's one attention kernel (the GQA group is the M
+dimension of ``tl.dot``, as in FlashInfer's tensor-core path), so they give the same numbers; the
+property is kept because engines read it and because FlashInfer ties ``fixed_split_size`` and
+``q_len_per_req > 1`` to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, List, Optional, Tuple, Union
+
+import numpy as np
+import torch
+
+from . import _device
+from ._attention import DevicePlan, KVSource, ScoreParams, fill_work_buffer, launch_attention, upload_plan_arrays
+from ._kvcache import PagedKVCache, unpack_paged_kv_cache
+from ._options import (
+    KV_DTYPES,
+    Q_DTYPES,
+    PosEncodingMode,
+    TensorLayout,
+    canonicalize_dtype,
+    check_dtype_in,
+    check_head_dim,
+    check_heads,
+    check_indptr_host,
+    check_int_index_tensor,
+    check_positive_int,
+    check_same_dtype_as_plan,
+    check_soft_cap,
+    check_tensor,
+    check_window_left,
+    parse_layout,
+    parse_pos_encoding_mode,
+    resolve_rope,
+    resolve_sm_scale,
+)
+from ._plan import WORK_FIELDS, build_work, decode_tiles, kv_split_chunk
+
+__all__ = [
+    "single_decode_with_kv_cache",
+    "BatchDecodeWithPagedKVCacheWrapper",
+    "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
+    "fast_decode_plan",
+]
+
+# FlashInfer backend names; every one selects tritoninfer's Triton kernels.
+DECODE_BACKENDS = ("auto", "fa2", "fa3", "trtllm-gen", "triton")
+
+
+def _score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
+                  head_dim, causal=False) -> ScoreParams:
+    mode = parse_pos_encoding_mode(pos_encoding_mode)
+    rope_scale, rope_theta = resolve_rope(rope_scale, rope_theta)
+    return ScoreParams(
+        sm_scale=resolve_sm_scale(sm_scale, head_dim),
+        logits_soft_cap=check_soft_cap(logits_soft_cap),
+        window_left=check_window_left(window_left),
+        causal=causal,
+        rope=mode == PosEncodingMode.ROPE_LLAMA,
+        rope_scale=rope_scale,
+        rope_theta=rope_theta,
+        alibi=mode == PosEncodingMode.ALIBI,
+    )
+
+
+def _check_out(out: Optional[torch.Tensor], shape, dtype, device, name: str) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    check_tensor(out, name)
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device:
+        raise ValueError(
+            f"{name}: expected shape {tuple(shape)}, dtype {dtype} on {device}; "
+            f"got shape {tuple(out.shape)}, dtype {out.dtype} on {out.device}"
+        )
+    if out.stride(-1) != 1:
+        raise ValueError(f"{name}: the last dimension must be contiguous")
+    return out
+
+
+def _check_sinks(sinks: Optional[torch.Tensor], num_qo_heads: int, device) -> Optional[torch.Tensor]:
+    if sinks is None:
+        return None
+    check_tensor(sinks, "sinks", ndim=1, dtype=torch.float32)
+    if sinks.numel() != num_qo_heads or sinks.device != device:
+        raise ValueError(f"sinks: expected a float32 [{num_qo_heads}] tensor on {device}, got {tuple(sinks.shape)} on {sinks.device}")
+    return sinks if sinks.is_contiguous() else sinks.contiguous()
+
+
+def single_decode_with_kv_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_layout: str = "NHD",
+    pos_encoding_mode: str = "NONE",
+    use_tensor_cores: bool = False,
+    q_scale: Optional[float] = None,
+    k_scale: Optional[float] = None,
+    v_scale: Optional[float] = None,
+    window_left: int = -1,
+    logits_soft_cap: Optional[float] = None,
+    sm_scale: Optional[float] = None,
+    rope_scale: Optional[float] = None,
+    rope_theta: Optional[float] = None,
+    return_lse: bool = False,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Decode attention of one query token over one request's contiguous KV.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[num_qo_heads, head_dim]``, fp16 or bf16.
+    k, v : torch.Tensor
+        ``[kv_len, num_kv_heads, head_dim]`` (NHD) or ``[num_kv_heads, kv_len, head_dim]`` (HND);
+        fp16, bf16, float8_e4m3fn or float8_e5m2 (K and V share a dtype).
+    kv_layout, pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta
+        As ``BatchDecodeWithPagedKVCacheWrapper.plan``.
+    use_tensor_cores : bool
+        Accepted for compatibility; both settings run the same Triton kernel.
+    q_scale, k_scale, v_scale : Optional[float]
+        fp8 calibration scales: ``q_scale * k_scale`` multiplies ``sm_scale``, ``v_scale`` the output.
+    return_lse : bool
+        Also return the base-2 log-sum-exp of the logits, float32 ``[num_qo_heads]``.
+
+    Returns
+    -------
+    ``o`` ``[num_qo_heads, head_dim]`` in q's dtype, and ``lse`` when ``return_lse``. An empty KV
+    gives output 0 and LSE -inf.
+    """
+    check_tensor(q, "q", ndim=2, dtype=Q_DTYPES)
+    check_tensor(k, "k", ndim=3, dtype=KV_DTYPES)
+    check_tensor(v, "v", ndim=3, dtype=KV_DTYPES)
+    if k.dtype != v.dtype:
+        raise ValueError(f"k and v must share a dtype, got {k.dtype} and {v.dtype}")
+    layout = parse_layout(kv_layout)
+    if layout == TensorLayout.NHD:
+        kv_len, num_kv_heads, head_dim = k.shape
+        tok_dim, head_axis = 0, 1
+    else:
+        num_kv_heads, kv_len, head_dim = k.shape
+        tok_dim, head_axis = 1, 0
+    num_qo_heads = q.shape[0]
+    check_heads(num_qo_heads, num_kv_heads)
+    check_head_dim(head_dim)
+    if q.shape[1] != head_dim:
+        raise ValueError(f"q: head_dim {q.shape[1]} does not match k's head_dim {head_dim}")
+    if v.shape[tok_dim] != kv_len or v.shape[head_axis] != num_kv_heads:
+        raise ValueError(f"v: shape {tuple(v.shape)} does not match k's {tuple(k.shape)}")
+    head_dim_vo = v.shape[2]
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: the last (head_dim) dimension must be contiguous")
+    params = _score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta, head_dim)
+
+    device = q.device
+    num_sms = _device.num_sms(device)
+    tiles = decode_tiles(num_qo_heads // num_kv_heads, 1, head_dim)
+    kv_lens = np.array([kv_len], np.int64)
+    chunk = kv_split_chunk(kv_lens, np.ones(1, np.int64), num_kv_heads, num_sms, tiles.block_n, 1, None, False)
+    work = build_work(np.ones(1, np.int64), kv_lens, 1, chunk)
+    work_d, kv_len_d, state_offset_d, kv_indptr_d = upload_plan_arrays(
+        [work.work, kv_lens, work.state_offset, np.zeros(1)], device, non_blocking=True
+    )
+    plan = DevicePlan(work_d.view(-1, WORK_FIELDS), kv_len_d, state_offset_d, None, work.work.shape[0],
+                      work.num_states, work.num_states, work.has_splits, False)
+    workspace = None
+    if work.has_splits:
+        workspace = torch.empty(work.num_states * num_qo_heads * (head_dim_vo + 1) * 4, dtype=torch.uint8, device=device)
+    kv = KVSource(k, v, (k.stride(tok_dim), 0, k.stride(head_axis)), (v.stride(tok_dim), 0, v.stride(head_axis)),
+                  0, kv_indptr_d)
+    out = torch.empty((1, num_qo_heads, head_dim_vo), dtype=q.dtype, device=device)
+    lse = torch.empty((1, num_qo_heads), dtype=torch.float32, device=device) if return_lse else None
+    launch_attention(
+        q=q.unsqueeze(0), out=out, lse=lse, kv=kv, plan=plan, tiles=tiles, num_kv_heads=num_kv_heads,
+        head_dim_qk=head_dim, head_dim_vo=head_dim_vo, params=params, q_len_per_req=1, state_mult=1,
+        workspace=workspace, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+    )
+    if return_lse:
+        return out[0], lse[0]
+    return out[0]
+
+
+class BatchDecodeWithPagedKVCacheWrapper:
+    """Batch decode attention over a paged KV cache, planned once per step and run per layer.
+
+    ``plan()`` does the host work (host copies of the page table, split-KV decision, work list)
+    and keeps the result in device buffers this wrapper owns, so several wrappers can share one
+    ``float_workspace_buffer`` and all be planned before any runs. ``run()`` checks its inputs
+    against the plan and launches; it never synchronises with the host and can be captured in a
+    CUDA graph.
+
+    Example
+    -------
+    >>> ws = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+    >>> wrapper = tritoninfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+    >>> wrapper.plan(kv_indptr, kv_indices, kv_last_page_len, 32, 8, 128, 16,
+    ...              q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    >>> o = wrapper.run(q, kv_cache)  # q [batch, 32, 128] -> o [batch, 32, 128]
+
+    Parameters
+    ----------
+    float_workspace_buffer : torch.Tensor
+        uint8 buffer for split-KV partial states (FlashInfer recommends 128 MB). Its size is
+        checked against each plan.
+    kv_layout : str
+        ``"NHD"`` or ``"HND"``.
+    use_cuda_graph : bool
+        Fixed batch size and buffers: the launch grid does not depend on planned lengths, so a
+        graph captured after one ``plan()`` stays correct after later plans.
+    use_tensor_cores : bool
+        Kept for compatibility (see the module docstring).
+    paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer : torch.Tensor
+        int32 buffers ``[batch+1]``, ``[max_pages]``, ``[batch]``; required with ``use_cuda_graph``.
+    backend : str
+        One of ``"auto"``, ``"fa2"``, ``"fa3"``, ``"trtllm-gen"``, ``"triton"``: every value runs
+        tritoninfer's Triton kernels. Other values raise ``ValueError``.
+    jit_args : Optional[List[Any]]
+        FlashInfer's custom CUDA variants; tritoninfer cannot compile CUDA source, so anything but
+        ``None`` raises ``NotImplementedError``.
+    """
+
+    def __init__(
+        self,
+        float_workspace_buffer: torch.Tensor,
+        kv_layout: str = "NHD",
+        use_cuda_graph: bool = False,
+        use_tensor_cores: bool = False,
+        paged_kv_indptr_buffer: Optional[torch.Tensor] = None,
+        paged_kv_indices_buffer: Optional[torch.Tensor] = None,
+        paged_kv_last_page_len_buffer: Optional[torch.Tensor] = None,
+        backend: str = "auto",
+        jit_args: Optional[List[Any]] = None,
+    ) -> None:
+        check_tensor(float_workspace_buffer, "float_workspace_buffer")
+        self._kv_layout = parse_layout(kv_layout)
+        if backend not in DECODE_BACKENDS:
+            raise ValueError(f"backend: expected one of {DECODE_BACKENDS}, got {backend!r}")
+        if jit_args is not None:
+            raise NotImplementedError("jit_args: custom CUDA attention variants cannot run on tritoninfer's Triton kernels")
+        self._float_workspace_buffer = float_workspace_buffer
+        self.device = float_workspace_buffer.device
+        self._backend = backend
+        self._use_tensor_cores = bool(use_tensor_cores)
+        self._use_cuda_graph = bool(use_cuda_graph)
+        if use_cuda_graph:
+            for name, buf in (("paged_kv_indptr_buffer", paged_kv_indptr_buffer),
+                              ("paged_kv_indices_buffer", paged_kv_indices_buffer),
+                              ("paged_kv_last_page_len_buffer", paged_kv_last_page_len_buffer)):
+                if not torch.is_tensor(buf):
+                    raise ValueError(f"{name} should be a torch.Tensor in cudagraph mode")
+                check_tensor(buf, name, ndim=1, dtype=torch.int32, device=self.device)
+            self._fixed_batch_size = len(paged_kv_last_page_len_buffer)
+            if len(paged_kv_indptr_buffer) != self._fixed_batch_size + 1:
+                raise ValueError("The size of paged_kv_indptr_buffer should be batch_size + 1")
+        else:
+            self._fixed_batch_size = 0
+        self._paged_kv_indptr_buf = paged_kv_indptr_buffer
+        self._paged_kv_indices_buf = paged_kv_indices_buffer
+        self._paged_kv_last_page_len_buf = paged_kv_last_page_len_buffer
+        self._work_buf: Optional[torch.Tensor] = None  # CUDA-graph mode: fixed-capacity work list
+        self._plan: Optional[DevicePlan] = None
+
+    @property
+    def use_tensor_cores(self) -> bool:
+        return self._use_tensor_cores
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._use_cuda_graph
+
+    def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer: torch.Tensor) -> None:
+        """Replace the float workspace. ``int_workspace_buffer`` is accepted for compatibility:
+        tritoninfer keeps its plan in buffers the wrapper owns and needs no int workspace."""
+        check_tensor(float_workspace_buffer, "float_workspace_buffer")
+        self._float_workspace_buffer = float_workspace_buffer
+
+    def plan(
+        self,
+        indptr: torch.Tensor,
+        indices: torch.Tensor,
+        last_page_len: torch.Tensor,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        pos_encoding_mode: str = "NONE",
+        window_left: int = -1,
+        logits_soft_cap: Optional[float] = None,
+        q_data_type: Optional[Union[str, torch.dtype]] = "float16",
+        kv_data_type: Optional[Union[str, torch.dtype]] = None,
+        data_type: Optional[Union[str, torch.dtype]] = None,
+        sm_scale: Optional[float] = None,
+        rope_scale: Optional[float] = None,
+        rope_theta: Optional[float] = None,
+        non_blocking: bool = True,
+        block_tables: Optional[torch.Tensor] = None,
+        seq_lens: Optional[torch.Tensor] = None,
+        fixed_split_size: Optional[int] = None,
+        disable_split_kv: bool = False,
+    ) -> None:
+        """Plan batch decode for one step (all layers).
+
+        Parameters
+        ----------
+        indptr : torch.Tensor
+            ``[batch_size + 1]`` int32: pages of request i are ``indices[indptr[i]:indptr[i+1]]``.
+            A CPU tensor costs no device sync.
+        indices : torch.Tensor
+            ``[indptr[-1]]`` int32 page ids.
+        last_page_len : torch.Tensor
+            ``[batch_size]`` int32, entries used in each request's last page (1..page_size; 0 for
+            a request with no pages).
+        num_qo_heads, num_kv_heads, head_dim, page_size : int
+            Head counts (``num_qo_heads % num_kv_heads == 0``), head_dim (a multiple of 8 up to
+            256) and tokens per page.
+        pos_encoding_mode : str
+            ``"NONE"``, ``"ROPE_LLAMA"`` (rotate-half RoPE applied on the fly to q and K; the cache
+            holds un-rotated K) or ``"ALIBI"``.
+        window_left : int
+            Sliding window: attend to the last ``window_left + 1`` keys; -1 disables it.
+        logits_soft_cap : Optional[float]
+            ``cap * tanh(logits * sm_scale / cap)``; None or 0 disables it.
+        q_data_type, kv_data_type, data_type
+            dtypes (``torch.dtype`` or name). ``kv_data_type`` defaults to ``q_data_type``;
+            the deprecated ``data_type`` fills whichever of the two is None.
+        sm_scale, rope_scale, rope_theta : Optional[float]
+            Defaults ``1/sqrt(head_dim)``, 1 and 1e4.
+        non_blocking : bool
+            Host-to-device copies of the plan are asynchronous (pinned memory) when True.
+        block_tables, seq_lens : Optional[torch.Tensor]
+            The alternative page-table form: ``block_tables`` int32 ``[batch, max_pages]`` and
+            ``seq_lens`` int32 ``[batch]`` KV lengths. When ``block_tables`` is given it replaces
+            ``indptr``/``indices``/``last_page_len``. ``seq_lens`` alone overrides the KV
+            lengths computed from ``last_page_len``.
+        fixed_split_size : Optional[int]
+            Split each request's KV into chunks of this many pages, independently of the rest of
+            the batch (batch-invariant results). Tensor-core path only, as in FlashInfer.
+        disable_split_kv : bool
+            Never split KV: each request's output comes from one program (batch-invariant).
+        """
+        if fixed_split_size is not None and not self.use_tensor_cores:
+            raise ValueError("fixed_split_size is only supported by tensor core decode for now.")
+        if block_tables is not None:
+            indptr_host, indices, last_page_len_host = _page_table_from_block_tables(block_tables, seq_lens, page_size)
+            seq_lens = None
+        else:
+            indptr_host = _host(indptr, "indptr")
+            last_page_len_host = _host(last_page_len, "last_page_len")
+        self._plan_impl(
+            indptr_host, indptr, indices, last_page_len_host, last_page_len, num_qo_heads, num_kv_heads, head_dim,
+            page_size, pos_encoding_mode, window_left, logits_soft_cap, q_data_type, kv_data_type, data_type,
+            sm_scale, rope_scale, rope_theta, non_blocking, seq_lens, fixed_split_size, disable_split_kv,
+            copy_page_table=True,
+        )
+
+    begin_forward = plan
+
+    def _plan_impl(
+        self, indptr_host, indptr, indices, last_page_len_host, last_page_len, num_qo_heads, num_kv_heads,
+        head_dim, page_size, pos_encoding_mode, window_left, logits_soft_cap, q_data_type, kv_data_type,
+        data_type, sm_scale, rope_scale, rope_theta, non_blocking, seq_lens, fixed_split_size,
+        disable_split_kv, copy_page_table,
+    ) -> None:
+        if data_type is not None:
+            q_data_type = data_type if q_data_type is None else q_data_type
+            kv_data_type = data_type if kv_data_type is None else kv_data_type
+        elif q_data_type is None:
+            q_data_type = "float16"
+        q_dtype = check_dtype_in(canonicalize_dtype(q_data_type, "q_data_type"), Q_DTYPES, "q_data_type")
+        kv_dtype = canonicalize_dtype(kv_data_type, "kv_data_type") if kv_data_type is not None else q_dtype
+        check_dtype_in(kv_dtype, KV_DTYPES, "kv_data_type")
+        group = check_heads(num_qo_heads, num_kv_heads)
+        check_head_dim(head_dim)
+        check_positive_int(page_size, "page_size")
+        params = _score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta, head_dim)
+
+        check_indptr_host(indptr_host, "indptr")
+        batch = indptr_host.numel() - 1
+        if last_page_len_host.numel() != batch:
+            raise ValueError(f"last_page_len: expected {batch} elements (batch_size), got {last_page_len_host.numel()}")
+        check_int_index_tensor(indices, "indices")
+        num_pages_used = int(indptr_host[-1])
+        if indices.numel() < num_pages_used:
+            raise ValueError(f"indices: indptr[-1] is {num_pages_used} but indices has only {indices.numel()} elements")
+        ind = indptr_host.numpy().astype(np.int64)
+        pages = ind[1:] - ind[:-1]
+        lpl = last_page_len_host.numpy().astype(np.int64)
+        bad = (pages > 0) & ((lpl < 1) | (lpl > page_size))
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"last_page_len: request {i} has {int(lpl[i])}, expected 1..page_size ({page_size})")
+        if seq_lens is not None:
+            kv_lens = _host(seq_lens, "seq_lens").numpy().astype(np.int64)
+            if kv_lens.size != batch or (kv_lens > pages * page_size).any():
+                raise ValueError("seq_lens: expected one length per request, each within its pages")
+        else:
+            kv_lens = np.where(pages > 0, (pages - 1) * page_size + lpl, 0)
+
+        if self._use_cuda_graph:
+            if batch != self._fixed_batch_size:
+                raise ValueError(
+                    f"The batch size should be fixed in cudagraph mode, the runtime batch size {batch} "
+                    f" mismatches the batch size set during initialization {self._fixed_batch_size}"
+                )
+            if num_pages_used > len(self._paged_kv_indices_buf):
+                raise ValueError(
+                    f"indices: the plan uses {num_pages_used} pages but paged_kv_indices_buffer holds "
+                    f"{len(self._paged_kv_indices_buf)}"
+                )
+
+        tiles = decode_tiles(group, 1, head_dim)
+        num_sms = _device.num_sms(self.device)
+        ones = np.ones(batch, np.int64)
+        chunk = kv_split_chunk(kv_lens, ones, num_kv_heads, num_sms, tiles.block_n, page_size,
+                               fixed_split_size, disable_split_kv)
+        if self._use_cuda_graph:
+            max_splits = max(1, -(-2 * num_sms // max(1, batch * num_kv_heads)))
+            if fixed_split_size is not None and chunk is not None and (-(-kv_lens // chunk)).max() > max_splits:
+                raise ValueError(
+                    f"fixed_split_size={fixed_split_size} needs more splits per request than the CUDA-graph "
+                    f"buffers allow ({max_splits}); use a larger fixed_split_size"
+                )
+            work = build_work(ones, kv_lens, 1, chunk, max_splits=max_splits)
+            capacity = batch * max_splits
+            if self._work_buf is None or self._work_buf.shape[0] != capacity:
+                self._work_buf = torch.empty((capacity, WORK_FIELDS), dtype=torch.int32, device=self.device)
+                self._kv_len_buf = torch.empty(batch, dtype=torch.int32, device=self.device)
+                self._state_offset_buf = torch.empty(batch, dtype=torch.int32, device=self.device)
+            fill_work_buffer(self._work_buf, work, non_blocking)
+            kv_len_d, state_offset_d = upload_plan_arrays([kv_lens, work.state_offset], self.device, non_blocking)
+            self._kv_len_buf.copy_(kv_len_d, non_blocking=non_blocking)
+            self._state_offset_buf.copy_(state_offset_d, non_blocking=non_blocking)
+            if copy_page_table:
+                _copy_into(self._paged_kv_indptr_buf, indptr_host, non_blocking)
+                _copy_into(self._paged_kv_indices_buf[:num_pages_used], indices[:num_pages_used], non_blocking)
+                _copy_into(self._paged_kv_last_page_len_buf, last_page_len_host, non_blocking)
+            kv_indptr_d, kv_indices_d = self._paged_kv_indptr_buf, self._paged_kv_indices_buf
+            plan = DevicePlan(self._work_buf, self._kv_len_buf, self._state_offset_buf, None, capacity,
+                              work.num_states, capacity, work.has_splits, True)
+        else:
+            work = build_work(ones, kv_lens, 1, chunk)
+            host_arrays = [work.work, kv_lens, work.state_offset]
+            if indptr.device != self.device:
+                host_arrays.append(ind)
+            uploaded = upload_plan_arrays(host_arrays, self.device, non_blocking)
+            work_d, kv_len_d, state_offset_d = uploaded[:3]
+            kv_indptr_d = uploaded[3] if len(uploaded) > 3 else indptr.to(torch.int32)
+            kv_indices_d = indices if indices.device == self.device else indices.to(self.device, non_blocking=non_blocking)
+            kv_indices_d = kv_indices_d.to(torch.int32)
+            plan = DevicePlan(work_d.view(-1, WORK_FIELDS), kv_len_d, state_offset_d, None, work.work.shape[0],
+                              work.num_states, work.num_states, work.has_splits, False)
+
+        self._plan = plan
+        self._kv_indptr, self._kv_indices = kv_indptr_d, kv_indices_d
+        self._batch_size = batch
+        self._min_kv_len = int(kv_lens.min()) if batch else 0
+        self._num_qo_heads, self._num_kv_heads, self._head_dim = num_qo_heads, num_kv_heads, head_dim
+        self._page_size = page_size
+        self._cached_q_data_type, self._cached_kv_data_type = q_dtype, kv_dtype
+        self._params = params
+        self._pos_encoding_mode = pos_encoding_mode
+        self._window_left = window_left
+        self._logits_soft_cap = logits_soft_cap
+        self._sm_scale, self._rope_scale, self._rope_theta = sm_scale, rope_scale, rope_theta
+
+    def run(
+        self,
+        q: torch.Tensor,
+        paged_kv_cache: PagedKVCache,
+        *args,
+        q_scale: Optional[float] = None,
+        k_scale: Optional[float] = None,
+        v_scale: Optional[float] = None,
+        out: Optional[torch.Tensor] = None,
+        lse: Optional[torch.Tensor] = None,
+        return_lse: bool = False,
+        enable_pdl: Optional[bool] = None,
+        window_left: Optional[int] = None,
+        sinks: Optional[torch.Tensor] = None,
+        q_len_per_req: Optional[int] = 1,
+    ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        """Decode attention for the planned batch.
+
+        Parameters
+        ----------
+        q : torch.Tensor
+            ``[batch_size * q_len_per_req, num_qo_heads, head_dim]`` in ``q_data_type``.
+        paged_kv_cache
+            5-D ``[P, 2, page_size, H_kv, D]`` (NHD) / ``[P, 2, H_kv, page_size, D]`` (HND), a
+            ``(k, v)`` tuple of 4-D tensors, or for page size 1 a tuple of 3-D ``[tokens, H_kv, D]``
+            tensors; in ``kv_data_type``. Strided views are fine (the last dim must be contiguous).
+        *args
+            FlashInfer passes these to custom JIT kernels; tritoninfer has none, so any raises.
+        q_scale, k_scale, v_scale : Optional[float]
+            ``q_scale * k_scale`` multiplies ``sm_scale``; ``v_scale`` multiplies the output.
+        out, lse : Optional[torch.Tensor]
+            Preallocated ``[batch_size * q_len_per_req, num_qo_heads, head_dim]`` (q's dtype) and
+            float32 ``[batch_size * q_len_per_req, num_qo_heads]``.
+        return_lse : bool
+            Also return the base-2 LSE (excluding sinks).
+        enable_pdl : Optional[bool]
+            Programmatic dependent launch is a CUDA launch attribute Triton does not expose; the
+            value is accepted and has no effect on results.
+        window_left : Optional[int]
+            Must equal the planned value (as FlashInfer asserts).
+        sinks : Optional[torch.Tensor]
+            float32 ``[num_qo_heads]`` attention-sink logits (natural-log units, like the scaled
+            logits), added to the softmax denominator only.
+        q_len_per_req : int
+            Query tokens per request (speculative decoding); >1 is causal among the request's own
+            tokens and needs ``use_tensor_cores=True`` and kv_len >= q_len_per_req, as in FlashInfer.
+
+        Returns
+        -------
+        ``o`` (and ``lse`` when ``return_lse``). Empty requests give 0 and LSE -inf.
+        """
+        if args:
+            raise TypeError(
+                "run(): options after paged_kv_cache must be passed by keyword; positional extras are "
+                "FlashInfer's custom-JIT arguments, which tritoninfer does not have"
+            )
+        if self._plan is None:
+            raise ValueError("run() was called before plan()")
+        if window_left is not None and window_left != self._window_left:
+            raise ValueError(f"window_left: run() got {window_left} but plan() used {self._window_left}")
+        L = 1 if q_len_per_req is None else int(q_len_per_req)
+        if L < 1:
+            raise ValueError(f"q_len_per_req: expected a positive int, got {q_len_per_req!r}")
+        if L > 1:
+            if not self._use_tensor_cores:
+                raise ValueError("q_len_per_req > 1 requires use_tensor_cores=True")
+            if self._min_kv_len < L:
+                raise ValueError(f"q_len_per_req={L} requires kv_len >= q_len_per_req for every request")
+        check_tensor(q, "q", ndim=3)
+        check_same_dtype_as_plan(q, self._cached_q_data_type, "q", "q_data_type")
+        expected = (self._batch_size * L, self._num_qo_heads, self._head_dim)
+        if tuple(q.shape) != expected:
+            raise ValueError(f"q: expected shape {expected} (batch_size * q_len_per_req, num_qo_heads, head_dim), got {tuple(q.shape)}")
+        if q.stride(-1) != 1:
+            raise ValueError("q: the last dimension must be contiguous")
+        kv = unpack_paged_kv_cache(paged_kv_cache, self._kv_layout)
+        if kv.dtype != self._cached_kv_data_type:
+            raise ValueError(
+                f"The dtype of paged_kv_cache {kv.dtype} does not match the kv_data_type "
+                f"{self._cached_kv_data_type} specified in plan function."
+            )
+        if (kv.page_size, kv.num_heads, kv.head_dim_qk) != (self._page_size, self._num_kv_heads, self._head_dim):
+            raise ValueError(
+                f"paged_kv_cache: page_size/num_kv_heads/head_dim are {kv.page_size}/{kv.num_heads}/{kv.head_dim_qk}, "
+                f"plan() used {self._page_size}/{self._num_kv_heads}/{self._head_dim}"
+            )
+        if kv.device != q.device:
+            raise ValueError("paged_kv_cache and q must be on the same device")
+        out = _check_out(out, (q.shape[0], self._num_qo_heads, kv.head_dim_vo), q.dtype, q.device, "out")
+        if return_lse:
+            lse = _check_out(lse, (q.shape[0], self._num_qo_heads), torch.float32, q.device, "lse")
+        else:
+            lse = None
+        sinks = _check_sinks(sinks, self._num_qo_heads, q.device)
+        params = self._params if L == 1 else dataclasses.replace(self._params, causal=True)
+        launch_attention(
+            q=q, out=out, lse=lse,
+            kv=KVSource(kv.k, kv.v, kv.k_strides, kv.v_strides, kv.page_size, self._kv_indptr, self._kv_indices),
+            plan=self._plan, tiles=_decode_tiles_cached(self._num_qo_heads // self._num_kv_heads, L, self._head_dim),
+            num_kv_heads=self._num_kv_heads, head_dim_qk=self._head_dim, head_dim_vo=kv.head_dim_vo,
+            params=params, q_len_per_req=L, state_mult=L, workspace=self._float_workspace_buffer,
+            q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
+        )
+        return (out, lse) if return_lse else out
+
+    run_return_lse = functools.partialmethod(run, return_lse=True)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        paged_kv_cache: PagedKVCache,
+        pos_encoding_mode: str = "NONE",
+        q_scale: Optional[float] = None,
+        k_scale: Optional[float] = None,
+        v_scale: Optional[float] = None,
+        window_left: int = -1,
+        logits_soft_cap: Optional[float] = None,
+        sm_scale: Optional[float] = None,
+        rope_scale: Optional[float] = None,
+        rope_theta: Optional[float] = None,
+    ) -> torch.Tensor:
+        """Deprecated (FlashInfer 0.5.3 semantics): overwrites the planned pos-encoding, window,
+        soft cap, sm_scale and rope settings with these arguments, defaults included, then runs."""
+        self._override(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta)
+        return self.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
+
+    def forward_return_lse(
+        self,
+        q: torch.Tensor,
+        paged_kv_cache: torch.Tensor,
+        pos_encoding_mode: str = "NONE",
+        q_scale: Optional[float] = None,
+        k_scale: Optional[float] = None,
+        v_scale: Optional[float] = None,
+        window_left: int = -1,
+        logits_soft_cap: Optional[float] = None,
+        sm_scale: Optional[float] = None,
+        rope_scale: Optional[float] = None,
+        rope_theta: Optional[float] = None,
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Deprecated: as ``forward``, returning ``(o, lse)``."""
+        self._override(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta)
+        return self.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, return_lse=True)
+
+    def _override(self, pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta) -> None:
+        if self._plan is None:
+            raise ValueError("forward() was called before plan()")
+        self._params = _score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
+                                     rope_theta, self._head_dim)
+        self._pos_encoding_mode, self._window_left, self._logits_soft_cap = pos_encoding_mode, window_left, logits_soft_cap
+        self._sm_scale, self._rope_scale, self._rope_theta = sm_scale, rope_scale, rope_theta
+
+    def end_forward(self) -> None:
+        """No-op, kept for compatibility."""
+
+
+class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWrapper):
+    """``BatchDecodeWithPagedKVCacheWrapper`` with ``use_cuda_graph=True`` and its fixed buffers."""
+
+    def __init__(
+        self,
+        workspace_buffer: torch.Tensor,
+        indptr_buffer: torch.Tensor,
+        indices_buffer: torch.Tensor,
+        last_page_len_buffer: torch.Tensor,
+        kv_layout: str = "NHD",
+        use_tensor_cores: bool = False,
+    ) -> None:
+        super().__init__(
+            workspace_buffer, kv_layout, use_cuda_graph=True, use_tensor_cores=use_tensor_cores,
+            paged_kv_indptr_buffer=indptr_buffer, paged_kv_indices_buffer=indices_buffer,
+            paged_kv_last_page_len_buffer=last_page_len_buffer,
+        )
+
+    # FlashInfer lists run_return_lse with return_lse=True as an explicit keyword default here
+    def run_return_lse(
+        self,
+        q: torch.Tensor,
+        paged_kv_cache: PagedKVCache,
+        *args,
+        q_scale: Optional[float] = None,
+        k_scale: Optional[float] = None,
+        v_scale: Optional[float] = None,
+        out: Optional[torch.Tensor] = None,
+        lse: Optional[torch.Tensor] = None,
+        return_lse: bool = True,
+        enable_pdl: Optional[bool] = None,
+        window_left: Optional[int] = None,
+        sinks: Optional[torch.Tensor] = None,
+        q_len_per_req: Optional[int] = 1,
+    ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        """``run`` returning ``(o, lse)`` by default."""
+        return self.run(q, paged_kv_cache, *args, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out,
+                        lse=lse, return_lse=return_lse, enable_pdl=enable_pdl, window_left=window_left,
+                        sinks=sinks, q_len_per_req=q_len_per_req)
+
+
+def fast_decode_plan(
+    self,
+    indptr: torch.Tensor,
+    indices: torch.Tensor,
+    last_page_len: torch.Tensor,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    pos_encoding_mode: str = "NONE",
+    window_left: int = -1,
+    logits_soft_cap: Optional[float] = None,
+    q_data_type: Optional[Union[str, torch.dtype]] = None,
+    kv_data_type: Optional[Union[str, torch.dtype]] = None,
+    data_type: Optional[Union[str, torch.dtype]] = None,
+    sm_scale: Optional[float] = None,
+    rope_scale: Optional[float] = None,
+    rope_theta: Optional[float] = None,
+    non_blocking: bool = True,
+    fixed_split_size: Optional[int] = None,
+    disable_split_kv: bool = False,
+    global_override_indptr_cpu: Optional[torch.Tensor] = None,
+) -> None:
+    """``plan()`` for engines that keep the page table in the CUDA-graph buffers themselves
+    (SGLang monkey-patches it onto decode wrappers).
+
+    Differences from ``plan()``, as in FlashInfer: the fixed buffers are not copied into (the
+    caller has written them; a tensor other than the buffer is still copied), ``global_override_indptr_cpu``
+    supplies the host indptr so no device-to-host copy is needed, and with ``page_size == 1`` the
+    last page lengths are known to be 1 and are not read back either.
+    """
+    batch = len(last_page_len)
+    indptr_host = global_override_indptr_cpu if global_override_indptr_cpu is not None else _host(indptr, "indptr")
+    if page_size == 1:
+        last_page_len_host = (torch.diff(indptr_host.to(torch.int64)) > 0).to(torch.int32)
+    else:
+        last_page_len_host = _host(last_page_len, "last_page_len")
+    if indptr_host.numel() != batch + 1:
+        raise ValueError(f"indptr: expected {batch + 1} elements, got {indptr_host.numel()}")
+    copy = not self._use_cuda_graph or not (
+        indptr.data_ptr() == self._paged_kv_indptr_buf.data_ptr()
+        and indices.data_ptr() == self._paged_kv_indices_buf.data_ptr()
+    )
+    self._plan_impl(
+        indptr_host, indptr, indices, last_page_len_host, last_page_len, num_qo_heads, num_kv_heads, head_dim,
+        page_size, pos_encoding_mode, window_left, logits_soft_cap, q_data_type, kv_data_type, data_type,
+        sm_scale, rope_scale, rope_theta, non_blocking, None, fixed_split_size, disable_split_kv,
+        copy_page_table=copy,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_tiles_cached(group: int, q_len_per_req: int, head_dim: int):
+    return decode_tiles(group, q_len_per_req, head_dim)
+
+
+def _host(t: torch.Tensor, name: str) -> torch.Tensor:
+    """Host copy of a small index tensor (a device tensor costs one device-to-host copy)."""
+    check_int_index_tensor(t, name)
+    return t if t.device.type == "cpu" else t.to("cpu")
+
+
+def _copy_into(buf: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
+    if src.data_ptr() != buf.data_ptr() or src.device != buf.device:
+        buf.copy_(src, non_blocking=non_blocking)
+
+
+def _page_table_from_block_tables(block_tables: torch.Tensor, seq_lens: Optional[torch.Tensor], page_size: int):
+    """``block_tables`` [batch, max_pages] + ``seq_lens`` [batch] -> (indptr host, indices, last_page_len host)."""
+    check_tensor(block_tables, "block_tables", ndim=2, dtype=(torch.int32, torch.int64))
+    if seq_lens is None:
+        raise ValueError("seq_lens: required with block_tables")
+    lens = _host(seq_lens, "seq_lens").to(torch.int64)
+    if lens.numel() != block_tables.shape[0]:
+        raise ValueError(f"seq_lens: expected {block_tables.shape[0]} elements, got {lens.numel()}")
+    pages = (lens + page_size - 1) // page_size
+    if bool((pages > block_tables.shape[1]).any()):
+        raise ValueError("block_tables: a sequence needs more pages than block_tables has columns")
+    indptr = torch.zeros(lens.numel() + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(pages, 0).to(torch.int32)
+    last = torch.where(pages > 0, lens - (pages - 1) * page_size, torch.zeros_like(lens)).to(torch.int32)
+    keep = torch.arange(block_tables.shape[1])[None, :] < pages[:, None]
+    indices = block_tables[keep.to(block_tables.device)].to(torch.int32)
+    return indptr, indices, last

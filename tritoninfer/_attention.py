@@ -1,0 +1,213 @@
+"""Launchers of the shared attention core, used by the decode, prefill and cascade wrappers.
+
+A launcher is a function of tensors and plain values that launches the attention kernel and,
+when the plan splits KV, the merge of the partial states. It never reads device memory on the
+host, so it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import numpy as np
+import torch
+import triton.language as tl
+
+from . import _device
+from ._plan import WORK_FIELDS, Tiles, WorkPlan, alibi_slopes
+from .kernels.attention import attention_fwd_kernel, merge_split_states_kernel
+
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreParams:
+    """Everything besides the tensors that defines the attention function."""
+
+    sm_scale: float
+    logits_soft_cap: float = 0.0  # 0: off
+    window_left: int = -1
+    causal: bool = False
+    rope: bool = False
+    rope_scale: float = 1.0
+    rope_theta: float = 1e4
+    alibi: bool = False
+
+
+@dataclasses.dataclass
+class KVSource:
+    """K/V as the kernel reads them: element strides over (page or token, slot, head)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_strides: tuple
+    v_strides: tuple
+    page_size: int  # 0: ragged (no page table); kv_indptr then holds token offsets
+    kv_indptr: torch.Tensor
+    kv_indices: Optional[torch.Tensor] = None
+
+
+@dataclasses.dataclass
+class DevicePlan:
+    """A work list on the device. ``capacity`` fixes the launch grid (CUDA-graph safe)."""
+
+    work: torch.Tensor  # int32 [capacity, WORK_FIELDS]
+    kv_len: torch.Tensor  # int32 [batch]
+    state_offset: torch.Tensor  # int32 [batch]
+    qo_indptr: Optional[torch.Tensor]  # int32 [batch + 1]; None when q_len_per_req is fixed
+    capacity: int
+    num_states: int  # partial states with state_mult 1
+    state_capacity: int  # states the workspace layout reserves (with state_mult 1); fixed in CUDA-graph mode
+    has_splits: bool
+    always_merge: bool  # CUDA-graph mode: a later plan may split, so the merge is always launched
+
+
+def upload_plan_arrays(arrays: list, device: torch.device, non_blocking: bool) -> list:
+    """Copies several int32 host arrays to the device in one transfer (pinned when there is a GPU)."""
+    sizes = [a.size for a in arrays]
+    flat = np.concatenate([a.reshape(-1).astype(np.int32, copy=False) for a in arrays]) if arrays else np.empty(0, np.int32)
+    host = torch.from_numpy(flat)
+    if device.type == "cuda":
+        if _device.can_pin_memory():
+            host = host.pin_memory()
+        dev = host.to(device, non_blocking=non_blocking)
+    else:
+        dev = host.clone()
+    out, pos = [], 0
+    for n in sizes:
+        out.append(dev[pos:pos + n])
+        pos += n
+    return out
+
+
+def fill_work_buffer(buffer: torch.Tensor, plan: WorkPlan, non_blocking: bool) -> None:
+    """Writes a work list into a fixed-capacity buffer; unused slots get request -1."""
+    capacity = buffer.shape[0]
+    n = plan.work.shape[0]
+    if n > capacity:
+        raise ValueError(
+            f"the plan needs {n} work items but the CUDA-graph buffers hold {capacity}; "
+            "create the wrapper with a larger batch or plan with disable_split_kv=True"
+        )
+    host = np.full((capacity, WORK_FIELDS), -1, np.int32)
+    host[:n] = plan.work
+    t = torch.from_numpy(host)
+    if buffer.device.type == "cuda" and _device.can_pin_memory():
+        t = t.pin_memory()
+    buffer.copy_(t, non_blocking=non_blocking)
+
+
+_alibi_cache: dict = {}
+
+
+def alibi_tensor(num_heads: int, device: torch.device) -> torch.Tensor:
+    key = (num_heads, str(device))
+    if key not in _alibi_cache:
+        _alibi_cache[key] = torch.from_numpy(alibi_slopes(num_heads)).to(device)
+    return _alibi_cache[key]
+
+
+def dot_dtype(q_dtype: torch.dtype):
+    """Operand dtype of the kernel's ``tl.dot``: the query dtype, fp32 under the interpreter."""
+    return tl.float32 if _device.is_interpreter() else _TL_DTYPES[q_dtype]
+
+
+def launch_attention(
+    *,
+    q: torch.Tensor,
+    out: torch.Tensor,
+    lse: Optional[torch.Tensor],
+    kv: KVSource,
+    plan: DevicePlan,
+    tiles: Tiles,
+    num_kv_heads: int,
+    head_dim_qk: int,
+    head_dim_vo: int,
+    params: ScoreParams,
+    q_len_per_req: int,
+    state_mult: int,
+    workspace: Optional[torch.Tensor],
+    q_scale: Optional[float] = None,
+    k_scale: Optional[float] = None,
+    v_scale: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+    packed_mask: Optional[torch.Tensor] = None,
+    mask_indptr: Optional[torch.Tensor] = None,
+) -> None:
+    """Attention of ``q`` [tokens, H_qo, D_qk] over ``kv`` into ``out`` [tokens, H_qo, D_vo] (and
+    ``lse`` [tokens, H_qo] float32, base 2), following ``plan``.
+
+    ``q_scale``/``k_scale`` fold into the softmax scale, ``v_scale`` multiplies the output;
+    ``sinks`` [H_qo] float32 are per-head logits added to the softmax denominator.
+    """
+    num_qo_heads = q.shape[1]
+    group = num_qo_heads // num_kv_heads
+    sm_scale = params.sm_scale * (1.0 if q_scale is None else float(q_scale)) * (1.0 if k_scale is None else float(k_scale))
+    v_scale = 1.0 if v_scale is None else float(v_scale)
+    device = q.device
+
+    # the layout depends only on state_capacity, so a captured graph keeps valid pointers
+    states = plan.state_capacity * state_mult
+    if plan.has_splits or plan.always_merge:
+        need = states * num_qo_heads * (head_dim_vo + 1)
+        if workspace is None or workspace.numel() // 4 < need:
+            have = 0 if workspace is None else workspace.numel()
+            raise ValueError(
+                f"float_workspace_buffer: the plan needs {need * 4} bytes for split-KV states, the buffer has {have}"
+            )
+        ws = workspace[: (workspace.numel() // 4) * 4].view(torch.float32)
+        part_o = ws[: states * num_qo_heads * head_dim_vo]
+        part_lse = ws[states * num_qo_heads * head_dim_vo: need]
+    else:
+        part_o = part_lse = out  # never touched: every item writes its final output
+
+    dummy = plan.kv_len  # any device tensor, for pointers a disabled feature never reads
+    alibi = alibi_tensor(num_qo_heads, device) if params.alibi else dummy
+    rope_rcp_scale = 1.0 / params.rope_scale
+    rope_log2_theta = math.log2(params.rope_theta)
+    block_dqk = max(16, 1 << (head_dim_qk - 1).bit_length())
+    block_dv = max(16, 1 << (head_dim_vo - 1).bit_length())
+
+    grid = (plan.capacity, num_kv_heads, tiles.row_tiles)
+    lse_arg = lse if lse is not None else dummy
+    attention_fwd_kernel[grid](
+        q, q.stride(0), q.stride(1),
+        out, out.stride(0), out.stride(1),
+        lse_arg, lse.stride(0) if lse is not None else 0,
+        kv.k, *kv.k_strides,
+        kv.v, *kv.v_strides,
+        part_o, part_lse,
+        plan.work,
+        plan.qo_indptr if plan.qo_indptr is not None else dummy,
+        kv.kv_indptr,
+        kv.kv_indices if kv.kv_indices is not None else dummy,
+        plan.kv_len, plan.state_offset,
+        packed_mask if packed_mask is not None else dummy,
+        mask_indptr if mask_indptr is not None else dummy,
+        alibi,
+        sinks if sinks is not None else dummy,
+        q_len_per_req, tiles.tile_tokens, state_mult, max(kv.page_size, 1), num_qo_heads,
+        sm_scale * 1.4426950408889634, params.logits_soft_cap, v_scale,
+        rope_rcp_scale, rope_log2_theta, params.window_left,
+        GROUP=group, HEAD_DIM_QK=head_dim_qk, HEAD_DIM_VO=head_dim_vo,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_DQK=block_dqk, BLOCK_DV=block_dv,
+        IS_PAGED=kv.page_size > 0, IS_CAUSAL=params.causal, HAS_WINDOW=params.window_left >= 0,
+        HAS_SOFT_CAP=params.logits_soft_cap > 0, HAS_ALIBI=params.alibi, HAS_ROPE=params.rope,
+        HAS_CUSTOM_MASK=packed_mask is not None, HAS_SINKS=sinks is not None, WRITE_LSE=lse is not None,
+        DOT_DTYPE=dot_dtype(q.dtype),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    if plan.has_splits or plan.always_merge:
+        merge_split_states_kernel[grid](
+            out, out.stride(0), out.stride(1), lse_arg, lse.stride(0) if lse is not None else 0,
+            part_o, part_lse, plan.work,
+            plan.qo_indptr if plan.qo_indptr is not None else dummy,
+            plan.state_offset,
+            sinks if sinks is not None else dummy,
+            q_len_per_req, tiles.tile_tokens, state_mult, num_qo_heads, v_scale,
+            GROUP=group, HEAD_DIM_VO=head_dim_vo, BLOCK_M=tiles.block_m, BLOCK_DV=block_dv,
+            HAS_SINKS=sinks is not None, WRITE_LSE=lse is not None,
+            num_warps=4,
+        )

@@ -1,0 +1,89 @@
+"""The paged KV cache forms FlashInfer accepts, reduced to (K view, V view, page size, strides)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Tuple, Union
+
+import torch
+
+from ._options import TensorLayout, check_tensor
+
+PagedKVCache = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedKV:
+    """K and V of a paged cache as element strides over (page, slot in page, head); dim is contiguous."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    page_size: int
+    num_heads: int
+    head_dim_qk: int
+    head_dim_vo: int
+    k_strides: Tuple[int, int, int]  # page, slot, head
+    v_strides: Tuple[int, int, int]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+
+def _strides_4d(t: torch.Tensor, layout: TensorLayout, name: str) -> Tuple[Tuple[int, int, int], int, int, int]:
+    """4-D [P, page, H, D] (NHD) or [P, H, page, D] (HND) -> ((page, slot, head) strides, page, H, D)."""
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name}: the last (head_dim) dimension must be contiguous, got strides {tuple(t.stride())}")
+    if layout == TensorLayout.NHD:
+        _, page, heads, dim = t.shape
+        return (t.stride(0), t.stride(1), t.stride(2)), page, heads, dim
+    _, heads, page, dim = t.shape
+    return (t.stride(0), t.stride(2), t.stride(1)), page, heads, dim
+
+
+def unpack_paged_kv_cache(paged_kv_cache: PagedKVCache, layout: TensorLayout) -> PagedKV:
+    """Every cache form of FlashInfer 0.5.3.
+
+    - a 5-D tensor ``[P, 2, page_size, H, D]`` (NHD) or ``[P, 2, H, page_size, D]`` (HND);
+    - a 4-D tensor ``[P, 2, H, D]``: page size 1;
+    - a ``(k_cache, v_cache)`` tuple of 4-D tensors ``[P, page_size, H, D]`` / ``[P, H, page_size, D]``;
+    - a ``(k, v)`` tuple of 3-D ``[tokens, H, D]`` tensors: page size 1 (SGLang's form).
+    """
+    if isinstance(paged_kv_cache, (tuple, list)):
+        if len(paged_kv_cache) != 2:
+            raise ValueError(f"paged_kv_cache: expected a (k_cache, v_cache) pair, got {len(paged_kv_cache)} tensors")
+        k, v = paged_kv_cache
+        check_tensor(k, "paged_kv_cache[0]")
+        check_tensor(v, "paged_kv_cache[1]")
+        if k.dim() != v.dim() or k.dim() not in (3, 4):
+            raise ValueError(
+                f"paged_kv_cache: expected a tuple of two 4-D (or two 3-D, page size 1) tensors, "
+                f"got shapes {tuple(k.shape)} and {tuple(v.shape)}"
+            )
+        if k.dim() == 3:
+            k = k.unsqueeze(1) if layout == TensorLayout.NHD else k.unsqueeze(2)
+            v = v.unsqueeze(1) if layout == TensorLayout.NHD else v.unsqueeze(2)
+    else:
+        check_tensor(paged_kv_cache, "paged_kv_cache")
+        cache = paged_kv_cache
+        if cache.dim() == 4:
+            cache = cache.unsqueeze(2) if layout == TensorLayout.NHD else cache.unsqueeze(3)
+        if cache.dim() != 5 or cache.shape[1] != 2:
+            raise ValueError(
+                "paged_kv_cache: expected a 5-D tensor [num_pages, 2, page_size, num_kv_heads, head_dim] "
+                f"(NHD) or [num_pages, 2, num_kv_heads, page_size, head_dim] (HND), got shape {tuple(paged_kv_cache.shape)}"
+            )
+        k, v = cache[:, 0], cache[:, 1]
+    if k.dtype != v.dtype:
+        raise ValueError(f"paged_kv_cache: K and V must share a dtype, got {k.dtype} and {v.dtype}")
+    if k.device != v.device:
+        raise ValueError("paged_kv_cache: K and V must be on the same device")
+    k_strides, page, heads, dqk = _strides_4d(k, layout, "paged_kv_cache (K)")
+    v_strides, page_v, heads_v, dvo = _strides_4d(v, layout, "paged_kv_cache (V)")
+    if (page, heads) != (page_v, heads_v) or k.shape[0] != v.shape[0]:
+        raise ValueError(f"paged_kv_cache: K {tuple(k.shape)} and V {tuple(v.shape)} disagree on pages, page size or heads")
+    return PagedKV(k, v, page, heads, dqk, dvo, k_strides, v_strides)

@@ -1,0 +1,163 @@
+"""Host-side planning: tile choices, split-KV decisions and work lists. No kernels, no device syncs.
+
+A *work item* is (request, first query token of its tile, kv_start, kv_end, split index, number of
+splits of the request); the attention kernel runs one program per item and KV head. Tile sizes are
+compile-time choices keyed on head_dim, dtypes and group size, never on sequence lengths; split
+counts and work lists are run-time plan data and may depend on lengths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import numpy as np
+
+from . import _device
+
+WORK_FIELDS = 6  # request, q_tile_start, kv_start, kv_end, split, num_splits
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Compile-time tile shape of one attention launch."""
+
+    block_m: int  # rows per program: (query token, head of the group) pairs
+    block_n: int  # KV positions per loop iteration
+    num_warps: int
+    num_stages: int
+    tile_tokens: int  # query tokens per work item
+    row_tiles: int  # programs along the row axis per item (decode: L*group may exceed block_m)
+
+
+def decode_tiles(group: int, q_len_per_req: int, head_dim: int) -> Tiles:
+    """Tiles for decode: one work item covers all ``q_len_per_req`` tokens of a request."""
+    rows = group * q_len_per_req
+    block_m = min(max(16, next_pow2(rows)), 64)
+    if _device.is_interpreter():
+        return Tiles(block_m, 16, 1, 1, q_len_per_req, math.ceil(rows / block_m))
+    block_n = 64 if head_dim <= 128 else 32
+    return Tiles(block_m, block_n, 4, 2, q_len_per_req, math.ceil(rows / block_m))
+
+
+def prefill_tiles(group: int, head_dim: int) -> Tiles:
+    """Tiles for prefill: each work item covers ``block_m // group`` query tokens."""
+    if _device.is_interpreter():
+        block_m = max(16, next_pow2(group))
+        return Tiles(block_m, 16, 1, 1, block_m // group, 1)
+    block_m = max(64 if head_dim > 128 else 128, next_pow2(group))
+    block_n = 32 if head_dim > 128 else 64
+    return Tiles(block_m, block_n, 8 if block_m >= 128 else 4, 2, block_m // group, 1)
+
+
+@dataclasses.dataclass
+class WorkPlan:
+    """A work list on the host, ready to be copied to the device."""
+
+    work: np.ndarray  # int32 [num_items, WORK_FIELDS]
+    state_offset: np.ndarray  # int32 [batch]: first partial state (times state_mult) of each request
+    num_states: int  # partial states needed with state_mult 1
+    has_splits: bool
+
+
+def kv_split_chunk(
+    kv_lens: np.ndarray,
+    q_tiles: np.ndarray,
+    num_kv_heads: int,
+    num_sms: int,
+    block_n: int,
+    page_size: int,
+    fixed_split_size: Optional[int],
+    disable_split_kv: bool,
+) -> Optional[int]:
+    """KV positions per split, or None for no split.
+
+    ``fixed_split_size`` is in pages (FlashInfer's unit) and makes the split of each request
+    independent of the rest of the batch. Otherwise the KV of long requests is cut so that the
+    launch has about two programs per SM.
+    """
+    if disable_split_kv or kv_lens.size == 0:
+        return None
+    if fixed_split_size is not None:
+        if int(fixed_split_size) <= 0:
+            raise ValueError(f"fixed_split_size: expected a positive number of pages, got {fixed_split_size!r}")
+        chunk = int(fixed_split_size) * page_size
+    else:
+        target = 2 * num_sms
+        programs = int(q_tiles.sum()) * num_kv_heads
+        if programs >= target:
+            return None
+        work = int((kv_lens.astype(np.int64) * q_tiles).sum()) * num_kv_heads
+        chunk = max(2 * block_n, math.ceil(work / target))
+        chunk = math.ceil(chunk / block_n) * block_n
+    if int(kv_lens.max()) <= chunk:
+        return None
+    return chunk
+
+
+def build_work(
+    q_lens: np.ndarray,
+    kv_lens: np.ndarray,
+    tile_tokens: int,
+    chunk: Optional[int],
+    max_splits: Optional[int] = None,
+) -> WorkPlan:
+    """Vectorised work list: for each request, its query tiles times its KV splits.
+
+    With ``max_splits`` (CUDA-graph capacity) a request never gets more splits than that; its
+    chunk grows instead.
+    """
+    batch = kv_lens.size
+    kv_lens = kv_lens.astype(np.int64)
+    q_tiles = -(-q_lens.astype(np.int64) // tile_tokens)
+    if chunk is None:
+        num_splits = np.ones(batch, np.int64)
+    else:
+        num_splits = np.maximum(1, -(-kv_lens // chunk))
+        if max_splits is not None:
+            num_splits = np.minimum(num_splits, max_splits)
+    # per-request chunk: equal to `chunk` unless max_splits capped it
+    req_chunk = np.maximum(1, -(-kv_lens // num_splits))
+    if chunk is not None:
+        req_chunk = np.maximum(req_chunk, chunk)
+
+    counts = q_tiles * num_splits
+    total = int(counts.sum())
+    req = np.repeat(np.arange(batch, dtype=np.int64), counts)
+    local = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    ns = num_splits[req]
+    split = local % ns
+    kv_start = split * req_chunk[req]
+    kv_end = np.minimum(kv_start + req_chunk[req], kv_lens[req])
+
+    work = np.empty((total, WORK_FIELDS), np.int32)
+    work[:, 0] = req
+    work[:, 1] = (local // ns) * tile_tokens
+    work[:, 2] = kv_start
+    work[:, 3] = kv_end
+    work[:, 4] = split
+    work[:, 5] = ns
+
+    split_states = np.where(num_splits > 1, q_lens.astype(np.int64) * num_splits, 0)
+    state_offset = (np.cumsum(split_states) - split_states).astype(np.int32)
+    return WorkPlan(work, state_offset, int(split_states.sum()), bool((num_splits > 1).any()))
+
+
+def state_bytes(num_states: int, num_qo_heads: int, head_dim_vo: int) -> int:
+    """Workspace bytes for split-KV partial states (fp32 output and LSE)."""
+    return num_states * num_qo_heads * (head_dim_vo + 1) * 4
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """FlashInfer's ALiBi slopes (float32 [num_heads])."""
+    n2 = 2 ** math.floor(math.log2(num_heads))
+    slopes = (2.0 ** (-8.0 / n2)) ** np.arange(1, n2 + 1)
+    if n2 < num_heads:
+        extra = (2.0 ** (-4.0 / n2)) ** np.arange(1, 1 + 2 * (num_heads - n2), 2)
+        slopes = np.concatenate([slopes, extra])
+    return slopes.astype(np.float32)

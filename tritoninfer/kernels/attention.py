@@ -1,0 +1,339 @@
+"""The attention core shared by decode and prefill, paged and ragged.
+
+One program handles one *work item* (a request, a tile of its query tokens, a range of its KV
+positions) for one KV head. Its rows are (query token, query head of the GQA group) pairs, so
+each KV tile is loaded once per group and the group is the M dimension of ``tl.dot``.
+
+Everything that defines the attention function lives here once: the logits transform (scale,
+soft cap, ALiBi), the masks (causal, sliding window, packed custom mask), on-the-fly RoPE, the
+online softmax in base 2, sinks, and the final normalisation. Scores are kept in log2 units
+(multiplied by log2(e)) so the softmax uses ``exp2``; the LSE written out is base 2.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _to_dot(x, DOT_DTYPE: tl.constexpr):
+    """Operand for ``tl.dot``: fp8 K/V become the query dtype; under the interpreter everything is
+    fp32 (its bf16 ``tl.dot`` is wrong)."""
+    return x.to(DOT_DTYPE)
+
+
+@triton.jit
+def rope_rotate(x, x_partner, pos, offs_d, HEAD_DIM: tl.constexpr, rope_rcp_scale, rope_log2_theta):
+    """Rotate-half (NeoX-style) rotary embedding over the full head_dim, in fp32.
+
+    x, x_partner: [R, BLOCK_D] (the partner holds element (d + D/2) mod D); pos: [R].
+    Frequency of pair j = d mod D/2: theta^(-2j/D) / rope_scale.
+    """
+    half: tl.constexpr = HEAD_DIM // 2
+    j = (offs_d % half).to(tl.float32)
+    inv_freq = rope_rcp_scale * tl.exp2(-(2.0 * j / HEAD_DIM) * rope_log2_theta)
+    # [R, BLOCK_D]
+    angle = pos.to(tl.float32)[:, None] * inv_freq[None, :]
+    sign = tl.where(offs_d < half, -1.0, 1.0)
+    return x.to(tl.float32) * tl.cos(angle) + sign[None, :] * x_partner.to(tl.float32) * tl.sin(angle)
+
+
+@triton.jit
+def transform_scores(s, sm_scale_log2, soft_cap, HAS_SOFT_CAP: tl.constexpr):
+    """Raw q.k -> logits in log2 units. With a soft cap: cap * tanh(x * sm_scale / cap)."""
+    if HAS_SOFT_CAP:
+        # sm_scale_log2 / LOG2E == sm_scale; tanh(y) = 2 sigmoid(2y) - 1 (libdevice.tanh does not
+        # run under the interpreter).
+        y = s * (sm_scale_log2 / LOG2E) / soft_cap
+        s = soft_cap * LOG2E * (2.0 * tl.sigmoid(2.0 * y) - 1.0)
+    else:
+        s = s * sm_scale_log2
+    return s
+
+
+@triton.jit
+def visible_mask(
+    offs_n, tok, kv_len, q_len, window_left, mask_ptr, mask_base,
+    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CUSTOM_MASK: tl.constexpr,
+):
+    """[R, N] keep-mask of keys ``offs_n`` [N] for query tokens ``tok`` [R] (indices within the request).
+
+    Causal is bottom-right aligned; the window keeps keys >= last visible position - window_left;
+    the custom mask is FlashInfer's little-endian bit-packed [q_len, kv_len] row-major bitmap.
+    """
+    # query token i sits at kv position i + kv_len - q_len
+    diag = (tok + kv_len - q_len)[:, None]
+    keep = offs_n[None, :] < kv_len
+    if IS_CAUSAL:
+        keep = keep & (offs_n[None, :] <= diag)
+    if HAS_WINDOW:
+        keep = keep & (offs_n[None, :] >= diag - window_left)
+    if HAS_CUSTOM_MASK:
+        bit = tok.to(tl.int64)[:, None] * kv_len + offs_n[None, :]
+        byte = tl.load(mask_ptr + mask_base + (bit >> 3), mask=keep, other=0)
+        keep = keep & (((byte.to(tl.int32) >> (bit & 7).to(tl.int32)) & 1) != 0)
+    return keep
+
+
+@triton.jit
+def softmax_update(m_i, l_i, acc, s, keep):
+    """One online-softmax step in base 2. Returns (m, l, acc rescaled, p).
+
+    Rows that have seen no key keep m = -inf; the max is made finite before subtracting so such
+    rows produce p = 0 and alpha = 0 instead of NaN.
+    """
+    s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    return m_new, l_i, acc, p
+
+
+@triton.jit
+def finalize(m_i, l_i, acc, sink_log2, v_scale, HAS_SINKS: tl.constexpr):
+    """Normalised output and base-2 LSE of a state. No key seen: output 0, LSE -inf.
+
+    A sink (a virtual logit in log2 units) adds to the denominator only; the LSE excludes it.
+    """
+    denom = l_i
+    if HAS_SINKS:
+        m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+        denom = denom + tl.exp2(sink_log2 - m_safe)
+    o = acc * (v_scale / tl.where(denom > 0, denom, 1.0))[:, None]
+    lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
+    return o, lse
+
+
+@triton.jit
+def attention_fwd_kernel(
+    # q [tokens, H_qo, D_qk]; o [tokens, H_qo, D_vo]; lse [tokens, H_qo] float32
+    q_ptr, stride_q_tok, stride_q_head,
+    o_ptr, stride_o_tok, stride_o_head,
+    lse_ptr, stride_lse_tok,
+    # paged: K/V element (page, slot, head, d); ragged: (token, -, head, d) with stride_*_slot unused
+    k_ptr, stride_k_page, stride_k_slot, stride_k_head,
+    v_ptr, stride_v_page, stride_v_slot, stride_v_head,
+    # split-KV partial states: o [states, H_qo, D_vo] fp32, lse [states, H_qo] fp32
+    part_o_ptr, part_lse_ptr,
+    # plan: work items int32 [capacity, 6] = (request, first query token, kv_start, kv_end,
+    # split index, number of splits of the request); request < 0 marks an unused slot
+    work_ptr,
+    qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr, kv_len_ptr, state_offset_ptr,
+    mask_ptr, mask_indptr_ptr, alibi_ptr, sinks_ptr,
+    q_len_per_req, tile_tokens, state_mult, page_size, num_qo_heads,
+    sm_scale_log2, soft_cap, v_scale, rope_rcp_scale, rope_log2_theta, window_left,
+    GROUP: tl.constexpr, HEAD_DIM_QK: tl.constexpr, HEAD_DIM_VO: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_PAGED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFT_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_ROPE: tl.constexpr,
+    HAS_CUSTOM_MASK: tl.constexpr, HAS_SINKS: tl.constexpr, WRITE_LSE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    i_item = tl.program_id(0)
+    i_kvh = tl.program_id(1)
+    i_rows = tl.program_id(2)
+
+    w = work_ptr + i_item * 6
+    req = tl.load(w)
+    if req < 0:
+        return
+    q_tile_start = tl.load(w + 1)
+    kv_start = tl.load(w + 2)
+    kv_end = tl.load(w + 3)
+    split = tl.load(w + 4)
+    num_splits = tl.load(w + 5)
+
+    if q_len_per_req > 0:
+        q_start = req * q_len_per_req
+        q_len = q_len_per_req
+    else:
+        q_start = tl.load(qo_indptr_ptr + req)
+        q_len = tl.load(qo_indptr_ptr + req + 1) - q_start
+    kv_len = tl.load(kv_len_ptr + req)
+
+    # rows: (query token, head within the group)
+    offs_r = i_rows * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = q_tile_start + offs_r // GROUP
+    qo_head = i_kvh * GROUP + offs_r % GROUP
+    tile_end = tl.minimum(q_tile_start + tile_tokens, q_len)
+    row_ok = (offs_r // GROUP < tile_tokens) & (tok < q_len)
+
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dqk_ok = offs_dqk < HEAD_DIM_QK
+    dv_ok = offs_dv < HEAD_DIM_VO
+
+    # [BLOCK_M, BLOCK_DQK]
+    q_rows = (q_start + tok).to(tl.int64) * stride_q_tok + qo_head.to(tl.int64) * stride_q_head
+    q = tl.load(q_ptr + q_rows[:, None] + offs_dqk[None, :], mask=row_ok[:, None] & dqk_ok[None, :], other=0.0)
+    if HAS_ROPE:
+        offs_dqk_partner = (offs_dqk + HEAD_DIM_QK // 2) % HEAD_DIM_QK
+        # [BLOCK_M, BLOCK_DQK]
+        q_partner = tl.load(q_ptr + q_rows[:, None] + offs_dqk_partner[None, :],
+                            mask=row_ok[:, None] & dqk_ok[None, :], other=0.0)
+        q = rope_rotate(q, q_partner, tok + kv_len - q_len, offs_dqk, HEAD_DIM_QK,
+                        rope_rcp_scale, rope_log2_theta).to(q_ptr.dtype.element_ty)
+    q = _to_dot(q, DOT_DTYPE)
+
+    if HAS_ALIBI:
+        # [BLOCK_M] slope per row, in log2 units
+        slope = tl.load(alibi_ptr + qo_head, mask=row_ok, other=0.0) * 1.4426950408889634
+
+    mask_base = 0
+    if HAS_CUSTOM_MASK:
+        mask_base = tl.load(mask_indptr_ptr + req).to(tl.int64)
+    if IS_PAGED:
+        page_base = tl.load(kv_indptr_ptr + req)
+    else:
+        token_base = tl.load(kv_indptr_ptr + req).to(tl.int64)
+
+    # KV range this tile can see: causal stops at the last row's diagonal, the window starts at
+    # the first row's left edge.
+    lo = kv_start
+    hi = kv_end
+    if IS_CAUSAL:
+        hi = tl.minimum(hi, tile_end - 1 + kv_len - q_len + 1)
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, q_tile_start + kv_len - q_len - window_left)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+
+    k_head = i_kvh.to(tl.int64) * stride_k_head
+    v_head = i_kvh.to(tl.int64) * stride_v_head
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        if IS_PAGED:
+            page = tl.load(kv_indices_ptr + page_base + offs_n // page_size, mask=n_ok, other=0).to(tl.int64)
+            slot = (offs_n % page_size).to(tl.int64)
+            k_rows = page * stride_k_page + slot * stride_k_slot + k_head
+            v_rows = page * stride_v_page + slot * stride_v_slot + v_head
+        else:
+            t = token_base + offs_n
+            k_rows = t * stride_k_page + k_head
+            v_rows = t * stride_v_page + v_head
+
+        # [BLOCK_N, BLOCK_DQK]
+        k = tl.load(k_ptr + k_rows[:, None] + offs_dqk[None, :], mask=n_ok[:, None] & dqk_ok[None, :], other=0.0)
+        if HAS_ROPE:
+            # [BLOCK_N, BLOCK_DQK]
+            k_partner = tl.load(k_ptr + k_rows[:, None] + offs_dqk_partner[None, :],
+                                mask=n_ok[:, None] & dqk_ok[None, :], other=0.0)
+            k = rope_rotate(k, k_partner, offs_n, offs_dqk, HEAD_DIM_QK, rope_rcp_scale, rope_log2_theta)
+            k = k.to(q_ptr.dtype.element_ty)
+        k = _to_dot(k, DOT_DTYPE)
+
+        # [BLOCK_M, BLOCK_N]
+        s = tl.dot(q, tl.trans(k))
+        s = transform_scores(s, sm_scale_log2, soft_cap, HAS_SOFT_CAP)
+        if HAS_ALIBI:
+            s += slope[:, None] * (offs_n[None, :] - tok[:, None]).to(tl.float32)
+        keep = visible_mask(offs_n, tok, kv_len, q_len, window_left, mask_ptr, mask_base,
+                            IS_CAUSAL, HAS_WINDOW, HAS_CUSTOM_MASK)
+        keep = keep & n_ok[None, :]
+        m_i, l_i, acc, p = softmax_update(m_i, l_i, acc, s, keep)
+
+        # [BLOCK_N, BLOCK_DV]
+        v = tl.load(v_ptr + v_rows[:, None] + offs_dv[None, :], mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+        v = _to_dot(v, DOT_DTYPE)
+        acc += tl.dot(p.to(DOT_DTYPE), v)
+
+    if num_splits == 1:
+        sink_log2 = 0.0
+        if HAS_SINKS:
+            sink_log2 = tl.load(sinks_ptr + qo_head, mask=row_ok, other=0.0) * 1.4426950408889634
+        o, lse = finalize(m_i, l_i, acc, sink_log2, v_scale, HAS_SINKS)
+        o_rows = (q_start + tok).to(tl.int64) * stride_o_tok + qo_head.to(tl.int64) * stride_o_head
+        tl.store(o_ptr + o_rows[:, None] + offs_dv[None, :], o.to(o_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & dv_ok[None, :])
+        if WRITE_LSE:
+            tl.store(lse_ptr + (q_start + tok).to(tl.int64) * stride_lse_tok + qo_head, lse, mask=row_ok)
+    else:
+        # unscaled partial state: v_scale and sinks are applied once, by the merge
+        o, lse = finalize(m_i, l_i, acc, 0.0, 1.0, False)
+        state = tl.load(state_offset_ptr + req) * state_mult + tok * num_splits + split
+        st_row = state.to(tl.int64) * num_qo_heads + qo_head
+        tl.store(part_o_ptr + st_row[:, None] * HEAD_DIM_VO + offs_dv[None, :], o,
+                 mask=row_ok[:, None] & dv_ok[None, :])
+        tl.store(part_lse_ptr + st_row, lse, mask=row_ok)
+
+
+@triton.jit
+def merge_split_states_kernel(
+    o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok,
+    part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, state_offset_ptr, sinks_ptr,
+    q_len_per_req, tile_tokens, state_mult, num_qo_heads, v_scale,
+    GROUP: tl.constexpr, HEAD_DIM_VO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_SINKS: tl.constexpr, WRITE_LSE: tl.constexpr,
+):
+    """Merges the split-KV partial states of the rows of one work item (the item with split 0 of
+    a split request does it; every other item returns). Same grid as the attention kernel."""
+    i_item = tl.program_id(0)
+    i_kvh = tl.program_id(1)
+    i_rows = tl.program_id(2)
+    w = work_ptr + i_item * 6
+    req = tl.load(w)
+    if req < 0:
+        return
+    split = tl.load(w + 4)
+    num_splits = tl.load(w + 5)
+    if (split != 0) | (num_splits == 1):
+        return
+    q_tile_start = tl.load(w + 1)
+    if q_len_per_req > 0:
+        q_start = req * q_len_per_req
+        q_len = q_len_per_req
+    else:
+        q_start = tl.load(qo_indptr_ptr + req)
+        q_len = tl.load(qo_indptr_ptr + req + 1) - q_start
+
+    offs_r = i_rows * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = q_tile_start + offs_r // GROUP
+    qo_head = i_kvh * GROUP + offs_r % GROUP
+    row_ok = (offs_r // GROUP < tile_tokens) & (tok < q_len)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < HEAD_DIM_VO
+
+    first = tl.load(state_offset_ptr + req) * state_mult + tok * num_splits
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    for i in range(0, num_splits):
+        st_row = (first + i).to(tl.int64) * num_qo_heads + qo_head
+        # [BLOCK_M]
+        s = tl.load(part_lse_ptr + st_row, mask=row_ok, other=float("-inf"))
+        # [BLOCK_M, BLOCK_DV]
+        v = tl.load(part_o_ptr + st_row[:, None] * HEAD_DIM_VO + offs_dv[None, :],
+                    mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
+        m_i, l_i, acc = merge_update(m_i, l_i, acc, s, v)
+
+    sink_log2 = 0.0
+    if HAS_SINKS:
+        sink_log2 = tl.load(sinks_ptr + qo_head, mask=row_ok, other=0.0) * 1.4426950408889634
+    o, lse = finalize(m_i, l_i, acc, sink_log2, v_scale, HAS_SINKS)
+    o_rows = (q_start + tok).to(tl.int64) * stride_o_tok + qo_head.to(tl.int64) * stride_o_head
+    tl.store(o_ptr + o_rows[:, None] + offs_dv[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & dv_ok[None, :])
+    if WRITE_LSE:
+        tl.store(lse_ptr + (q_start + tok).to(tl.int64) * stride_lse_tok + qo_head, lse, mask=row_ok)
+
+
+@triton.jit
+def merge_update(m_i, l_i, acc, s, v):
+    """Adds a normalised state (v [R, D], base-2 LSE s [R]) to a running merge (m, l, acc).
+
+    The merged output is acc / l and the merged LSE m + log2(l); states with LSE -inf add nothing.
+    """
+    m_new = tl.maximum(m_i, s)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    beta = tl.exp2(s - m_safe)
+    l_i = l_i * alpha + beta
+    acc = acc * alpha[:, None] + v.to(tl.float32) * beta[:, None]
+    return m_new, l_i, acc
