@@ -347,7 +347,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise ValueError("fixed_split_size is only supported by tensor core decode for now.")
         if block_tables is not None:
             indptr_host, indices, last_page_len_host = _page_table_from_block_tables(block_tables, seq_lens, page_size)
-            seq_lens = None
+            indptr, last_page_len, seq_lens = indptr_host, last_page_len_host, None
         else:
             indptr_host = _host(indptr, "indptr")
             last_page_len_host = _host(last_page_len, "last_page_len")

@@ -1,0 +1,391 @@
+"""Decode API against the reference: every option, pairwise, on tiny awkward shapes (interpreter)
+and on realistic shapes (GPU)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import tritoninfer
+from tritoninfer import reference, testing
+from tritoninfer.decode import BatchDecodeWithPagedKVCacheWrapper, fast_decode_plan
+
+from conftest import DEVICE
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@dataclasses.dataclass
+class Case:
+    kv_lens: tuple
+    page_size: int = 4
+    heads: tuple = (4, 2)
+    head_dim: int = 32
+    layout: str = "NHD"
+    form: str = "5d"
+    q_dtype: torch.dtype = torch.float16
+    kv_dtype: torch.dtype = torch.float16
+    pos: str = "NONE"
+    window: int = -1
+    soft_cap: float = None
+    sm_scale: float = None
+    split: str = "auto"  # auto | disable | fixed
+    strided: bool = False
+    tensor_cores: bool = False
+
+    def id(self):
+        return (f"B{len(self.kv_lens)}-p{self.page_size}-h{self.heads[0]}/{self.heads[1]}-d{self.head_dim}-"
+                f"{self.layout}-{self.form}-{str(self.q_dtype)[6:]}-{str(self.kv_dtype)[6:]}-{self.pos}-"
+                f"w{self.window}-cap{self.soft_cap}-{self.split}{'-strided' if self.strided else ''}")
+
+
+# Pairwise-ish coverage: every option appears with several others, shapes stay tiny.
+CASES = [
+    Case((5, 0, 37, 18)),
+    Case((1,), page_size=1, form="tuple3d", heads=(7, 1), head_dim=40),
+    Case((33, 9), layout="HND", form="tuple", q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, pos="ROPE_LLAMA"),
+    Case((70,), heads=(2, 2), head_dim=64, pos="ALIBI", window=20),
+    Case((17, 3, 40), page_size=3, heads=(6, 2), soft_cap=5.0, sm_scale=0.3, split="disable"),
+    Case((50, 26), page_size=16, heads=(8, 1), kv_dtype=torch.float8_e4m3fn, layout="HND", tensor_cores=True, split="fixed"),
+    Case((29,), page_size=1, form="4d", heads=(3, 3), q_dtype=torch.bfloat16, kv_dtype=torch.float8_e5m2, window=0),
+    Case((12, 45), page_size=5, form="tuple", strided=True, pos="ROPE_LLAMA", window=7, soft_cap=2.0),
+    Case((64, 0, 2), head_dim=56, heads=(5, 1), layout="HND", strided=True, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16),
+]
+
+
+def _make(case: Case, device=DEVICE, gen_seed=0):
+    g = torch.Generator().manual_seed(gen_seed)
+    scale = 0.5 if case.kv_dtype in FP8 else None
+    kv = testing.make_paged_kv(case.kv_lens, case.page_size, case.heads[1], case.head_dim, layout=case.layout,
+                               form=case.form, dtype=case.kv_dtype, device=device, generator=g,
+                               strided=case.strided, k_scale=scale, v_scale=scale)
+    q = testing.randn((len(case.kv_lens), case.heads[0], case.head_dim), case.q_dtype, device, generator=g)
+    return kv, q
+
+
+def _plan(wrapper, case, kv, **extra):
+    kw = dict(pos_encoding_mode=case.pos, window_left=case.window, logits_soft_cap=case.soft_cap,
+              q_data_type=case.q_dtype, kv_data_type=case.kv_dtype, sm_scale=case.sm_scale)
+    if case.split == "disable":
+        kw["disable_split_kv"] = True
+    elif case.split == "fixed":
+        kw["fixed_split_size"] = 2
+    kw.update(extra)
+    wrapper.plan(kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, case.heads[0], case.heads[1],
+                 case.head_dim, case.page_size, **kw)
+
+
+def _reference(case, kv, q, **extra):
+    return reference.batch_decode_with_paged_kv_cache(
+        q, kv.cache, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, case.layout,
+        pos_encoding_mode=case.pos, window_left=case.window, logits_soft_cap=case.soft_cap,
+        sm_scale=case.sm_scale, k_scale=kv.k_scale, v_scale=kv.v_scale, **extra)
+
+
+@pytest.mark.parametrize("case", CASES, ids=Case.id)
+def test_batch_decode_matches_reference(case):
+    kv, q = _make(case)
+    ws = testing.make_workspace(1 << 20, DEVICE)
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(ws, case.layout, use_tensor_cores=case.tensor_cores)
+    _plan(wrapper, case, kv)
+    o, lse = wrapper.run(q, kv.cache, k_scale=kv.k_scale, v_scale=kv.v_scale, return_lse=True)
+    ref_o, ref_lse = _reference(case, kv, q)
+    testing.assert_close(o, ref_o, case.q_dtype)
+    testing.assert_lse_close(lse, ref_lse, dtype=q.dtype)
+    empty = [i for i, n in enumerate(case.kv_lens) if n == 0]
+    if empty:
+        assert torch.all(o[empty] == 0) and torch.all(lse[empty] == float("-inf"))
+
+
+def test_split_kv_is_exercised_and_correct():
+    """One long request and one KV head: the planner must split, and the merge must be exact."""
+    case = Case((150,), heads=(4, 1), page_size=8)
+    kv, q = _make(case)
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(testing.make_workspace(1 << 20, DEVICE))
+    _plan(wrapper, case, kv)
+    assert wrapper._plan.has_splits
+    o, lse = wrapper.run_return_lse(q, kv.cache)
+    ref_o, ref_lse = _reference(case, kv, q)
+    testing.assert_close(o, ref_o, case.q_dtype)
+    testing.assert_lse_close(lse, ref_lse, dtype=q.dtype)
+
+
+def test_out_lse_buffers_sinks_and_scales():
+    case = Case((21, 0, 9), heads=(4, 2))
+    kv, q = _make(case)
+    sinks = torch.randn(4, device=DEVICE)
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(testing.make_workspace(1 << 20, DEVICE))
+    _plan(wrapper, case, kv)
+    out = testing.nan_like(torch.empty(3, 4, 32, dtype=case.q_dtype, device=DEVICE))
+    lse = torch.full((3, 4), float("nan"), device=DEVICE)
+    res = wrapper.run(q, kv.cache, out=out, lse=lse, return_lse=True, sinks=sinks, q_scale=1.3, k_scale=0.7, v_scale=1.5)
+    assert res[0] is out and res[1] is lse
+    ref_o, ref_lse = reference.batch_decode_with_paged_kv_cache(
+        q, kv.cache, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, "NHD", sinks=sinks, q_scale=1.3,
+        k_scale=0.7, v_scale=1.5)
+    testing.assert_close(out, ref_o, case.q_dtype)
+    testing.assert_lse_close(lse, ref_lse, dtype=q.dtype)
+
+
+def test_q_len_per_req_is_causal_within_request():
+    case = Case((9, 30), heads=(4, 2), tensor_cores=True)
+    kv, _ = _make(case)
+    q = testing.randn((2 * 3, 4, 32), torch.float16, DEVICE, generator=torch.Generator().manual_seed(3))
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(testing.make_workspace(1 << 20, DEVICE), use_tensor_cores=True)
+    _plan(wrapper, case, kv)
+    o, lse = wrapper.run(q, kv.cache, q_len_per_req=3, return_lse=True)
+    ref_o, ref_lse = _reference(case, kv, q, q_len_per_req=3)
+    testing.assert_close(o, ref_o, torch.float16)
+    testing.assert_lse_close(lse, ref_lse, dtype=q.dtype)
+    with pytest.raises(ValueError, match="use_tensor_cores"):
+        w2 = BatchDecodeWithPagedKVCacheWrapper(testing.make_workspace(1 << 20, DEVICE))
+        _plan(w2, case, kv)
+        w2.run(q, kv.cache, q_len_per_req=3)
+
+
+@pytest.mark.parametrize("mode", ["disable", "fixed"])
+def test_batch_invariance(mode):
+    """The same request gives bit-identical output whatever the batch around it."""
+    case = Case((90,), heads=(4, 1), page_size=4, split=mode, tensor_cores=True)
+    kv_a, q_a = _make(case)
+    big = Case((90, 13, 60, 5), heads=(4, 1), page_size=4, split=mode, tensor_cores=True)
+    kv_b, _ = _make(big, gen_seed=1)
+    # put request 0 of kv_a into slot 2 of the big batch's cache, same pages layout
+    k_a = reference.gather_paged_kv(kv_a.cache, kv_a.kv_indptr, kv_a.kv_indices, kv_a.kv_last_page_len)[0][0]
+    pages_b = kv_b.kv_indices[kv_b.kv_indptr[0]:kv_b.kv_indptr[1]]
+    pages_a = kv_a.kv_indices[kv_a.kv_indptr[0]:kv_a.kv_indptr[1]]
+    kv_b.cache[pages_b] = kv_a.cache[pages_a]
+    q_b = testing.randn((4, 4, 32), torch.float16, DEVICE, generator=torch.Generator().manual_seed(5))
+    q_b[0] = q_a[0]
+    outs = []
+    for kv, q in ((kv_a, q_a), (kv_b, q_b)):
+        w = BatchDecodeWithPagedKVCacheWrapper(testing.make_workspace(1 << 20, DEVICE), use_tensor_cores=True)
+        _plan(w, case, kv)
+        outs.append(w.run(q, kv.cache)[0])
+    assert k_a.shape[0] == 90
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_cuda_graph_mode_replan_keeps_grid():
+    """With use_cuda_graph the launch grid is fixed by the batch; re-planning with other lengths
+    (and splits) stays correct."""
+    case = Case((7, 3), heads=(4, 1), page_size=4)
+    batch, max_pages = 2, 64
+    indptr_buf = torch.empty(batch + 1, dtype=torch.int32, device=DEVICE)
+    indices_buf = torch.empty(max_pages, dtype=torch.int32, device=DEVICE)
+    last_buf = torch.empty(batch, dtype=torch.int32, device=DEVICE)
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(testing.make_workspace(1 << 20, DEVICE), use_cuda_graph=True,
+                                                 paged_kv_indptr_buffer=indptr_buf, paged_kv_indices_buffer=indices_buf,
+                                                 paged_kv_last_page_len_buffer=last_buf)
+    grids = []
+    for seed, lens in ((0, (7, 3)), (1, (120, 1)), (2, (0, 61))):
+        case = dataclasses.replace(case, kv_lens=lens)
+        kv, q = _make(case, gen_seed=seed)
+        _plan(wrapper, case, kv)
+        grids.append(wrapper._plan.capacity)
+        o = wrapper.run(q, kv.cache)
+        testing.assert_close(o, _reference(case, kv, q)[0], torch.float16)
+    assert len(set(grids)) == 1
+    with pytest.raises(ValueError, match="batch size"):
+        kv, _ = _make(Case((3, 3, 3)))
+        wrapper.plan(kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 4, 1, 32, 4)
+
+
+def test_fast_decode_plan_and_block_tables():
+    case = Case((14, 27, 0), heads=(4, 2), page_size=4)
+    kv, q = _make(case)
+    ref_o = _reference(case, kv, q)[0]
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(testing.make_workspace(1 << 20, DEVICE))
+    fast_decode_plan(wrapper, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 4, 2, 32, 4,
+                     q_data_type=torch.float16, global_override_indptr_cpu=kv.kv_indptr.cpu())
+    testing.assert_close(wrapper.run(q, kv.cache), ref_o, torch.float16)
+    wrapper.plan(None, kv.kv_indices, None, 4, 2, 32, 4, block_tables=kv.block_tables, seq_lens=kv.seq_lens)
+    testing.assert_close(wrapper.run(q, kv.cache), ref_o, torch.float16)
+
+
+def test_forward_overwrites_planned_settings():
+    case = Case((25, 8), heads=(4, 2), pos="ROPE_LLAMA", soft_cap=3.0)
+    kv, q = _make(case)
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(testing.make_workspace(1 << 20, DEVICE))
+    _plan(wrapper, case, kv)
+    # forward's defaults (NONE, no cap) replace the planned ROPE_LLAMA and soft cap
+    o, lse = wrapper.forward_return_lse(q, kv.cache, sm_scale=0.2)
+    plain = dataclasses.replace(case, pos="NONE", soft_cap=None, sm_scale=0.2)
+    ref_o, ref_lse = _reference(plain, kv, q)
+    testing.assert_close(o, ref_o, torch.float16)
+    testing.assert_lse_close(lse, ref_lse, dtype=q.dtype)
+    wrapper.begin_forward(kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 4, 2, 32, 4)
+    testing.assert_close(wrapper.forward(q, kv.cache, pos_encoding_mode="ALIBI"),
+                         _reference(dataclasses.replace(case, pos="ALIBI", soft_cap=None), kv, q)[0], torch.float16)
+    wrapper.end_forward()
+
+
+def test_fp8_close_to_unquantized_data():
+    case = Case((40, 23), heads=(4, 1), kv_dtype=torch.float8_e4m3fn, page_size=8)
+    g = torch.Generator().manual_seed(0)
+    kv = testing.make_paged_kv(case.kv_lens, 8, 1, 32, dtype=torch.float8_e4m3fn, device=DEVICE, generator=g,
+                               k_scale=0.05, v_scale=0.05)
+    q = testing.randn((2, 4, 32), torch.float16, DEVICE, generator=g)
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(testing.make_workspace(1 << 20, DEVICE))
+    _plan(wrapper, case, kv)
+    o = wrapper.run(q, kv.cache, k_scale=kv.k_scale, v_scale=kv.v_scale)
+    for i in range(2):
+        ref_o = reference.attention(q[i:i + 1], kv.k_float[i], kv.v_float[i])[0][0]
+        assert testing.rel_error(o[i].float(), ref_o) < testing.FP8_VS_UNQUANTIZED[torch.float8_e4m3fn]
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_single_decode(layout):
+    g = torch.Generator().manual_seed(0)
+    kv_len, hq, hk, d = 45, 6, 2, 48
+    q = testing.randn((hq, d), torch.bfloat16, DEVICE, generator=g)
+    shape = (kv_len, hk, d) if layout == "NHD" else (hk, kv_len, d)
+    k = testing.randn(shape, torch.bfloat16, DEVICE, generator=g)
+    v = testing.randn(shape, torch.bfloat16, DEVICE, generator=g)
+    o, lse = tritoninfer.single_decode_with_kv_cache(q, k, v, layout, "ROPE_LLAMA", window_left=30,
+                                                     logits_soft_cap=4.0, return_lse=True)
+    ref_o, ref_lse = reference.single_decode_with_kv_cache(q, k, v, layout, "ROPE_LLAMA", window_left=30,
+                                                           logits_soft_cap=4.0, return_lse=True)
+    testing.assert_close(o, ref_o, torch.bfloat16)
+    testing.assert_lse_close(lse, ref_lse, dtype=q.dtype)
+    o0, lse0 = tritoninfer.single_decode_with_kv_cache(q, k[:0] if layout == "NHD" else k[:, :0],
+                                                       v[:0] if layout == "NHD" else v[:, :0], layout, return_lse=True)
+    assert torch.all(o0 == 0) and torch.all(lse0 == float("-inf"))
+
+
+def test_errors_name_the_argument():
+    case = Case((5, 9), heads=(4, 2))
+    kv, q = _make(case)
+    ws = testing.make_workspace(1 << 20, DEVICE)
+    w = BatchDecodeWithPagedKVCacheWrapper(ws)
+    with pytest.raises(ValueError, match="before plan"):
+        w.run(q, kv.cache)
+    with pytest.raises(ValueError, match="num_qo_heads"):
+        w.plan(kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 5, 2, 32, 4)
+    with pytest.raises(ValueError, match="head_dim"):
+        w.plan(kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 4, 2, 30, 4)
+    with pytest.raises(ValueError, match="backend"):
+        BatchDecodeWithPagedKVCacheWrapper(ws, backend="cudnn-magic")
+    with pytest.raises(NotImplementedError, match="jit_args"):
+        BatchDecodeWithPagedKVCacheWrapper(ws, jit_args=["x"])
+    with pytest.raises(ValueError, match="paged_kv_indptr_buffer"):
+        BatchDecodeWithPagedKVCacheWrapper(ws, use_cuda_graph=True)
+    with pytest.raises(ValueError, match="fixed_split_size"):
+        w.plan(kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 4, 2, 32, 4, fixed_split_size=4)
+    w.plan(kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 4, 2, 32, 4, window_left=3)
+    with pytest.raises(ValueError, match="q_data_type"):
+        w.run(q.to(torch.bfloat16), kv.cache)
+    with pytest.raises(ValueError, match="kv_data_type"):
+        w.run(q, tuple(t.to(torch.bfloat16) for t in (kv.cache[:, 0], kv.cache[:, 1])))
+    with pytest.raises(ValueError, match="window_left"):
+        w.run(q, kv.cache, window_left=5)
+    with pytest.raises(ValueError, match="q: expected shape"):
+        w.run(q[:1], kv.cache)
+    with pytest.raises(ValueError, match="paged_kv_cache"):
+        w.run(q, kv.cache[:, :, :2])
+    with pytest.raises(TypeError, match="keyword"):
+        w.run(q, kv.cache, 1.0)
+    with pytest.raises(ValueError, match="out"):
+        w.run(q, kv.cache, out=torch.empty(2, 4, 16, dtype=torch.float16, device=DEVICE))
+    with pytest.raises(ValueError, match="last_page_len"):
+        w.plan(kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len + 10, 4, 2, 32, 4)
+    small = BatchDecodeWithPagedKVCacheWrapper(torch.empty(8, dtype=torch.uint8, device=DEVICE))
+    big = Case((300,), heads=(4, 1), page_size=16)
+    kvb, qb = _make(big)
+    _plan(small, big, kvb)
+    with pytest.raises(ValueError, match="float_workspace_buffer"):
+        small.run(qb, kvb.cache)
+
+
+# ---------------------------------------------------------------- GPU: realistic shapes
+
+GPU_CASES = [
+    Case((4096, 1000, 17, 8191), page_size=16, heads=(32, 8), head_dim=128, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16),
+    Case((4096,) * 4, page_size=16, heads=(32, 8), head_dim=128, q_dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn),
+    Case((2048, 33), page_size=1, form="tuple3d", heads=(28, 4), head_dim=128, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16),
+    Case((3000, 700), page_size=16, layout="HND", heads=(32, 32), head_dim=64, q_dtype=torch.float16, kv_dtype=torch.float8_e5m2),
+    Case((1500, 900), page_size=16, heads=(16, 2), head_dim=256, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, pos="ROPE_LLAMA", soft_cap=30.0),
+    Case((5000, 64), page_size=8, heads=(8, 8), head_dim=96, q_dtype=torch.float16, kv_dtype=torch.float16, pos="ALIBI", window=1000),
+    Case((8192,), page_size=16, heads=(32, 8), head_dim=128, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, split="disable"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=Case.id)
+def test_gpu_batch_decode(case):
+    test_batch_decode_matches_reference(case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_gpu_cuda_graph_capture_then_replan(q_len):
+    batch, hq, hk, d, page = 8, 32, 8, 128, 16
+    max_pages = 8 * 1024
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    bufs = (torch.zeros(batch + 1, dtype=torch.int32, device="cuda"), torch.zeros(max_pages, dtype=torch.int32, device="cuda"),
+            torch.ones(batch, dtype=torch.int32, device="cuda"))
+    w = BatchDecodeWithPagedKVCacheWrapper(ws, use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=bufs[0],
+                                           paged_kv_indices_buffer=bufs[1], paged_kv_last_page_len_buffer=bufs[2])
+    g = torch.Generator().manual_seed(0)
+    # extra pages so that later plans' caches fit in the captured cache tensor
+    kv = testing.make_paged_kv([16 * (i + 1) for i in range(batch)], page, hk, d, dtype=torch.bfloat16, device="cuda",
+                               generator=g, extra_pages=4000)
+    q = testing.randn((batch * q_len, hq, d), torch.bfloat16, "cuda", generator=g)
+    w.plan(kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, hq, hk, d, page, q_data_type=torch.bfloat16)
+    out = torch.empty_like(q)
+    w.run(q, kv.cache, out=out, q_len_per_req=q_len)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    cache = kv.cache
+    with torch.cuda.graph(graph):
+        w.run(q, cache, out=out, q_len_per_req=q_len)
+    for seed, lens in ((1, [5000, 17, 4096, 1, 300, 8000, 64, 9]), (2, [40000] + [16] * 7)):
+        g = torch.Generator().manual_seed(seed)
+        kv2 = testing.make_paged_kv(lens, page, hk, d, dtype=torch.bfloat16, device="cuda", generator=g, extra_pages=0)
+        # the graph reads the captured cache tensor: copy the new pages into it
+        cache[:kv2.cache.shape[0]].copy_(kv2.cache)
+        q.copy_(testing.randn(q.shape, torch.bfloat16, "cuda", generator=g))
+        w.plan(kv2.kv_indptr, kv2.kv_indices, kv2.kv_last_page_len, hq, hk, d, page, q_data_type=torch.bfloat16)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference.batch_decode_with_paged_kv_cache(q, cache, kv2.kv_indptr, kv2.kv_indices,
+                                                         kv2.kv_last_page_len, q_len_per_req=q_len)[0]
+        testing.assert_close(out, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_cache_beyond_2_31_elements():
+    """Pages at the end of a cache larger than 2^31 elements are addressed correctly (int64)."""
+    hk, d, page = 8, 128, 16
+    per_page = 2 * page * hk * d
+    num_pages = (2 ** 31) // per_page + 64
+    cache = torch.empty((num_pages, 2, page, hk, d), dtype=torch.bfloat16, device="cuda")
+    assert cache.numel() > 2 ** 31
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lens = [700, 333]
+    pages = [num_pages - 1 - i for i in range(sum(-(-n // page) for n in lens))]
+    indices = torch.tensor(pages, dtype=torch.int32, device="cuda")
+    cache[indices] = torch.randn((len(pages), 2, page, hk, d), generator=g, device="cuda").to(torch.bfloat16)
+    indptr = torch.tensor([0, 44, 44 + 21], dtype=torch.int32, device="cuda")
+    last = torch.tensor([700 - 43 * 16, 333 - 20 * 16], dtype=torch.int32, device="cuda")
+    q = torch.randn((2, 32, d), generator=g, device="cuda").to(torch.bfloat16)
+    w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8, device="cuda"))
+    w.plan(indptr, indices, last, 32, hk, d, page, q_data_type=torch.bfloat16)
+    ref = reference.batch_decode_with_paged_kv_cache(q, cache, indptr, indices, last)[0]
+    testing.assert_close(w.run(q, cache), ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_matches_flashinfer():
+    flashinfer = pytest.importorskip("flashinfer")
+    case = GPU_CASES[0]
+    kv, q = _make(case, device="cuda")
+    ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    for tc in (False, True):
+        fi = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc)
+        fi.plan(kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 32, 8, 128, 16, q_data_type=torch.bfloat16)
+        ref = fi.run(q, kv.cache)
+        ours = BatchDecodeWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
+        _plan(ours, case, kv)
+        testing.assert_close(ours.run(q, kv.cache), ref.float(), torch.bfloat16)
