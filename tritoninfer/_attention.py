@@ -64,39 +64,63 @@ class DevicePlan:
     always_merge: bool  # CUDA-graph mode: a later plan may split, so the merge is always launched
 
 
-def upload_plan_arrays(arrays: list, device: torch.device, non_blocking: bool) -> list:
-    """Copies several int32 host arrays to the device in one transfer (pinned when there is a GPU)."""
-    sizes = [a.size for a in arrays]
-    flat = np.concatenate([a.reshape(-1).astype(np.int32, copy=False) for a in arrays]) if arrays else np.empty(0, np.int32)
-    host = torch.from_numpy(flat)
-    if device.type == "cuda":
-        if _device.can_pin_memory():
-            host = host.pin_memory()
-        dev = host.to(device, non_blocking=non_blocking)
-    else:
-        dev = host.clone()
-    out, pos = [], 0
-    for n in sizes:
-        out.append(dev[pos:pos + n])
-        pos += n
-    return out
+class PlanUploader:
+    """Copies a plan's int32 host arrays to the device in one transfer.
+
+    With a GPU the arrays go through a pinned host buffer that the wrapper reuses from plan to
+    plan; before overwriting it, a plan waits for the previous plan's copy out of it (normally
+    long finished), so ``non_blocking`` copies are safe.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self._host: Optional[torch.Tensor] = None
+        self._done: Optional[torch.cuda.Event] = None
+
+    def upload(self, arrays: list, non_blocking: bool = True, out: Optional[torch.Tensor] = None) -> list:
+        """Returns device views of ``arrays`` (in ``out`` when given: a fixed int32 buffer)."""
+        sizes = [int(a.size) for a in arrays]
+        total = sum(sizes)
+        if out is not None and out.numel() < total:
+            raise ValueError(f"plan buffer too small: {out.numel()} < {total}")
+        if self.device.type != "cuda":
+            flat = torch.from_numpy(np.concatenate([a.reshape(-1) for a in arrays]).astype(np.int32, copy=False)) \
+                if arrays else torch.empty(0, dtype=torch.int32)
+            dev = flat if out is None else out
+            if out is not None:
+                out[:total].copy_(flat)
+        else:
+            if self._done is not None:
+                self._done.synchronize()
+            if self._host is None or self._host.numel() < total:
+                self._host = torch.empty(max(total, 1024), dtype=torch.int32, pin_memory=_device.can_pin_memory())
+            host_np = self._host.numpy()
+            pos = 0
+            for a, n in zip(arrays, sizes):
+                host_np[pos:pos + n] = a.reshape(-1)
+                pos += n
+            dev = torch.empty(total, dtype=torch.int32, device=self.device) if out is None else out
+            dev[:total].copy_(self._host[:total], non_blocking=non_blocking)
+            self._done = torch.cuda.Event()
+            self._done.record()
+        out, pos = [], 0
+        for n in sizes:
+            out.append(dev[pos:pos + n])
+            pos += n
+        return out
 
 
-def fill_work_buffer(buffer: torch.Tensor, plan: WorkPlan, non_blocking: bool) -> None:
-    """Writes a work list into a fixed-capacity buffer; unused slots get request -1."""
-    capacity = buffer.shape[0]
+def pad_work(plan: WorkPlan, capacity: int) -> np.ndarray:
+    """A work list padded to a fixed capacity (CUDA-graph mode); unused slots get request -1."""
     n = plan.work.shape[0]
     if n > capacity:
         raise ValueError(
             f"the plan needs {n} work items but the CUDA-graph buffers hold {capacity}; "
             "create the wrapper with a larger batch or plan with disable_split_kv=True"
         )
-    host = np.full((capacity, WORK_FIELDS), -1, np.int32)
-    host[:n] = plan.work
-    t = torch.from_numpy(host)
-    if buffer.device.type == "cuda" and _device.can_pin_memory():
-        t = t.pin_memory()
-    buffer.copy_(t, non_blocking=non_blocking)
+    padded = np.full((capacity, WORK_FIELDS), -1, np.int32)
+    padded[:n] = plan.work
+    return padded
 
 
 _alibi_cache: dict = {}

@@ -140,11 +140,18 @@ def check_window_left(window_left: int) -> int:
     return window_left
 
 
+def _as_float(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if not (isinstance(value, torch.Tensor) and value.numel() == 1):
+            raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
+    return float(value)
+
+
 def check_soft_cap(logits_soft_cap: Optional[float]) -> float:
     """``None`` or ``0`` means no soft cap; returns 0.0 for off."""
     if logits_soft_cap is None:
         return 0.0
-    cap = float(logits_soft_cap)
+    cap = _as_float(logits_soft_cap, "logits_soft_cap")
     if cap < 0 or not math.isfinite(cap):
         raise ValueError(f"logits_soft_cap: expected None or a non-negative finite float, got {logits_soft_cap!r}")
     return cap
@@ -152,17 +159,17 @@ def check_soft_cap(logits_soft_cap: Optional[float]) -> float:
 
 def resolve_sm_scale(sm_scale: Optional[float], head_dim_qk: int) -> float:
     if sm_scale is None:
-        return 1.0 / math.sqrt(head_dim_qk)
-    sm_scale = float(sm_scale)
+        return 1.0 / math.sqrt(check_positive_int(head_dim_qk, "head_dim"))
+    sm_scale = _as_float(sm_scale, "sm_scale")
     if not math.isfinite(sm_scale):
         raise ValueError(f"sm_scale: expected a finite float, got {sm_scale!r}")
     return sm_scale
 
 
 def resolve_rope(rope_scale: Optional[float], rope_theta: Optional[float]) -> Tuple[float, float]:
-    scale = 1.0 if rope_scale is None else float(rope_scale)
-    theta = 1e4 if rope_theta is None else float(rope_theta)
-    if scale <= 0 or theta <= 0:
+    scale = 1.0 if rope_scale is None else _as_float(rope_scale, "rope_scale")
+    theta = 1e4 if rope_theta is None else _as_float(rope_theta, "rope_theta")
+    if not (0 < scale < math.inf and 0 < theta < math.inf):
         raise ValueError(f"rope_scale and rope_theta must be positive, got {rope_scale!r}, {rope_theta!r}")
     return scale, theta
 
@@ -176,9 +183,20 @@ def check_tensor(t, name: str, *, ndim: Optional[int] = None, dtype=None, device
         allowed = dtype if isinstance(dtype, (tuple, list)) else (dtype,)
         if t.dtype not in allowed:
             raise ValueError(f"{name}: expected dtype {' or '.join(map(str, allowed))}, got {t.dtype}")
-    if device is not None and t.device != torch.device(device):
+    if device is not None and not same_device(t.device, device):
         raise ValueError(f"{name}: expected a tensor on {device}, got one on {t.device}")
     return t
+
+
+def same_device(a, b) -> bool:
+    """``cuda`` and ``cuda:0`` are the same device when 0 is the current one."""
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.type != "cuda" or a.index == b.index:
+        return True
+    current = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
 
 
 def check_int_index_tensor(t, name: str, *, length: Optional[int] = None) -> torch.Tensor:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from . import _device
-from ._attention import DevicePlan, KVSource, ScoreParams, fill_work_buffer, launch_attention, upload_plan_arrays
+from ._attention import DevicePlan, KVSource, PlanUploader, ScoreParams, launch_attention, pad_work
 from ._kvcache import PagedKVCache, unpack_paged_kv_cache
 from ._options import (
     KV_DTYPES,
@@ -163,8 +163,8 @@ def single_decode_with_kv_cache(
     kv_lens = np.array([kv_len], np.int64)
     chunk = kv_split_chunk(kv_lens, np.ones(1, np.int64), num_kv_heads, num_sms, tiles.block_n, 1, None, False)
     work = build_work(np.ones(1, np.int64), kv_lens, 1, chunk)
-    work_d, kv_len_d, state_offset_d, kv_indptr_d = upload_plan_arrays(
-        [work.work, kv_lens, work.state_offset, np.zeros(1)], device, non_blocking=True
+    work_d, kv_len_d, state_offset_d, kv_indptr_d = _uploader(device).upload(
+        [work.work, kv_lens, work.state_offset, np.zeros(1, np.int32)]
     )
     plan = DevicePlan(work_d.view(-1, WORK_FIELDS), kv_len_d, state_offset_d, None, work.work.shape[0],
                       work.num_states, work.num_states, work.has_splits, False)
@@ -262,7 +262,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._paged_kv_indptr_buf = paged_kv_indptr_buffer
         self._paged_kv_indices_buf = paged_kv_indices_buffer
         self._paged_kv_last_page_len_buf = paged_kv_last_page_len_buffer
-        self._work_buf: Optional[torch.Tensor] = None  # CUDA-graph mode: fixed-capacity work list
+        self._plan_buf: Optional[torch.Tensor] = None  # CUDA-graph mode: fixed-capacity plan arrays
+        self._plan_capacity = 0
+        self._uploader = PlanUploader(self.device)
         self._plan: Optional[DevicePlan] = None
 
     @property
@@ -419,7 +421,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         chunk = kv_split_chunk(kv_lens, ones, num_kv_heads, num_sms, tiles.block_n, page_size,
                                fixed_split_size, disable_split_kv)
         if self._use_cuda_graph:
-            max_splits = max(1, -(-2 * num_sms // max(1, batch * num_kv_heads)))
+            # depends on the batch only, so the buffers (and captured graphs) survive any re-plan
+            max_splits = max(1, -(-2 * num_sms // max(1, batch)))
             if fixed_split_size is not None and chunk is not None and (-(-kv_lens // chunk)).max() > max_splits:
                 raise ValueError(
                     f"fixed_split_size={fixed_split_size} needs more splits per request than the CUDA-graph "
@@ -427,27 +430,25 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 )
             work = build_work(ones, kv_lens, 1, chunk, max_splits=max_splits)
             capacity = batch * max_splits
-            if self._work_buf is None or self._work_buf.shape[0] != capacity:
-                self._work_buf = torch.empty((capacity, WORK_FIELDS), dtype=torch.int32, device=self.device)
-                self._kv_len_buf = torch.empty(batch, dtype=torch.int32, device=self.device)
-                self._state_offset_buf = torch.empty(batch, dtype=torch.int32, device=self.device)
-            fill_work_buffer(self._work_buf, work, non_blocking)
-            kv_len_d, state_offset_d = upload_plan_arrays([kv_lens, work.state_offset], self.device, non_blocking)
-            self._kv_len_buf.copy_(kv_len_d, non_blocking=non_blocking)
-            self._state_offset_buf.copy_(state_offset_d, non_blocking=non_blocking)
+            if self._plan_buf is None or self._plan_capacity != capacity:
+                # fixed for the wrapper's life: captured graphs hold pointers into it
+                self._plan_capacity = capacity
+                self._plan_buf = torch.empty(capacity * WORK_FIELDS + 4 * batch + 1, dtype=torch.int32, device=self.device)
+            work_d, kv_len_d, state_offset_d, indptr_d, last_d = self._uploader.upload(
+                [pad_work(work, capacity), kv_lens, work.state_offset, ind, lpl], non_blocking, out=self._plan_buf)
             if copy_page_table:
-                _copy_into(self._paged_kv_indptr_buf, indptr_host, non_blocking)
+                _copy_into(self._paged_kv_indptr_buf, indptr_d, non_blocking)
                 _copy_into(self._paged_kv_indices_buf[:num_pages_used], indices[:num_pages_used], non_blocking)
-                _copy_into(self._paged_kv_last_page_len_buf, last_page_len_host, non_blocking)
+                _copy_into(self._paged_kv_last_page_len_buf, last_d, non_blocking)
             kv_indptr_d, kv_indices_d = self._paged_kv_indptr_buf, self._paged_kv_indices_buf
-            plan = DevicePlan(self._work_buf, self._kv_len_buf, self._state_offset_buf, None, capacity,
+            plan = DevicePlan(work_d.view(capacity, WORK_FIELDS), kv_len_d, state_offset_d, None, capacity,
                               work.num_states, capacity, work.has_splits, True)
         else:
             work = build_work(ones, kv_lens, 1, chunk)
             host_arrays = [work.work, kv_lens, work.state_offset]
             if indptr.device != self.device:
                 host_arrays.append(ind)
-            uploaded = upload_plan_arrays(host_arrays, self.device, non_blocking)
+            uploaded = self._uploader.upload(host_arrays, non_blocking)
             work_d, kv_len_d, state_offset_d = uploaded[:3]
             kv_indptr_d = uploaded[3] if len(uploaded) > 3 else indptr.to(torch.int32)
             kv_indices_d = indices if indices.device == self.device else indices.to(self.device, non_blocking=non_blocking)
@@ -719,6 +720,16 @@ def fast_decode_plan(
 @functools.lru_cache(maxsize=None)
 def _decode_tiles_cached(group: int, q_len_per_req: int, head_dim: int):
     return decode_tiles(group, q_len_per_req, head_dim)
+
+
+_uploaders: dict = {}
+
+
+def _uploader(device: torch.device) -> PlanUploader:
+    key = str(device)
+    if key not in _uploaders:
+        _uploaders[key] = PlanUploader(device)
+    return _uploaders[key]
 
 
 def _host(t: torch.Tensor, name: str) -> torch.Tensor:

@@ -13,7 +13,7 @@ online softmax in base 2, sinks, and the final normalisation. Scores are kept in
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -181,7 +181,7 @@ def attention_fwd_kernel(
 
     if HAS_ALIBI:
         # [BLOCK_M] slope per row, in log2 units
-        slope = tl.load(alibi_ptr + qo_head, mask=row_ok, other=0.0) * 1.4426950408889634
+        slope = tl.load(alibi_ptr + qo_head, mask=row_ok, other=0.0) * LOG2E
 
     mask_base = 0
     if HAS_CUSTOM_MASK:
@@ -247,7 +247,7 @@ def attention_fwd_kernel(
     if num_splits == 1:
         sink_log2 = 0.0
         if HAS_SINKS:
-            sink_log2 = tl.load(sinks_ptr + qo_head, mask=row_ok, other=0.0) * 1.4426950408889634
+            sink_log2 = tl.load(sinks_ptr + qo_head, mask=row_ok, other=0.0) * LOG2E
         o, lse = finalize(m_i, l_i, acc, sink_log2, v_scale, HAS_SINKS)
         o_rows = (q_start + tok).to(tl.int64) * stride_o_tok + qo_head.to(tl.int64) * stride_o_head
         tl.store(o_ptr + o_rows[:, None] + offs_dv[None, :], o.to(o_ptr.dtype.element_ty),
@@ -315,7 +315,7 @@ def merge_split_states_kernel(
 
     sink_log2 = 0.0
     if HAS_SINKS:
-        sink_log2 = tl.load(sinks_ptr + qo_head, mask=row_ok, other=0.0) * 1.4426950408889634
+        sink_log2 = tl.load(sinks_ptr + qo_head, mask=row_ok, other=0.0) * LOG2E
     o, lse = finalize(m_i, l_i, acc, sink_log2, v_scale, HAS_SINKS)
     o_rows = (q_start + tok).to(tl.int64) * stride_o_tok + qo_head.to(tl.int64) * stride_o_head
     tl.store(o_ptr + o_rows[:, None] + offs_dv[None, :], o.to(o_ptr.dtype.element_ty),
