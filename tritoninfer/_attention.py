@@ -16,6 +16,14 @@ import torch
 import triton.language as tl
 
 from . import _device
+from ._options import (
+    PosEncodingMode,
+    check_soft_cap,
+    check_window_left,
+    parse_pos_encoding_mode,
+    resolve_rope,
+    resolve_sm_scale,
+)
 from ._plan import WORK_FIELDS, Tiles, WorkPlan, alibi_slopes
 from .kernels.attention import attention_fwd_kernel, merge_split_states_kernel
 
@@ -34,6 +42,23 @@ class ScoreParams:
     rope_scale: float = 1.0
     rope_theta: float = 1e4
     alibi: bool = False
+
+
+def score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
+                  head_dim, causal=False) -> ScoreParams:
+    """Parses the plan arguments that define the attention function."""
+    mode = parse_pos_encoding_mode(pos_encoding_mode)
+    rope_scale, rope_theta = resolve_rope(rope_scale, rope_theta)
+    return ScoreParams(
+        sm_scale=resolve_sm_scale(sm_scale, head_dim),
+        logits_soft_cap=check_soft_cap(logits_soft_cap),
+        window_left=check_window_left(window_left),
+        causal=causal,
+        rope=mode == PosEncodingMode.ROPE_LLAMA,
+        rope_scale=rope_scale,
+        rope_theta=rope_theta,
+        alibi=mode == PosEncodingMode.ALIBI,
+    )
 
 
 @dataclasses.dataclass

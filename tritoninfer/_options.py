@@ -222,3 +222,37 @@ def check_same_dtype_as_plan(t: torch.Tensor, planned: torch.dtype, name: str, p
         raise ValueError(
             f"The dtype of {name} {t.dtype} does not match the {plan_name} {planned} specified in plan function."
         )
+
+
+def check_out(out: Optional[torch.Tensor], shape, dtype, device, name: str) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    check_tensor(out, name)
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device:
+        raise ValueError(
+            f"{name}: expected shape {tuple(shape)}, dtype {dtype} on {device}; "
+            f"got shape {tuple(out.shape)}, dtype {out.dtype} on {out.device}"
+        )
+    if out.stride(-1) != 1:
+        raise ValueError(f"{name}: the last dimension must be contiguous")
+    return out
+
+
+def check_sinks(sinks: Optional[torch.Tensor], num_qo_heads: int, device) -> Optional[torch.Tensor]:
+    if sinks is None:
+        return None
+    check_tensor(sinks, "sinks", ndim=1, dtype=torch.float32)
+    if sinks.numel() != num_qo_heads or sinks.device != device:
+        raise ValueError(f"sinks: expected a float32 [{num_qo_heads}] tensor on {device}, got {tuple(sinks.shape)} on {sinks.device}")
+    return sinks if sinks.is_contiguous() else sinks.contiguous()
+
+
+def host_index(t: torch.Tensor, name: str) -> torch.Tensor:
+    """Host copy of a small index tensor (a device tensor costs one device-to-host copy)."""
+    check_int_index_tensor(t, name)
+    return t if t.device.type == "cpu" else t.to("cpu")
+
+
+def copy_into(buf: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
+    if src.data_ptr() != buf.data_ptr() or src.device != buf.device:
+        buf.copy_(src, non_blocking=non_blocking)

@@ -17,12 +17,11 @@ import numpy as np
 import torch
 
 from . import _device
-from ._attention import DevicePlan, KVSource, PlanUploader, ScoreParams, launch_attention, pad_work
+from ._attention import DevicePlan, KVSource, PlanUploader, launch_attention, pad_work, score_params
 from ._kvcache import PagedKVCache, unpack_paged_kv_cache
 from ._options import (
     KV_DTYPES,
     Q_DTYPES,
-    PosEncodingMode,
     TensorLayout,
     canonicalize_dtype,
     check_dtype_in,
@@ -30,15 +29,14 @@ from ._options import (
     check_heads,
     check_indptr_host,
     check_int_index_tensor,
+    check_out,
+    check_sinks,
+    copy_into,
+    host_index,
     check_positive_int,
     check_same_dtype_as_plan,
-    check_soft_cap,
     check_tensor,
-    check_window_left,
     parse_layout,
-    parse_pos_encoding_mode,
-    resolve_rope,
-    resolve_sm_scale,
 )
 from ._plan import WORK_FIELDS, build_work, decode_tiles, kv_split_chunk
 
@@ -51,45 +49,6 @@ __all__ = [
 
 # FlashInfer backend names; every one selects tritoninfer's Triton kernels.
 DECODE_BACKENDS = ("auto", "fa2", "fa3", "trtllm-gen", "triton")
-
-
-def _score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
-                  head_dim, causal=False) -> ScoreParams:
-    mode = parse_pos_encoding_mode(pos_encoding_mode)
-    rope_scale, rope_theta = resolve_rope(rope_scale, rope_theta)
-    return ScoreParams(
-        sm_scale=resolve_sm_scale(sm_scale, head_dim),
-        logits_soft_cap=check_soft_cap(logits_soft_cap),
-        window_left=check_window_left(window_left),
-        causal=causal,
-        rope=mode == PosEncodingMode.ROPE_LLAMA,
-        rope_scale=rope_scale,
-        rope_theta=rope_theta,
-        alibi=mode == PosEncodingMode.ALIBI,
-    )
-
-
-def _check_out(out: Optional[torch.Tensor], shape, dtype, device, name: str) -> torch.Tensor:
-    if out is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    check_tensor(out, name)
-    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device:
-        raise ValueError(
-            f"{name}: expected shape {tuple(shape)}, dtype {dtype} on {device}; "
-            f"got shape {tuple(out.shape)}, dtype {out.dtype} on {out.device}"
-        )
-    if out.stride(-1) != 1:
-        raise ValueError(f"{name}: the last dimension must be contiguous")
-    return out
-
-
-def _check_sinks(sinks: Optional[torch.Tensor], num_qo_heads: int, device) -> Optional[torch.Tensor]:
-    if sinks is None:
-        return None
-    check_tensor(sinks, "sinks", ndim=1, dtype=torch.float32)
-    if sinks.numel() != num_qo_heads or sinks.device != device:
-        raise ValueError(f"sinks: expected a float32 [{num_qo_heads}] tensor on {device}, got {tuple(sinks.shape)} on {sinks.device}")
-    return sinks if sinks.is_contiguous() else sinks.contiguous()
 
 
 def single_decode_with_kv_cache(
@@ -155,7 +114,7 @@ def single_decode_with_kv_cache(
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name}: the last (head_dim) dimension must be contiguous")
-    params = _score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta, head_dim)
+    params = score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta, head_dim)
 
     device = q.device
     num_sms = _device.num_sms(device)
@@ -351,8 +310,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             indptr_host, indices, last_page_len_host = _page_table_from_block_tables(block_tables, seq_lens, page_size)
             indptr, last_page_len, seq_lens = indptr_host, last_page_len_host, None
         else:
-            indptr_host = _host(indptr, "indptr")
-            last_page_len_host = _host(last_page_len, "last_page_len")
+            indptr_host = host_index(indptr, "indptr")
+            last_page_len_host = host_index(last_page_len, "last_page_len")
         self._plan_impl(
             indptr_host, indptr, indices, last_page_len_host, last_page_len, num_qo_heads, num_kv_heads, head_dim,
             page_size, pos_encoding_mode, window_left, logits_soft_cap, q_data_type, kv_data_type, data_type,
@@ -379,7 +338,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         group = check_heads(num_qo_heads, num_kv_heads)
         check_head_dim(head_dim)
         check_positive_int(page_size, "page_size")
-        params = _score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta, head_dim)
+        params = score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta, head_dim)
 
         check_indptr_host(indptr_host, "indptr")
         batch = indptr_host.numel() - 1
@@ -397,7 +356,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             i = int(np.argmax(bad))
             raise ValueError(f"last_page_len: request {i} has {int(lpl[i])}, expected 1..page_size ({page_size})")
         if seq_lens is not None:
-            kv_lens = _host(seq_lens, "seq_lens").numpy().astype(np.int64)
+            kv_lens = host_index(seq_lens, "seq_lens").numpy().astype(np.int64)
             if kv_lens.size != batch or (kv_lens > pages * page_size).any():
                 raise ValueError("seq_lens: expected one length per request, each within its pages")
         else:
@@ -437,9 +396,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
             work_d, kv_len_d, state_offset_d, indptr_d, last_d = self._uploader.upload(
                 [pad_work(work, capacity), kv_lens, work.state_offset, ind, lpl], non_blocking, out=self._plan_buf)
             if copy_page_table:
-                _copy_into(self._paged_kv_indptr_buf, indptr_d, non_blocking)
-                _copy_into(self._paged_kv_indices_buf[:num_pages_used], indices[:num_pages_used], non_blocking)
-                _copy_into(self._paged_kv_last_page_len_buf, last_d, non_blocking)
+                copy_into(self._paged_kv_indptr_buf, indptr_d, non_blocking)
+                copy_into(self._paged_kv_indices_buf[:num_pages_used], indices[:num_pages_used], non_blocking)
+                copy_into(self._paged_kv_last_page_len_buf, last_d, non_blocking)
             kv_indptr_d, kv_indices_d = self._paged_kv_indptr_buf, self._paged_kv_indices_buf
             plan = DevicePlan(work_d.view(capacity, WORK_FIELDS), kv_len_d, state_offset_d, None, capacity,
                               work.num_states, capacity, work.has_splits, True)
@@ -557,12 +516,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
             )
         if kv.device != q.device:
             raise ValueError("paged_kv_cache and q must be on the same device")
-        out = _check_out(out, (q.shape[0], self._num_qo_heads, kv.head_dim_vo), q.dtype, q.device, "out")
+        out = check_out(out, (q.shape[0], self._num_qo_heads, kv.head_dim_vo), q.dtype, q.device, "out")
         if return_lse:
-            lse = _check_out(lse, (q.shape[0], self._num_qo_heads), torch.float32, q.device, "lse")
+            lse = check_out(lse, (q.shape[0], self._num_qo_heads), torch.float32, q.device, "lse")
         else:
             lse = None
-        sinks = _check_sinks(sinks, self._num_qo_heads, q.device)
+        sinks = check_sinks(sinks, self._num_qo_heads, q.device)
         params = self._params if L == 1 else dataclasses.replace(self._params, causal=True)
         launch_attention(
             q=q, out=out, lse=lse,
@@ -616,7 +575,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
     def _override(self, pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta) -> None:
         if self._plan is None:
             raise ValueError("forward() was called before plan()")
-        self._params = _score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
+        self._params = score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
                                      rope_theta, self._head_dim)
         self._pos_encoding_mode, self._window_left, self._logits_soft_cap = pos_encoding_mode, window_left, logits_soft_cap
         self._sm_scale, self._rope_scale, self._rope_theta = sm_scale, rope_scale, rope_theta
@@ -698,11 +657,11 @@ def fast_decode_plan(
     last page lengths are known to be 1 and are not read back either.
     """
     batch = len(last_page_len)
-    indptr_host = global_override_indptr_cpu if global_override_indptr_cpu is not None else _host(indptr, "indptr")
+    indptr_host = global_override_indptr_cpu if global_override_indptr_cpu is not None else host_index(indptr, "indptr")
     if page_size == 1:
         last_page_len_host = (torch.diff(indptr_host.to(torch.int64)) > 0).to(torch.int32)
     else:
-        last_page_len_host = _host(last_page_len, "last_page_len")
+        last_page_len_host = host_index(last_page_len, "last_page_len")
     if indptr_host.numel() != batch + 1:
         raise ValueError(f"indptr: expected {batch + 1} elements, got {indptr_host.numel()}")
     copy = not self._use_cuda_graph or not (
@@ -732,23 +691,12 @@ def _uploader(device: torch.device) -> PlanUploader:
     return _uploaders[key]
 
 
-def _host(t: torch.Tensor, name: str) -> torch.Tensor:
-    """Host copy of a small index tensor (a device tensor costs one device-to-host copy)."""
-    check_int_index_tensor(t, name)
-    return t if t.device.type == "cpu" else t.to("cpu")
-
-
-def _copy_into(buf: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
-    if src.data_ptr() != buf.data_ptr() or src.device != buf.device:
-        buf.copy_(src, non_blocking=non_blocking)
-
-
 def _page_table_from_block_tables(block_tables: torch.Tensor, seq_lens: Optional[torch.Tensor], page_size: int):
     """``block_tables`` [batch, max_pages] + ``seq_lens`` [batch] -> (indptr host, indices, last_page_len host)."""
     check_tensor(block_tables, "block_tables", ndim=2, dtype=(torch.int32, torch.int64))
     if seq_lens is None:
         raise ValueError("seq_lens: required with block_tables")
-    lens = _host(seq_lens, "seq_lens").to(torch.int64)
+    lens = host_index(seq_lens, "seq_lens").to(torch.int64)
     if lens.numel() != block_tables.shape[0]:
         raise ValueError(f"seq_lens: expected {block_tables.shape[0]} elements, got {lens.numel()}")
     pages = (lens + page_size - 1) // page_size
