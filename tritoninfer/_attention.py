@@ -184,12 +184,16 @@ def launch_attention(
     sinks: Optional[torch.Tensor] = None,
     packed_mask: Optional[torch.Tensor] = None,
     mask_indptr: Optional[torch.Tensor] = None,
+    head_scales: Optional[tuple] = None,
 ) -> None:
     """Attention of ``q`` [tokens, H_qo, D_qk] over ``kv`` into ``out`` [tokens, H_qo, D_vo] (and
     ``lse`` [tokens, H_qo] float32, base 2), following ``plan``.
 
     ``q_scale``/``k_scale`` fold into the softmax scale, ``v_scale`` multiplies the output;
-    ``sinks`` [H_qo] float32 are per-head logits added to the softmax denominator.
+    ``sinks`` [H_qo] float32 are per-head logits added to the softmax denominator;
+    ``head_scales`` = (scale_q [H_qo], scale_k [H_kv], scale_v [H_kv]) float32 per-head scales.
+    ``packed_mask`` (uint8, little-endian bits) with ``mask_indptr`` (int32 byte offsets per
+    request) is a custom mask.
     """
     num_qo_heads = q.shape[1]
     group = num_qo_heads // num_kv_heads
@@ -237,6 +241,7 @@ def launch_attention(
         mask_indptr if mask_indptr is not None else dummy,
         alibi,
         sinks if sinks is not None else dummy,
+        *(head_scales if head_scales is not None else (dummy, dummy, dummy)),
         q_len_per_req, tiles.tile_tokens, state_mult, max(kv.page_size, 1), num_qo_heads,
         sm_scale * 1.4426950408889634, params.logits_soft_cap, v_scale,
         rope_rcp_scale, rope_log2_theta, params.window_left,
@@ -244,7 +249,8 @@ def launch_attention(
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_DQK=block_dqk, BLOCK_DV=block_dv,
         IS_PAGED=kv.page_size > 0, IS_CAUSAL=params.causal, HAS_WINDOW=params.window_left >= 0,
         HAS_SOFT_CAP=params.logits_soft_cap > 0, HAS_ALIBI=params.alibi, HAS_ROPE=params.rope,
-        HAS_CUSTOM_MASK=packed_mask is not None, HAS_SINKS=sinks is not None, WRITE_LSE=lse is not None,
+        HAS_CUSTOM_MASK=packed_mask is not None, HAS_SINKS=sinks is not None,
+        HAS_HEAD_SCALES=head_scales is not None, WRITE_LSE=lse is not None,
         DOT_DTYPE=dot_dtype(q.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
@@ -255,8 +261,9 @@ def launch_attention(
             plan.qo_indptr if plan.qo_indptr is not None else dummy,
             plan.state_offset,
             sinks if sinks is not None else dummy,
+            head_scales[2] if head_scales is not None else dummy,
             q_len_per_req, tiles.tile_tokens, state_mult, num_qo_heads, v_scale,
             GROUP=group, HEAD_DIM_VO=head_dim_vo, BLOCK_M=tiles.block_m, BLOCK_DV=block_dv,
-            HAS_SINKS=sinks is not None, WRITE_LSE=lse is not None,
+            HAS_SINKS=sinks is not None, HAS_HEAD_SCALES=head_scales is not None, WRITE_LSE=lse is not None,
             num_warps=4,
         )

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 
-from ._options import TensorLayout, check_tensor
+from ._options import TensorLayout, check_tensor, host_index
 
 PagedKVCache = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 
@@ -87,3 +87,22 @@ def unpack_paged_kv_cache(paged_kv_cache: PagedKVCache, layout: TensorLayout) ->
     if (page, heads) != (page_v, heads_v) or k.shape[0] != v.shape[0]:
         raise ValueError(f"paged_kv_cache: K {tuple(k.shape)} and V {tuple(v.shape)} disagree on pages, page size or heads")
     return PagedKV(k, v, page, heads, dqk, dvo, k_strides, v_strides)
+
+
+def page_table_from_block_tables(block_tables: torch.Tensor, seq_lens: Optional[torch.Tensor], page_size: int):
+    """``block_tables`` [batch, max_pages] + ``seq_lens`` [batch] -> (indptr host, indices, last_page_len host)."""
+    check_tensor(block_tables, "block_tables", ndim=2, dtype=(torch.int32, torch.int64))
+    if seq_lens is None:
+        raise ValueError("seq_lens: required with block_tables")
+    lens = host_index(seq_lens, "seq_lens").to(torch.int64)
+    if lens.numel() != block_tables.shape[0]:
+        raise ValueError(f"seq_lens: expected {block_tables.shape[0]} elements, got {lens.numel()}")
+    pages = (lens + page_size - 1) // page_size
+    if bool((pages > block_tables.shape[1]).any()):
+        raise ValueError("block_tables: a sequence needs more pages than block_tables has columns")
+    indptr = torch.zeros(lens.numel() + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(pages, 0).to(torch.int32)
+    last = torch.where(pages > 0, lens - (pages - 1) * page_size, torch.zeros_like(lens)).to(torch.int32)
+    keep = torch.arange(block_tables.shape[1])[None, :] < pages[:, None]
+    indices = block_tables[keep.to(block_tables.device)].to(torch.int32)
+    return indptr, indices, last

@@ -18,7 +18,7 @@ import torch
 
 from . import _device
 from ._attention import DevicePlan, KVSource, PlanUploader, launch_attention, pad_work, score_params
-from ._kvcache import PagedKVCache, unpack_paged_kv_cache
+from ._kvcache import PagedKVCache, page_table_from_block_tables, unpack_paged_kv_cache
 from ._options import (
     KV_DTYPES,
     Q_DTYPES,
@@ -307,7 +307,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if fixed_split_size is not None and not self.use_tensor_cores:
             raise ValueError("fixed_split_size is only supported by tensor core decode for now.")
         if block_tables is not None:
-            indptr_host, indices, last_page_len_host = _page_table_from_block_tables(block_tables, seq_lens, page_size)
+            indptr_host, indices, last_page_len_host = page_table_from_block_tables(block_tables, seq_lens, page_size)
             indptr, last_page_len, seq_lens = indptr_host, last_page_len_host, None
         else:
             indptr_host = host_index(indptr, "indptr")
@@ -689,22 +689,3 @@ def _uploader(device: torch.device) -> PlanUploader:
     if key not in _uploaders:
         _uploaders[key] = PlanUploader(device)
     return _uploaders[key]
-
-
-def _page_table_from_block_tables(block_tables: torch.Tensor, seq_lens: Optional[torch.Tensor], page_size: int):
-    """``block_tables`` [batch, max_pages] + ``seq_lens`` [batch] -> (indptr host, indices, last_page_len host)."""
-    check_tensor(block_tables, "block_tables", ndim=2, dtype=(torch.int32, torch.int64))
-    if seq_lens is None:
-        raise ValueError("seq_lens: required with block_tables")
-    lens = host_index(seq_lens, "seq_lens").to(torch.int64)
-    if lens.numel() != block_tables.shape[0]:
-        raise ValueError(f"seq_lens: expected {block_tables.shape[0]} elements, got {lens.numel()}")
-    pages = (lens + page_size - 1) // page_size
-    if bool((pages > block_tables.shape[1]).any()):
-        raise ValueError("block_tables: a sequence needs more pages than block_tables has columns")
-    indptr = torch.zeros(lens.numel() + 1, dtype=torch.int32)
-    indptr[1:] = torch.cumsum(pages, 0).to(torch.int32)
-    last = torch.where(pages > 0, lens - (pages - 1) * page_size, torch.zeros_like(lens)).to(torch.int32)
-    keep = torch.arange(block_tables.shape[1])[None, :] < pages[:, None]
-    indices = block_tables[keep.to(block_tables.device)].to(torch.int32)
-    return indptr, indices, last

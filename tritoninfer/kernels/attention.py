@@ -124,14 +124,16 @@ def attention_fwd_kernel(
     work_ptr,
     qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr, kv_len_ptr, state_offset_ptr,
     mask_ptr, mask_indptr_ptr, alibi_ptr, sinks_ptr,
+    # per-head scales (single_prefill's scale_q [H_qo], scale_k [H_kv], scale_v [H_kv])
+    scale_q_ptr, scale_k_ptr, scale_v_ptr,
     q_len_per_req, tile_tokens, state_mult, page_size, num_qo_heads,
     sm_scale_log2, soft_cap, v_scale, rope_rcp_scale, rope_log2_theta, window_left,
     GROUP: tl.constexpr, HEAD_DIM_QK: tl.constexpr, HEAD_DIM_VO: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_PAGED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SOFT_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_ROPE: tl.constexpr,
-    HAS_CUSTOM_MASK: tl.constexpr, HAS_SINKS: tl.constexpr, WRITE_LSE: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
+    HAS_CUSTOM_MASK: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_HEAD_SCALES: tl.constexpr,
+    WRITE_LSE: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     i_item = tl.program_id(0)
     i_kvh = tl.program_id(1)
@@ -179,6 +181,10 @@ def attention_fwd_kernel(
                         rope_rcp_scale, rope_log2_theta).to(q_ptr.dtype.element_ty)
     q = _to_dot(q, DOT_DTYPE)
 
+    if HAS_HEAD_SCALES:
+        # [BLOCK_M] logit scale per row
+        row_scale = tl.load(scale_q_ptr + qo_head, mask=row_ok, other=0.0) * tl.load(scale_k_ptr + i_kvh)
+        v_scale = v_scale * tl.load(scale_v_ptr + i_kvh)
     if HAS_ALIBI:
         # [BLOCK_M] slope per row, in log2 units
         slope = tl.load(alibi_ptr + qo_head, mask=row_ok, other=0.0) * LOG2E
@@ -231,6 +237,8 @@ def attention_fwd_kernel(
 
         # [BLOCK_M, BLOCK_N]
         s = tl.dot(q, tl.trans(k))
+        if HAS_HEAD_SCALES:
+            s = s * row_scale[:, None]
         s = transform_scores(s, sm_scale_log2, soft_cap, HAS_SOFT_CAP)
         if HAS_ALIBI:
             s += slope[:, None] * (offs_n[None, :] - tok[:, None]).to(tl.float32)
@@ -267,10 +275,10 @@ def attention_fwd_kernel(
 @triton.jit
 def merge_split_states_kernel(
     o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok,
-    part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, state_offset_ptr, sinks_ptr,
+    part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, state_offset_ptr, sinks_ptr, scale_v_ptr,
     q_len_per_req, tile_tokens, state_mult, num_qo_heads, v_scale,
     GROUP: tl.constexpr, HEAD_DIM_VO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_SINKS: tl.constexpr, WRITE_LSE: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_HEAD_SCALES: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
     """Merges the split-KV partial states of the rows of one work item (the item with split 0 of
     a split request does it; every other item returns). Same grid as the attention kernel."""
@@ -316,6 +324,8 @@ def merge_split_states_kernel(
     sink_log2 = 0.0
     if HAS_SINKS:
         sink_log2 = tl.load(sinks_ptr + qo_head, mask=row_ok, other=0.0) * LOG2E
+    if HAS_HEAD_SCALES:
+        v_scale = v_scale * tl.load(scale_v_ptr + i_kvh)
     o, lse = finalize(m_i, l_i, acc, sink_log2, v_scale, HAS_SINKS)
     o_rows = (q_start + tok).to(tl.int64) * stride_o_tok + qo_head.to(tl.int64) * stride_o_head
     tl.store(o_ptr + o_rows[:, None] + offs_dv[None, :], o.to(o_ptr.dtype.element_ty),

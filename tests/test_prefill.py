@@ -1,0 +1,289 @@
+"""Prefill API (single, paged, ragged) against the reference: every option, pairwise, on tiny
+awkward shapes (interpreter) and realistic shapes (GPU)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from conftest import DEVICE
+
+import tritoninfer
+from tritoninfer import reference, testing
+from tritoninfer.prefill import BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper
+from tritoninfer.quantization import segment_packbits
+
+
+@dataclasses.dataclass
+class Case:
+    qo_lens: tuple
+    kv_lens: tuple
+    page_size: int = 4
+    heads: tuple = (4, 2)
+    head_dim: int = 32
+    head_dim_vo: int = None
+    layout: str = "NHD"
+    form: str = "5d"
+    q_dtype: torch.dtype = torch.float16
+    kv_dtype: torch.dtype = torch.float16
+    causal: bool = False
+    mask: str = "none"  # none | bool | packed
+    pos: str = "NONE"
+    window: int = -1
+    soft_cap: float = None
+    sinks: bool = False
+    split: str = "auto"
+
+    def id(self):
+        return (f"q{list(self.qo_lens)}-kv{list(self.kv_lens)}-p{self.page_size}-h{self.heads[0]}/{self.heads[1]}-"
+                f"d{self.head_dim}/{self.head_dim_vo}-{self.layout}-{self.form}-{str(self.q_dtype)[6:]}-"
+                f"{str(self.kv_dtype)[6:]}-c{int(self.causal)}-m{self.mask}-{self.pos}-w{self.window}-"
+                f"cap{self.soft_cap}-s{int(self.sinks)}-{self.split}")
+
+
+PAGED_CASES = [
+    Case((3, 0, 5, 1), (10, 4, 5, 30), causal=True),
+    Case((6,), (3,), layout="HND", form="tuple", q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, causal=True),
+    Case((4, 3), (9, 3), page_size=1, form="tuple3d", heads=(7, 1), head_dim=40, mask="bool"),
+    Case((2, 5), (7, 11), page_size=3, mask="packed", heads=(2, 2), window=3),
+    Case((5, 2), (12, 20), page_size=3, pos="ROPE_LLAMA", window=4, soft_cap=3.0, layout="HND"),
+    Case((7,), (19,), heads=(4, 4), head_dim=64, pos="ALIBI", causal=True, sinks=True, q_dtype=torch.bfloat16,
+         kv_dtype=torch.bfloat16),
+    Case((3, 4), (8, 13), heads=(8, 2), kv_dtype=torch.float8_e4m3fn, causal=True, form="tuple"),
+    Case((2, 3), (5, 9), head_dim=48, head_dim_vo=32, form="tuple", q_dtype=torch.bfloat16, kv_dtype=torch.float8_e5m2),
+    Case((2,), (150,), heads=(4, 1), page_size=8, causal=True, split="auto"),
+    Case((3, 1), (70, 41), heads=(4, 1), page_size=4, split="fixed", window=20),
+]
+
+RAGGED_CASES = [
+    Case((4, 0, 6), (4, 3, 9), heads=(6, 2), causal=True, layout="HND"),
+    Case((3, 5), (6, 2), mask="bool", q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, pos="ROPE_LLAMA"),
+    Case((5,), (33,), heads=(2, 1), head_dim=24, head_dim_vo=40, soft_cap=2.0, window=9),
+]
+
+
+def _inputs(case, seed=0, device=DEVICE):
+    g = torch.Generator().manual_seed(seed)
+    q, qo_indptr = testing.random_qo(case.qo_lens, case.heads[0], case.head_dim, dtype=case.q_dtype, generator=g)
+    q = q.to(device)
+    bits = [torch.rand(qo, kv, generator=g) > 0.4 for qo, kv in zip(case.qo_lens, case.kv_lens)]
+    mask = torch.cat([b.reshape(-1) for b in bits]).to(device) if bits else None
+    sinks = torch.randn(case.heads[0], generator=g).to(device) if case.sinks else None
+    return g, q, qo_indptr, mask, sinks
+
+
+def _mask_args(case, mask):
+    if case.mask == "bool":
+        return {"custom_mask": mask}
+    if case.mask == "packed":
+        lens = np.array(case.qo_lens) * np.array(case.kv_lens)
+        indptr = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device=mask.device)
+        return {"packed_custom_mask": segment_packbits(mask, indptr, bitorder="little")[0]}
+    return {}
+
+
+def _opts(case):
+    opts = dict(causal=case.causal, pos_encoding_mode=case.pos, window_left=case.window, logits_soft_cap=case.soft_cap)
+    if case.split == "fixed":
+        opts["fixed_split_size"] = 2
+    elif case.split == "disable":
+        opts["disable_split_kv"] = True
+    return opts
+
+
+@pytest.mark.parametrize("case", PAGED_CASES, ids=Case.id)
+def test_paged_prefill_matches_reference(case, device=DEVICE):
+    g, q, qo_indptr, mask, sinks = _inputs(case, device=device)
+    scale = 0.5 if case.kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else None
+    kv = testing.make_paged_kv(case.kv_lens, case.page_size, case.heads[1], case.head_dim, head_dim_vo=case.head_dim_vo,
+                               layout=case.layout, form=case.form, dtype=case.kv_dtype, device=device, generator=g,
+                               k_scale=scale, v_scale=scale)
+    wrapper = BatchPrefillWithPagedKVCacheWrapper(testing.make_workspace(4 << 20, device), case.layout)
+    wrapper.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, case.heads[0], case.heads[1],
+                 case.head_dim, case.page_size, head_dim_vo=case.head_dim_vo, q_data_type=case.q_dtype,
+                 kv_data_type=case.kv_dtype, **_opts(case), **_mask_args(case, mask))
+    if case.split == "auto" and max(case.kv_lens) >= 150:
+        assert wrapper._plan.has_splits
+    o, lse = wrapper.run(q, kv.cache, k_scale=kv.k_scale, v_scale=kv.v_scale, sinks=sinks, return_lse=True)
+    ref_o, ref_lse = reference.batch_prefill_with_paged_kv_cache(
+        q, qo_indptr.to(device), kv.cache, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, case.layout,
+        custom_mask=mask if case.mask != "none" else None, k_scale=kv.k_scale, v_scale=kv.v_scale, sinks=sinks,
+        **{k: v for k, v in _opts(case).items() if k not in ("fixed_split_size", "disable_split_kv")})
+    testing.assert_close(o, ref_o, case.q_dtype)
+    testing.assert_lse_close(lse, ref_lse, dtype=case.q_dtype)
+
+
+@pytest.mark.parametrize("case", RAGGED_CASES, ids=Case.id)
+def test_ragged_prefill_matches_reference(case):
+    g, q, qo_indptr, mask, _ = _inputs(case)
+    hk, d, dvo = case.heads[1], case.head_dim, case.head_dim_vo or case.head_dim
+    k, kv_indptr = testing.make_ragged(case.kv_lens, hk, d, dtype=case.kv_dtype, device=DEVICE, generator=g)
+    v, _ = testing.make_ragged(case.kv_lens, hk, dvo, dtype=case.kv_dtype, device=DEVICE, generator=g)
+    if case.layout == "HND":
+        k, v = k.transpose(0, 1), v.transpose(0, 1)  # strided [H, nnz, D] views
+    wrapper = BatchPrefillWithRaggedKVCacheWrapper(testing.make_workspace(4 << 20, DEVICE), case.layout)
+    wrapper.plan(qo_indptr, kv_indptr, case.heads[0], hk, d, head_dim_vo=case.head_dim_vo, q_data_type=case.q_dtype,
+                 kv_data_type=case.kv_dtype, **_opts(case), **_mask_args(case, mask))
+    o, lse = wrapper.run_return_lse(q, k, v)
+    ref_o, ref_lse = reference.batch_prefill_with_ragged_kv_cache(
+        q, k, v, qo_indptr, kv_indptr, kv_layout=case.layout, custom_mask=mask if case.mask != "none" else None,
+        **_opts(case))
+    testing.assert_close(o, ref_o, case.q_dtype)
+    testing.assert_lse_close(lse, ref_lse, dtype=case.q_dtype)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_single_prefill(layout):
+    g = torch.Generator().manual_seed(1)
+    qo, kv, hq, hk, d = 5, 12, 4, 2, 32
+    q = testing.randn((qo, hq, d), torch.float16, DEVICE, generator=g)
+    shape = (kv, hk, d) if layout == "NHD" else (hk, kv, d)
+    k = testing.randn(shape, torch.float16, DEVICE, generator=g)
+    v = testing.randn(shape, torch.float16, DEVICE, generator=g)
+    scales = [(torch.rand(n, generator=g) + 0.5).to(DEVICE) for n in (hq, hk, hk)]
+    o, lse = tritoninfer.single_prefill_with_kv_cache_return_lse(
+        q, k, v, *scales, torch.float32, causal=True, kv_layout=layout, pos_encoding_mode="ROPE_LLAMA", window_left=6)
+    assert o.dtype == torch.float32
+    ref_o, ref_lse = reference.single_prefill_with_kv_cache(
+        q, k, v, *scales, causal=True, kv_layout=layout, pos_encoding_mode="ROPE_LLAMA", window_left=6, return_lse=True)
+    testing.assert_close(o, ref_o, torch.float16)
+    testing.assert_lse_close(lse, ref_lse)
+    mask = torch.rand(qo, kv, generator=g).to(DEVICE) > 0.5
+    o = tritoninfer.single_prefill_with_kv_cache(q, k, v, custom_mask=mask, kv_layout=layout, logits_soft_cap=4.0)
+    ref_o = reference.single_prefill_with_kv_cache(q, k, v, custom_mask=mask, kv_layout=layout, logits_soft_cap=4.0)
+    testing.assert_close(o, ref_o, torch.float16)
+
+
+def test_tree_mask_cuda_graph_buffers_replan():
+    """Speculative verification: tree masks through the fixed mask buffers, re-planned with other
+    lengths; the launch grid stays the one of the first plan."""
+    batch, hq, hk, d, page = 2, 4, 2, 32, 4
+    bufs = dict(qo_indptr_buf=torch.empty(batch + 1, dtype=torch.int32, device=DEVICE),
+                paged_kv_indptr_buf=torch.empty(batch + 1, dtype=torch.int32, device=DEVICE),
+                paged_kv_indices_buf=torch.empty(64, dtype=torch.int32, device=DEVICE),
+                paged_kv_last_page_len_buf=torch.empty(batch, dtype=torch.int32, device=DEVICE),
+                custom_mask_buf=torch.empty(256, dtype=torch.uint8, device=DEVICE),
+                mask_indptr_buf=torch.empty(batch + 1, dtype=torch.int32, device=DEVICE))
+    wrapper = BatchPrefillWithPagedKVCacheWrapper(testing.make_workspace(1 << 20, DEVICE), use_cuda_graph=True, **bufs)
+    capacities = []
+    for seed, (qo_lens, kv_lens) in enumerate((((4, 4), (9, 6)), ((3, 4), (30, 5)), ((4, 2), (4, 17)))):
+        case = Case(qo_lens, kv_lens, heads=(hq, hk), head_dim=d, mask="bool")
+        g, q, qo_indptr, mask, _ = _inputs(case, seed=seed)
+        kv = testing.make_paged_kv(kv_lens, page, hk, d, device=DEVICE, generator=g)
+        wrapper.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, hq, hk, d, page,
+                     custom_mask=mask, q_data_type=torch.float16)
+        capacities.append(wrapper._plan.capacity)
+        q_full = torch.zeros((8, hq, d), dtype=torch.float16, device=DEVICE)
+        q_full[:q.shape[0]] = q
+        o = wrapper.run(q_full, kv.cache)
+        ref_o, _ = reference.batch_prefill_with_paged_kv_cache(q, qo_indptr, kv.cache, kv.kv_indptr, kv.kv_indices,
+                                                               kv.kv_last_page_len, custom_mask=mask)
+        testing.assert_close(o[:q.shape[0]], ref_o, torch.float16)
+        assert torch.all(o[q.shape[0]:] == 0)
+    assert len(set(capacities)) == 1
+    with pytest.raises(ValueError, match="first plan"):
+        case = Case((8, 8), (9, 9))
+        g, q, qo_indptr, _, _ = _inputs(case)
+        kv = testing.make_paged_kv((9, 9), page, hk, d, device=DEVICE, generator=g)
+        wrapper.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, hq, hk, d, page)
+
+
+def test_forward_overwrites_planned_settings():
+    case = Case((3, 4), (7, 9), causal=True, pos="ROPE_LLAMA")
+    g, q, qo_indptr, _, _ = _inputs(case)
+    kv = testing.make_paged_kv(case.kv_lens, 4, 2, 32, device=DEVICE, generator=g)
+    w = BatchPrefillWithPagedKVCacheWrapper(testing.make_workspace(1 << 20, DEVICE))
+    w.begin_forward(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 4, 2, 32, 4, causal=True,
+                    pos_encoding_mode="ROPE_LLAMA")
+    o, lse = w.forward_return_lse(q, kv.cache)  # defaults: not causal, no rope
+    ref_o, ref_lse = reference.batch_prefill_with_paged_kv_cache(q, qo_indptr, kv.cache, kv.kv_indptr, kv.kv_indices,
+                                                                 kv.kv_last_page_len)
+    testing.assert_close(o, ref_o, torch.float16)
+    testing.assert_lse_close(lse, ref_lse)
+    k, kv_indptr = testing.make_ragged(case.kv_lens, 2, 32, dtype=torch.float16, device=DEVICE, generator=g)
+    r = BatchPrefillWithRaggedKVCacheWrapper(testing.make_workspace(1 << 20, DEVICE))
+    r.plan(qo_indptr, kv_indptr, 4, 2, 32)
+    o = r.forward(q, k, k, causal=True, sm_scale=0.3)
+    ref_o, _ = reference.batch_prefill_with_ragged_kv_cache(q, k, k, qo_indptr, kv_indptr, causal=True, sm_scale=0.3)
+    testing.assert_close(o, ref_o, torch.float16)
+    r.end_forward()
+
+
+def test_prefill_errors():
+    case = Case((3, 4), (7, 9))
+    g, q, qo_indptr, mask, _ = _inputs(case)
+    kv = testing.make_paged_kv(case.kv_lens, 4, 2, 32, device=DEVICE, generator=g)
+    ws = testing.make_workspace(1 << 20, DEVICE)
+    w = BatchPrefillWithPagedKVCacheWrapper(ws)
+    args = (qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 4, 2, 32, 4)
+    with pytest.raises(ValueError, match="before plan"):
+        w.run(q, kv.cache)
+    with pytest.raises(ValueError, match="custom_mask"):
+        w.plan(*args, custom_mask=mask[:-1])
+    with pytest.raises(NotImplementedError, match="fp16_qk"):
+        w.plan(*args, use_fp16_qk_reduction=True)
+    with pytest.raises(NotImplementedError, match="multi-item"):
+        w.plan(*args, prefix_len_ptr=qo_indptr)
+    with pytest.raises(ValueError, match="backend"):
+        BatchPrefillWithPagedKVCacheWrapper(ws, backend="nope")
+    with pytest.raises(ValueError, match="qo_indptr_buf"):
+        BatchPrefillWithPagedKVCacheWrapper(ws, use_cuda_graph=True)
+    w.plan(*args)
+    with pytest.raises(ValueError, match="q: expected shape"):
+        w.run(q[:-1], kv.cache)
+    with pytest.raises(ValueError, match="q_data_type"):
+        w.run(q.to(torch.bfloat16), kv.cache)
+    with pytest.raises(ValueError, match="window_left"):
+        w.run(q, kv.cache, window_left=2)
+    with pytest.raises(ValueError, match="max_sequence_kv"):
+        w.plan(*args, max_sequence_kv=3)
+    r = BatchPrefillWithRaggedKVCacheWrapper(ws)
+    k, kv_indptr = testing.make_ragged(case.kv_lens, 2, 32, dtype=torch.float16, device=DEVICE, generator=g)
+    r.plan(qo_indptr, kv_indptr, 4, 2, 32)
+    with pytest.raises(ValueError, match="k: expected"):
+        r.run(q, k[:-1], k[:-1])
+    with pytest.raises(TypeError, match="keyword"):
+        r.run(q, k, k, None)
+
+
+# ---------------------------------------------------------------- GPU: realistic shapes
+
+GPU_CASES = [
+    Case((1024,) * 4, (1024,) * 4, page_size=16, heads=(32, 8), head_dim=128, q_dtype=torch.bfloat16,
+         kv_dtype=torch.bfloat16, causal=True),
+    Case((300, 17, 1), (2000, 500, 4000), page_size=16, heads=(32, 8), head_dim=128, q_dtype=torch.bfloat16,
+         kv_dtype=torch.bfloat16, causal=True, pos="ROPE_LLAMA"),
+    Case((257, 64), (257, 1000), page_size=1, form="tuple3d", heads=(28, 4), head_dim=64, q_dtype=torch.float16,
+         kv_dtype=torch.float16, causal=True),
+    Case((128, 100), (600, 130), page_size=16, layout="HND", heads=(16, 2), head_dim=256, q_dtype=torch.bfloat16,
+         kv_dtype=torch.bfloat16, soft_cap=30.0, window=100),
+    Case((200, 200), (900, 700), page_size=16, heads=(32, 8), head_dim=128, q_dtype=torch.bfloat16,
+         kv_dtype=torch.float8_e4m3fn, causal=True, sinks=True),
+    Case((64, 31), (800, 95), page_size=8, heads=(8, 8), head_dim=96, head_dim_vo=64, form="tuple",
+         q_dtype=torch.float16, kv_dtype=torch.float16, mask="bool", pos="ALIBI"),
+    Case((16,), (32768,), page_size=16, heads=(32, 8), head_dim=128, q_dtype=torch.bfloat16,
+         kv_dtype=torch.bfloat16, causal=True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=Case.id)
+def test_gpu_paged_prefill(case):
+    test_paged_prefill_matches_reference(case, device="cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_matches_flashinfer_fa2():
+    flashinfer = pytest.importorskip("flashinfer")
+    case = GPU_CASES[1]
+    g, q, qo_indptr, _, _ = _inputs(case, device="cuda")
+    kv = testing.make_paged_kv(case.kv_lens, 16, 8, 128, dtype=torch.bfloat16, device="cuda", generator=g)
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    outs = []
+    for mod in (flashinfer, tritoninfer):
+        kw = {"backend": "fa2"}
+        w = mod.BatchPrefillWithPagedKVCacheWrapper(ws if mod is flashinfer else torch.empty_like(ws), "NHD", **kw)
+        w.plan(qo_indptr.cuda(), kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 32, 8, 128, 16, causal=True,
+               pos_encoding_mode="ROPE_LLAMA", q_data_type=torch.bfloat16)
+        outs.append(w.run(q, kv.cache))
+    testing.assert_close(outs[1], outs[0].float(), torch.bfloat16)
