@@ -35,7 +35,11 @@ class Tiles:
     row_tiles: int  # programs along the row axis per item (decode: L*group may exceed block_m)
 
 
-def decode_tiles(group: int, q_len_per_req: int, head_dim: int) -> Tiles:
+# Split-KV aims at this many programs per SM when a batch alone does not fill the GPU.
+PROGRAMS_PER_SM = 2
+
+
+def decode_tiles(group: int, q_len_per_req: int, head_dim: int, kv_elem_bytes: int = 2) -> Tiles:
     """Tiles for decode: one work item covers all ``q_len_per_req`` tokens of a request."""
     rows = group * q_len_per_req
     block_m = min(max(16, next_pow2(rows)), 64)
@@ -88,7 +92,7 @@ def kv_split_chunk(
             raise ValueError(f"fixed_split_size: expected a positive number of pages, got {fixed_split_size!r}")
         chunk = int(fixed_split_size) * page_size
     else:
-        target = 2 * num_sms
+        target = PROGRAMS_PER_SM * num_sms
         programs = int(q_tiles.sum()) * num_kv_heads
         if programs >= target:
             return None

@@ -38,7 +38,8 @@ from ._options import (
     check_tensor,
     parse_layout,
 )
-from ._plan import WORK_FIELDS, build_work, decode_tiles, kv_split_chunk
+from . import _plan
+from ._plan import WORK_FIELDS, build_work, kv_split_chunk
 
 __all__ = [
     "single_decode_with_kv_cache",
@@ -118,7 +119,7 @@ def single_decode_with_kv_cache(
 
     device = q.device
     num_sms = _device.num_sms(device)
-    tiles = decode_tiles(num_qo_heads // num_kv_heads, 1, head_dim)
+    tiles = _decode_tiles(num_qo_heads // num_kv_heads, 1, head_dim, k.element_size())
     kv_lens = np.array([kv_len], np.int64)
     chunk = kv_split_chunk(kv_lens, np.ones(1, np.int64), num_kv_heads, num_sms, tiles.block_n, 1, None, False)
     work = build_work(np.ones(1, np.int64), kv_lens, 1, chunk)
@@ -374,7 +375,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                     f"{len(self._paged_kv_indices_buf)}"
                 )
 
-        tiles = decode_tiles(group, 1, head_dim)
+        tiles = _decode_tiles(group, 1, head_dim, kv_dtype.itemsize)
         num_sms = _device.num_sms(self.device)
         ones = np.ones(batch, np.int64)
         chunk = kv_split_chunk(kv_lens, ones, num_kv_heads, num_sms, tiles.block_n, page_size,
@@ -526,7 +527,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         launch_attention(
             q=q, out=out, lse=lse,
             kv=KVSource(kv.k, kv.v, kv.k_strides, kv.v_strides, kv.page_size, self._kv_indptr, self._kv_indices),
-            plan=self._plan, tiles=_decode_tiles_cached(self._num_qo_heads // self._num_kv_heads, L, self._head_dim),
+            plan=self._plan, tiles=_decode_tiles(self._num_qo_heads // self._num_kv_heads, L, self._head_dim,
+                               self._cached_kv_data_type.itemsize),
             num_kv_heads=self._num_kv_heads, head_dim_qk=self._head_dim, head_dim_vo=kv.head_dim_vo,
             params=params, q_len_per_req=L, state_mult=L, workspace=self._float_workspace_buffer,
             q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
@@ -677,8 +679,8 @@ def fast_decode_plan(
 
 
 @functools.lru_cache(maxsize=None)
-def _decode_tiles_cached(group: int, q_len_per_req: int, head_dim: int):
-    return decode_tiles(group, q_len_per_req, head_dim)
+def _decode_tiles(group: int, q_len_per_req: int, head_dim: int, kv_elem_bytes: int = 2):
+    return _plan.decode_tiles(group, q_len_per_req, head_dim, kv_elem_bytes)
 
 
 _uploaders: dict = {}
