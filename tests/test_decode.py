@@ -289,12 +289,16 @@ def test_errors_name_the_argument():
         w.run(q, kv.cache, out=torch.empty(2, 4, 16, dtype=torch.float16, device=DEVICE))
     with pytest.raises(ValueError, match="last_page_len"):
         w.plan(kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len + 10, 4, 2, 32, 4)
-    small = BatchDecodeWithPagedKVCacheWrapper(torch.empty(8, dtype=torch.uint8, device=DEVICE))
+    # a workspace too small for the splits the planner wants: automatic splits get coarser (here
+    # none), a fixed split size is refused in plan()
+    small = BatchDecodeWithPagedKVCacheWrapper(torch.empty(8, dtype=torch.uint8, device=DEVICE), use_tensor_cores=True)
     big = Case((300,), heads=(4, 1), page_size=16)
     kvb, qb = _make(big)
     _plan(small, big, kvb)
+    assert not small._plan.has_splits
+    testing.assert_close(small.run(qb, kvb.cache), _reference(big, kvb, qb)[0], torch.float16)
     with pytest.raises(ValueError, match="float_workspace_buffer"):
-        small.run(qb, kvb.cache)
+        _plan(small, dataclasses.replace(big, split="fixed"), kvb)
 
 
 # ---------------------------------------------------------------- GPU: realistic shapes

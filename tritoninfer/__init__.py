@@ -7,6 +7,7 @@ are re-exported here as FlashInfer does at its top level.
 """
 
 from . import activation, cascade, decode, norm, page, prefill, quantization, rope
+from ._compat import install_as_flashinfer
 from ._options import MaskMode, PosEncodingMode, TensorLayout
 from .activation import *  # noqa: F401,F403
 from .cascade import *  # noqa: F401,F403
@@ -20,7 +21,7 @@ from .rope import *  # noqa: F401,F403
 __version__ = "0.1.0"
 
 __all__ = (
-    ["MaskMode", "PosEncodingMode", "TensorLayout", "__version__"]
+    ["MaskMode", "PosEncodingMode", "TensorLayout", "__version__", "install_as_flashinfer"]
     + activation.__all__
     + cascade.__all__
     + decode.__all__

@@ -148,6 +148,19 @@ def pad_work(plan: WorkPlan, capacity: int) -> np.ndarray:
     return padded
 
 
+_scratch: dict = {}
+SCRATCH_BYTES = 32 << 20
+
+
+def scratch_workspace(device: torch.device) -> torch.Tensor:
+    """A per-device float workspace for the single-request functions, which have no wrapper to
+    hold one (FlashInfer keeps a 32 MiB buffer for the same purpose)."""
+    key = str(device)
+    if key not in _scratch:
+        _scratch[key] = torch.empty(SCRATCH_BYTES, dtype=torch.uint8, device=device)
+    return _scratch[key]
+
+
 _alibi_cache: dict = {}
 
 
@@ -158,9 +171,19 @@ def alibi_tensor(num_heads: int, device: torch.device) -> torch.Tensor:
     return _alibi_cache[key]
 
 
-def dot_dtype(q_dtype: torch.dtype):
-    """Operand dtype of the kernel's ``tl.dot``: the query dtype, fp32 under the interpreter."""
-    return tl.float32 if _device.is_interpreter() else _TL_DTYPES[q_dtype]
+# fp8 K/V become fp16 for the dots (one cvt.f16x2.e4m3x2 per two elements; bf16 has no direct
+# conversion): q is converted to fp16 too, exact for |q| < 65504.
+FP8_DOT_FP16 = True
+
+
+def dot_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype):
+    """Operand dtype of the kernel's ``tl.dot``: the query dtype (fp16 with fp8 KV when
+    ``FP8_DOT_FP16``), fp32 under the interpreter."""
+    if _device.is_interpreter():
+        return tl.float32
+    if FP8_DOT_FP16 and kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return tl.float16
+    return _TL_DTYPES[q_dtype]
 
 
 def launch_attention(
@@ -251,7 +274,7 @@ def launch_attention(
         HAS_SOFT_CAP=params.logits_soft_cap > 0, HAS_ALIBI=params.alibi, HAS_ROPE=params.rope,
         HAS_CUSTOM_MASK=packed_mask is not None, HAS_SINKS=sinks is not None,
         HAS_HEAD_SCALES=head_scales is not None, WRITE_LSE=lse is not None,
-        DOT_DTYPE=dot_dtype(q.dtype),
+        DOT_DTYPE=dot_dtype(q.dtype, kv.k.dtype), PREFETCH_PAGES=tiles.prefetch_pages,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     if plan.has_splits or plan.always_merge:

@@ -33,6 +33,7 @@ class Tiles:
     num_stages: int
     tile_tokens: int  # query tokens per work item
     row_tiles: int  # programs along the row axis per item (decode: L*group may exceed block_m)
+    prefetch_pages: bool = True  # load the next KV tile's page ids one iteration ahead
 
 
 # Split-KV aims at this many programs per SM when a batch alone does not fill the GPU.
@@ -155,6 +156,31 @@ def build_work(
 def state_bytes(num_states: int, num_qo_heads: int, head_dim_vo: int) -> int:
     """Workspace bytes for split-KV partial states (fp32 output and LSE)."""
     return num_states * num_qo_heads * (head_dim_vo + 1) * 4
+
+
+def fit_work(
+    q_lens: np.ndarray,
+    kv_lens: np.ndarray,
+    tile_tokens: int,
+    chunk: Optional[int],
+    workspace_bytes: int,
+    num_qo_heads: int,
+    head_dim_vo: int,
+    fixed: bool,
+    max_splits: Optional[int] = None,
+) -> WorkPlan:
+    """``build_work``, with automatic splits made coarser until their partial states fit the
+    workspace; a ``fixed`` split that does not fit is an error (reported in plan())."""
+    work = build_work(q_lens, kv_lens, tile_tokens, chunk, max_splits)
+    while work.has_splits and state_bytes(work.num_states, num_qo_heads, head_dim_vo) > workspace_bytes:
+        if fixed:
+            raise ValueError(
+                f"float_workspace_buffer: fixed_split_size needs {state_bytes(work.num_states, num_qo_heads, head_dim_vo)} "
+                f"bytes of split-KV states, the buffer has {workspace_bytes}"
+            )
+        chunk *= 2
+        work = build_work(q_lens, kv_lens, tile_tokens, chunk if chunk < int(kv_lens.max()) else None, max_splits)
+    return work
 
 
 def alibi_slopes(num_heads: int) -> np.ndarray:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from . import _device
-from ._attention import DevicePlan, KVSource, PlanUploader, launch_attention, pad_work, score_params
+from ._attention import DevicePlan, KVSource, PlanUploader, launch_attention, pad_work, score_params, scratch_workspace
 from ._kvcache import PagedKVCache, page_table_from_block_tables, unpack_paged_kv_cache
 from ._options import (
     KV_DTYPES,
@@ -39,7 +39,7 @@ from ._options import (
     parse_layout,
 )
 from . import _plan
-from ._plan import WORK_FIELDS, build_work, kv_split_chunk
+from ._plan import WORK_FIELDS, kv_split_chunk
 
 __all__ = [
     "single_decode_with_kv_cache",
@@ -122,15 +122,13 @@ def single_decode_with_kv_cache(
     tiles = _decode_tiles(num_qo_heads // num_kv_heads, 1, head_dim, k.element_size())
     kv_lens = np.array([kv_len], np.int64)
     chunk = kv_split_chunk(kv_lens, np.ones(1, np.int64), num_kv_heads, num_sms, tiles.block_n, 1, None, False)
-    work = build_work(np.ones(1, np.int64), kv_lens, 1, chunk)
+    workspace = scratch_workspace(device)
+    work = _plan.fit_work(np.ones(1, np.int64), kv_lens, 1, chunk, workspace.numel(), num_qo_heads, head_dim_vo, False)
     work_d, kv_len_d, state_offset_d, kv_indptr_d = _uploader(device).upload(
         [work.work, kv_lens, work.state_offset, np.zeros(1, np.int32)]
     )
     plan = DevicePlan(work_d.view(-1, WORK_FIELDS), kv_len_d, state_offset_d, None, work.work.shape[0],
                       work.num_states, work.num_states, work.has_splits, False)
-    workspace = None
-    if work.has_splits:
-        workspace = torch.empty(work.num_states * num_qo_heads * (head_dim_vo + 1) * 4, dtype=torch.uint8, device=device)
     kv = KVSource(k, v, (k.stride(tok_dim), 0, k.stride(head_axis)), (v.stride(tok_dim), 0, v.stride(head_axis)),
                   0, kv_indptr_d)
     out = torch.empty((1, num_qo_heads, head_dim_vo), dtype=q.dtype, device=device)
@@ -382,13 +380,17 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                fixed_split_size, disable_split_kv)
         if self._use_cuda_graph:
             # depends on the batch only, so the buffers (and captured graphs) survive any re-plan
-            max_splits = max(1, -(-2 * num_sms // max(1, batch)))
+            max_splits = max(1, -(-_plan.PROGRAMS_PER_SM * num_sms // max(1, batch)))
+            # the state layout is fixed by the capacity: keep it within the workspace
+            per_split = max(1, batch) * _plan.state_bytes(1, num_qo_heads, head_dim)
+            max_splits = max(1, min(max_splits, self._float_workspace_buffer.numel() // per_split))
             if fixed_split_size is not None and chunk is not None and (-(-kv_lens // chunk)).max() > max_splits:
                 raise ValueError(
                     f"fixed_split_size={fixed_split_size} needs more splits per request than the CUDA-graph "
                     f"buffers allow ({max_splits}); use a larger fixed_split_size"
                 )
-            work = build_work(ones, kv_lens, 1, chunk, max_splits=max_splits)
+            work = _plan.fit_work(ones, kv_lens, 1, chunk, self._float_workspace_buffer.numel(), num_qo_heads,
+                                  head_dim, fixed_split_size is not None, max_splits=max_splits)
             capacity = batch * max_splits
             if self._plan_buf is None or self._plan_capacity != capacity:
                 # fixed for the wrapper's life: captured graphs hold pointers into it
@@ -404,7 +406,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             plan = DevicePlan(work_d.view(capacity, WORK_FIELDS), kv_len_d, state_offset_d, None, capacity,
                               work.num_states, capacity, work.has_splits, True)
         else:
-            work = build_work(ones, kv_lens, 1, chunk)
+            work = _plan.fit_work(ones, kv_lens, 1, chunk, self._float_workspace_buffer.numel(), num_qo_heads,
+                                  head_dim, fixed_split_size is not None)
             host_arrays = [work.work, kv_lens, work.state_offset]
             if indptr.device != self.device:
                 host_arrays.append(ind)

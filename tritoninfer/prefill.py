@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from . import _device
-from ._attention import DevicePlan, KVSource, PlanUploader, launch_attention, pad_work, score_params
+from ._attention import DevicePlan, KVSource, PlanUploader, launch_attention, pad_work, score_params, scratch_workspace
 from ._kvcache import PagedKVCache, page_table_from_block_tables, unpack_paged_kv_cache
 from ._options import (
     KV_DTYPES,
@@ -36,7 +36,8 @@ from ._options import (
     host_index,
     parse_layout,
 )
-from ._plan import WORK_FIELDS, build_work, kv_split_chunk, prefill_tiles
+from . import _plan
+from ._plan import WORK_FIELDS, kv_split_chunk, prefill_tiles
 
 __all__ = [
     "single_prefill_with_kv_cache",
@@ -195,7 +196,10 @@ class _BatchPrefillBase:
                 # sized once, from the first plan's total rows (as FlashInfer does); captured graphs
                 # keep pointers into it
                 self._max_total_rows = total_rows
-                max_splits = max(1, -(-2 * num_sms // max(1, batch)))
+                max_splits = max(1, -(-_plan.PROGRAMS_PER_SM * num_sms // max(1, batch)))
+                # the state layout is fixed by the first plan: keep it within the workspace
+                per_split = max(1, total_rows) * _plan.state_bytes(1, num_qo_heads, head_dim_vo)
+                max_splits = max(1, min(max_splits, self._float_workspace_buffer.numel() // per_split))
                 self._max_splits = max_splits
                 self._plan_capacity = (-(-total_rows // tiles.tile_tokens) + batch) * max_splits
                 extra = sum(a.size for a in kv_extra)
@@ -206,7 +210,8 @@ class _BatchPrefillBase:
                     f"qo_indptr: {total_rows} query rows exceed the {self._max_total_rows} of the first plan "
                     "in cuda graph mode"
                 )
-            work = build_work(qo_lens, kv_lens, tiles.tile_tokens, chunk, max_splits=self._max_splits)
+            work = _plan.fit_work(qo_lens, kv_lens, tiles.tile_tokens, chunk, self._float_workspace_buffer.numel(),
+                                  num_qo_heads, head_dim_vo, fixed_split_size is not None, max_splits=self._max_splits)
             capacity = self._plan_capacity
             views = self._uploader.upload([pad_work(work, capacity), kv_lens, work.state_offset, qo] + kv_extra,
                                           non_blocking, out=self._plan_buf)
@@ -222,10 +227,11 @@ class _BatchPrefillBase:
                 copy_into(self._mask_indptr_buf[:batch + 1], torch.from_numpy(byte_indptr.astype(np.int32)), non_blocking)
                 packed, mask_indptr_d = self._custom_mask_buf, self._mask_indptr_buf
             plan = DevicePlan(work_d.view(capacity, WORK_FIELDS), kv_len_d, state_offset_d, qo_indptr_d, capacity,
-                              work.num_states, capacity * tiles.tile_tokens, work.has_splits, True)
+                              work.num_states, self._max_total_rows * self._max_splits, work.has_splits, True)
             kv_views = views[4:]
         else:
-            work = build_work(qo_lens, kv_lens, tiles.tile_tokens, chunk)
+            work = _plan.fit_work(qo_lens, kv_lens, tiles.tile_tokens, chunk, self._float_workspace_buffer.numel(),
+                                  num_qo_heads, head_dim_vo, fixed_split_size is not None)
             views = self._uploader.upload([work.work, kv_lens, work.state_offset, qo] + mask_arrays + kv_extra,
                                           non_blocking)
             work_d, kv_len_d, state_offset_d, qo_indptr_d = views[:4]
@@ -289,8 +295,10 @@ class _BatchPrefillBase:
             raise ValueError("k/v and q must be on the same device")
         shape = (q.shape[0], self._num_qo_heads, self._head_dim_vo)
         out_dtype = q.dtype if out_dtype is None else out_dtype
-        if out is None and q.shape[0] > self._total_rows:
-            out = torch.zeros(shape, dtype=out_dtype, device=q.device)  # rows beyond the plan stay 0
+        if out is None and (self._use_cuda_graph or q.shape[0] > self._total_rows):
+            # rows beyond the plan are 0; in cuda graph mode a later plan may have fewer rows than
+            # the captured one, so the captured zero-fill covers them on every replay
+            out = torch.zeros(shape, dtype=out_dtype, device=q.device)
         out = check_out(out, shape, out_dtype, q.device, "out")
         lse = check_out(lse, shape[:2], torch.float32, q.device, "lse") if return_lse else None
         sinks = check_sinks(sinks, self._num_qo_heads, q.device)
@@ -861,15 +869,12 @@ def single_prefill_with_kv_cache(
         if tuple(custom_mask.shape) != (qo_len, kv_len):
             raise ValueError(f"custom_mask: expected shape ({qo_len}, {kv_len}), got {tuple(custom_mask.shape)}")
         custom_mask = custom_mask.reshape(-1)
-    wrapper = BatchPrefillWithRaggedKVCacheWrapper(torch.empty(0, dtype=torch.uint8, device=device), kv_layout)
+    wrapper = BatchPrefillWithRaggedKVCacheWrapper(scratch_workspace(device), kv_layout)
     wrapper.plan(torch.tensor([0, qo_len], dtype=torch.int32), torch.tensor([0, kv_len], dtype=torch.int32),
                  q.shape[1], num_kv_heads, q.shape[2], head_dim_vo=v.shape[2], custom_mask=custom_mask,
                  packed_custom_mask=packed_custom_mask, causal=causal, pos_encoding_mode=pos_encoding_mode,
                  window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
                  rope_theta=rope_theta, q_data_type=q.dtype, kv_data_type=k.dtype)
-    if wrapper._plan.has_splits:
-        wrapper._float_workspace_buffer = torch.empty(
-            wrapper._plan.num_states * q.shape[1] * (v.shape[2] + 1) * 4, dtype=torch.uint8, device=device)
     head_scales = None
     if scale_q is not None or scale_k is not None or scale_v is not None:
         head_scales = tuple(_head_scale(s, n, name, device) for s, n, name in

@@ -133,7 +133,7 @@ def attention_fwd_kernel(
     IS_PAGED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SOFT_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_ROPE: tl.constexpr,
     HAS_CUSTOM_MASK: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_HEAD_SCALES: tl.constexpr,
-    WRITE_LSE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    WRITE_LSE: tl.constexpr, DOT_DTYPE: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
 ):
     i_item = tl.program_id(0)
     i_kvh = tl.program_id(1)
@@ -212,11 +212,21 @@ def attention_fwd_kernel(
 
     k_head = i_kvh.to(tl.int64) * stride_k_head
     v_head = i_kvh.to(tl.int64) * stride_v_head
+    if IS_PAGED and PREFETCH_PAGES:
+        # page ids of the first tile; each iteration fetches the next tile's, so K/V addresses never
+        # wait on a load issued in the same iteration
+        offs_first = lo + tl.arange(0, BLOCK_N)
+        next_page = tl.load(kv_indices_ptr + page_base + offs_first // page_size, mask=offs_first < hi, other=0)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
         if IS_PAGED:
-            page = tl.load(kv_indices_ptr + page_base + offs_n // page_size, mask=n_ok, other=0).to(tl.int64)
+            if PREFETCH_PAGES:
+                page = next_page.to(tl.int64)
+                offs_next = offs_n + BLOCK_N
+                next_page = tl.load(kv_indices_ptr + page_base + offs_next // page_size, mask=offs_next < hi, other=0)
+            else:
+                page = tl.load(kv_indices_ptr + page_base + offs_n // page_size, mask=n_ok, other=0).to(tl.int64)
             slot = (offs_n % page_size).to(tl.int64)
             k_rows = page * stride_k_page + slot * stride_k_slot + k_head
             v_rows = page * stride_v_page + slot * stride_v_slot + v_head

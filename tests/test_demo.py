@@ -1,0 +1,295 @@
+"""``tritoninfer demo``: the paged serving loop against Hugging Face transformers, the checkpoint
+loader, the scheduler, and the command line.
+
+The model is tiny (2 layers, hidden 64, 4/2 heads, head_dim 16, vocab 128, page size 4) so that
+every kernel runs through the Triton interpreter in seconds.
+"""
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+from tritoninfer.demo import main
+from tritoninfer.demo.engine import Engine, EngineConfig, batch_buckets
+from tritoninfer.demo.hf import config_from_hf, load_checkpoint, read_safetensors
+from tritoninfer.demo.kv_cache import PageAllocator
+from tritoninfer.demo.model import TINY, LlamaModel, ModelConfig, random_weights
+from tritoninfer.demo.reference import DenseReference
+from tritoninfer.demo.scheduler import Request, Scheduler
+
+from conftest import DEVICE
+
+# prompts of different lengths (1 token, exactly one page, partial pages) and generation lengths,
+# so requests finish at different steps and waiting ones are admitted mid-run (max_batch 3)
+PROMPT_LENS = [7, 1, 12, 4, 9]
+GEN_LENS = [4, 3, 1, 5, 2]
+
+
+def _workload(vocab, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, vocab, (n,), generator=g).tolist(), m) for n, m in zip(PROMPT_LENS, GEN_LENS)]
+
+
+def _hf_llama(cfg: ModelConfig, weights):
+    """``LlamaForCausalLM`` of the same shape (no download) with ``weights`` copied in (float32)."""
+    transformers = pytest.importorskip("transformers")
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+        max_position_embeddings=256, tie_word_embeddings=False, attention_bias=False,
+    )
+    hf_cfg._attn_implementation = "eager"
+    model = transformers.LlamaForCausalLM(hf_cfg).eval()
+    w = weights.to(torch.float32, "cpu")
+    hq, hkv, d, i = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim, cfg.intermediate_size
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(w.embed)
+        for layer, lw in zip(model.model.layers, w.layers):
+            layer.self_attn.q_proj.weight.copy_(lw.qkv[:hq])
+            layer.self_attn.k_proj.weight.copy_(lw.qkv[hq: hq + hkv])
+            layer.self_attn.v_proj.weight.copy_(lw.qkv[hq + hkv:])
+            layer.self_attn.o_proj.weight.copy_(lw.o)
+            layer.mlp.gate_proj.weight.copy_(lw.gate_up[:i])
+            layer.mlp.up_proj.weight.copy_(lw.gate_up[i:])
+            layer.mlp.down_proj.weight.copy_(lw.down)
+            layer.input_layernorm.weight.copy_(lw.input_norm)
+            layer.post_attention_layernorm.weight.copy_(lw.post_norm)
+        model.model.norm.weight.copy_(w.final_norm)
+        model.lm_head.weight.copy_(w.lm_head)
+    del d
+    return model
+
+
+def _serve(model, kv_dtype, workload, **engine_kw):
+    ecfg = EngineConfig(page_size=4, max_batch=3, record_logits=True, workspace_bytes=8 << 20, **engine_kw)
+    engine = Engine(model, kv_dtype, ecfg, num_pages=3 * 4)
+    reqs = [Request(i, list(p), g) for i, (p, g) in enumerate(workload)]
+    stats = engine.run(reqs)
+    return engine, reqs, stats
+
+
+def _compare_with_hf(hf_model, engine, reqs, tol):
+    """Teacher-forced logits of every step vs transformers' on the served sequence, within ``tol``
+    (relative to the row's largest |logit|); greedy tokens agree wherever transformers' top-2
+    margin exceeds that tolerance."""
+    worst = 0.0
+    decided = 0
+    for r in reqs:
+        ours = torch.stack(engine.logits[r.rid]).float()  # [generated, vocab]: prefill's last row, then decode steps
+        assert ours.shape[0] == len(r.output) == r.max_new_tokens
+        seq = torch.tensor([r.prompt + r.output[:-1]])
+        with torch.no_grad():
+            ref = hf_model(seq).logits[0, len(r.prompt) - 1:].float()
+        assert ref.shape == ours.shape
+        diff = (ours - ref).abs().amax(-1)
+        rel = diff / ref.abs().amax(-1)
+        worst = max(worst, float(rel.max()))
+        top2 = ref.topk(2, dim=-1).values
+        margin = top2[:, 0] - top2[:, 1]
+        clear = margin > tol * ref.abs().amax(-1)
+        decided += int(clear.sum())
+        tokens = torch.tensor(r.output)
+        assert torch.equal(tokens[clear], ref.argmax(-1)[clear]), f"request {r.rid}: greedy token differs"
+    assert worst <= tol, f"largest relative logit difference {worst:.4g} > {tol}"
+    assert decided >= sum(GEN_LENS) // 3, decided  # the greedy comparison is not vacuous
+    return worst
+
+
+@pytest.mark.parametrize(
+    "dtype,kv_dtype,engine_kw,tol",
+    [
+        # fp32 activations (attention on fp16 queries, fp16 KV), decode on fixed padded buffers (the
+        # CUDA-graph path; captured on a GPU)
+        (torch.float32, torch.float16, dict(cuda_graph=True), 1e-2),
+        # bf16 activations, fp8 e4m3 KV with per-layer scales, eager decode, tensor-core flag
+        (torch.bfloat16, torch.float8_e4m3fn, dict(cuda_graph=False, use_tensor_cores=True), 0.12),
+    ],
+    ids=["fp32-fp16kv-graphpath", "bf16-fp8kv-eager"],
+)
+def test_serving_loop_matches_transformers(dtype, kv_dtype, engine_kw, tol):
+    cfg = TINY
+    weights = random_weights(cfg, seed=0, dtype=torch.float32)
+    hf_model = _hf_llama(cfg, weights)
+    model = LlamaModel(cfg, weights.to(dtype, DEVICE), dtype)
+    engine, reqs, stats = _serve(model, kv_dtype, _workload(cfg.vocab_size), **engine_kw)
+    assert all(r.done for r in reqs) and stats.generated_tokens == sum(GEN_LENS)
+    assert stats.prefill_steps >= 2  # requests 4 and 5 were admitted after others finished
+    assert engine.cache.allocator.num_free == engine.cache.num_pages  # every page went back
+    _compare_with_hf(hf_model, engine, reqs, tol)
+
+
+def test_dense_reference_matches_transformers():
+    """The --check reference itself is right (so --check judges against the right model)."""
+    cfg = dataclasses.replace(TINY, sliding_window=None)
+    weights = random_weights(cfg, seed=3, dtype=torch.float32)
+    hf_model = _hf_llama(cfg, weights)
+    ref = DenseReference(cfg, weights, "cpu")
+    prompt = list(range(3, 14))
+    logits = ref.forward([(0, prompt[:6]), (1, prompt[:2])], all_rows=True)
+    more = ref.forward([(0, prompt[6:])], all_rows=True)
+    with torch.no_grad():
+        hf = hf_model(torch.tensor([prompt])).logits[0]
+        hf1 = hf_model(torch.tensor([prompt[:2]])).logits[0]
+    torch.testing.assert_close(logits[:6], hf[:6], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[6:], hf1, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(more, hf[6:], atol=1e-4, rtol=1e-4)
+
+
+def _save_hf_checkpoint(tmp_path, kind):
+    transformers = pytest.importorskip("transformers")
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5)
+    if kind == "qwen2":  # q/k/v biases, tied embeddings
+        cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1e6)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    else:  # Llama 3 rope scaling with a short original context, so it matters at these positions
+        cfg = transformers.LlamaConfig(**common, head_dim=16, tie_word_embeddings=False, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+        model = transformers.LlamaForCausalLM(cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # weights that give O(1) activations and spread-out logits
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            elif p.dim() == 1:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
+    model.eval().save_pretrained(tmp_path)  # config.json + model.safetensors
+    return model
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama3-rope"])
+def test_checkpoint_loading_matches_transformers(tmp_path, kind):
+    hf_model = _save_hf_checkpoint(tmp_path, kind)
+    cfg, weights = load_checkpoint(str(tmp_path), torch.float32, DEVICE)
+    if kind == "qwen2":
+        assert cfg.attention_bias and cfg.tie_word_embeddings and cfg.rope_theta == 1e6
+        assert weights.lm_head is weights.embed and weights.layers[0].qkv_bias is not None
+    else:
+        assert cfg.rope_scaling["rope_type"] == "llama3" and not cfg.tie_word_embeddings
+    model = LlamaModel(cfg, weights, torch.float32)
+    g = torch.Generator().manual_seed(5)
+    workload = [(torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist(), 2) for n in (13, 6)]
+    ecfg = EngineConfig(page_size=4, max_batch=2, record_logits=True, workspace_bytes=8 << 20)
+    engine = Engine(model, torch.float16, ecfg, num_pages=8)
+    reqs = [Request(i, p, n) for i, (p, n) in enumerate(workload)]
+    engine.run(reqs)
+    for r in reqs:
+        ours = torch.stack(engine.logits[r.rid])
+        with torch.no_grad():
+            ref = hf_model(torch.tensor([r.prompt + r.output[:-1]])).logits[0, len(r.prompt) - 1:]
+        rel = float(((ours - ref).abs().amax(-1) / ref.abs().amax(-1)).max())
+        assert rel < 1e-2, rel
+
+
+def test_read_safetensors_dtypes(tmp_path):
+    """The loader's own safetensors reader against hand-written files."""
+    import struct
+
+    tensors = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
+               "c": torch.tensor([[7]], dtype=torch.int64)}
+    names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.int64: "I64"}
+    header, blobs, off = {}, [], 0
+    for k, t in tensors.items():
+        raw = t.contiguous().view(torch.uint8).numpy().tobytes()
+        header[k] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + len(raw)]}
+        blobs.append(raw)
+        off += len(raw)
+    h = json.dumps(header).encode()
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+    got = read_safetensors(str(path))
+    for k, t in tensors.items():
+        assert got[k].dtype == t.dtype and torch.equal(got[k], t)
+
+
+def test_config_from_hf_errors():
+    base = dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                num_attention_heads=4, vocab_size=32)
+    cfg = config_from_hf(base)
+    assert (cfg.num_kv_heads, cfg.head_dim, cfg.rope_scaling) == (4, 16, None)
+    assert config_from_hf({**base, "model_type": "mistral", "sliding_window": 8}).window_left == 7
+    with pytest.raises(ValueError, match="model_type"):
+        config_from_hf({**base, "model_type": "gpt2"})
+    with pytest.raises(NotImplementedError, match="rope scaling"):
+        config_from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+    with pytest.raises(NotImplementedError, match="hidden_act"):
+        config_from_hf({**base, "hidden_act": "gelu"})
+
+
+def test_scheduler_admission_and_pages():
+    alloc = PageAllocator(6)
+    s = Scheduler(alloc, page_size=4, max_batch=2, max_prefill_tokens=100)
+    a, b, c = Request(0, [1] * 5, 4), Request(1, [1] * 3, 2), Request(2, [1] * 2, 1)
+    for r in (a, b, c):
+        s.add(r)
+    kind, batch = s.schedule()  # a needs 2 pages (8 tokens), b 1 page: both fit, c waits for a slot
+    assert kind == "prefill" and batch == [a, b] and len(a.pages) == 2 and len(b.pages) == 1
+    for r in batch:
+        r.kv_len = len(r.prompt)
+        r.output.append(0)
+    kind, batch = s.schedule()
+    assert kind == "decode" and batch == [a, b]
+    for r in batch:
+        r.kv_len += 1
+        r.output.append(0)
+    assert s.retire() == [b] and alloc.num_free == 4  # b is done: its page is back
+    kind, batch = s.schedule()
+    assert kind == "prefill" and batch == [c]
+    assert alloc.peak_used == 3
+    with pytest.raises(ValueError, match="pages"):
+        s.add(Request(3, [1] * 30, 1))
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 64] and batch_buckets(3) == [1, 2, 3]
+
+
+def test_main_check_end_to_end(capsys, tmp_path):
+    out = tmp_path / "summary.md"
+    status = main(["--check", "--quiet", "--kv-dtype", "bf16,fp8", "--num-requests", "3", "--gen-len", "2-3",
+                   "--out", str(out)])
+    text = capsys.readouterr().out
+    assert status == 0, text
+    assert "interpreter configuration" in text.lower() or "interpreter" in text
+    assert "decode" in text and "KV pages used (peak)" in text and "check (fp8 KV)" in text and "OK" in text
+    md = out.read_text()
+    assert md.startswith("# tritoninfer demo") and "| KV cache dtype | bf16 | fp8 |" in md
+
+
+def test_main_check_fails_on_tight_tolerance(capsys):
+    status = main(["--check", "--quiet", "--num-requests", "1", "--gen-len", "1", "--tolerance", "1e-9"])
+    assert status == 1
+    assert "FAILED" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--prompt-len", "9-3"], "LO <= HI"),
+    (["--prompt-len", "abc"], "N or LO-HI"),
+    (["--heads", "4/3"], "multiple of KV"),
+    (["--kv-dtype", "int4"], "bf16, fp16, fp8"),
+    (["--head-dim", "12"], "multiple of 8"),
+    (["--num-requests", "0"], "positive int"),
+    (["--model", "/nonexistent/dir"], "not a folder"),
+    (["--preset", "nope"], "invalid choice"),
+    (["--bogus"], "unrecognized arguments"),
+])
+def test_main_argument_errors(capsys, argv, message):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_main_model_conflicts_with_shape(capsys, tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["--model", str(tmp_path), "--layers", "3"]) == 2
+    assert "drop --layers" in capsys.readouterr().err
+    assert main(["--model", str(tmp_path), "--quiet"]) == 2  # model_type missing
+    assert "model_type" in capsys.readouterr().err
+
+
+def test_main_help(capsys):
+    assert main(["--help"]) == 0
+    assert "--kv-dtype" in capsys.readouterr().out

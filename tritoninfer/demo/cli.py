@@ -1,0 +1,406 @@
+"""``tritoninfer demo``: options, the run, the progress line and the summary."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from typing import List, Optional, Tuple
+
+import numpy as np
+import torch
+
+__all__ = ["build_parser", "parse_args", "run", "PRESETS", "default_tolerance"]
+
+# Model shape and workload of each preset; explicit options override them.
+_REALISTIC = dict(layers=8, hidden=4096, intermediate=14336, heads="32/8", head_dim=128, vocab=32000)
+PRESETS = {
+    # the CPU default: every kernel runs through the Triton interpreter
+    "tiny": dict(layers=2, hidden=64, intermediate=128, heads="4/2", head_dim=16, vocab=128, num_requests=4,
+                 prompt_len="5-12", gen_len="4", max_batch=3, page_size=4, kv_dtype="bf16",
+                 max_prefill_tokens=4096),
+    # the GPU default: a realistic layer shape, a short run
+    "gpu": dict(**_REALISTIC, num_requests=32, prompt_len="256-2048", gen_len="64", max_batch=16, page_size=16,
+                kv_dtype="bf16", max_prefill_tokens=16384),
+    # the H200 measurement: 64 concurrent requests, prompts 512-4096, bf16 and fp8 KV
+    "h200": dict(**_REALISTIC, num_requests=128, prompt_len="512-4096", gen_len="128", max_batch=64,
+                 page_size=16, kv_dtype="bf16,fp8", max_prefill_tokens=32768),
+}
+_KV_CHOICES = ("bf16", "fp16", "fp8")
+
+
+def default_tolerance(dtype: str, kv_dtype: str) -> float:
+    """Largest allowed ``max |logit - reference| / max |reference logit|`` (per row) for ``--check``.
+
+    The reference is float32; the serving path rounds activations to ``dtype`` (bf16 keeps 8
+    significant bits, fp16 11) and runs attention on fp16/bf16 queries. A wrong page, position or
+    mask moves logits by O(1) of their range, far above these."""
+    base = {"fp32": 0.01, "fp16": 0.02, "bf16": 0.08}[dtype]
+    return base + (0.04 if kv_dtype == "fp8" else 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# options
+# ---------------------------------------------------------------------------------------------
+
+
+def _range(text: str) -> Tuple[int, int]:
+    try:
+        parts = [int(p) for p in text.split("-")] if "-" in text.strip("-") else [int(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or LO-HI (positive ints), got {text!r}")
+    lo, hi = parts[0], parts[-1]
+    if len(parts) > 2 or lo < 1 or hi < lo:
+        raise argparse.ArgumentTypeError(f"expected N or LO-HI with 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
+def _heads(text: str) -> Tuple[int, int]:
+    try:
+        parts = [int(p) for p in text.split("/")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected Q/KV (e.g. 32/8), got {text!r}")
+    if len(parts) == 1:
+        parts = parts * 2
+    q, kv = parts
+    if len(parts) != 2 or q < 1 or kv < 1 or q % kv:
+        raise argparse.ArgumentTypeError(f"expected Q/KV with Q a multiple of KV, got {text!r}")
+    return q, kv
+
+
+def _kv_dtypes(text: str) -> List[str]:
+    out = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in out if t not in _KV_CHOICES]
+    if not out or bad:
+        raise argparse.ArgumentTypeError(f"expected one or more of {', '.join(_KV_CHOICES)} (comma separated), got {text!r}")
+    return out
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tritoninfer demo",
+        description="Greedy generation with continuous batching over a paged KV cache: a Llama-architecture "
+                    "decoder on tritoninfer's kernels (random weights by default, or --model). Without a GPU it "
+                    "runs a tiny model through the Triton interpreter.",
+    )
+    p.add_argument("--preset", choices=sorted(PRESETS),
+                   help="model shape and workload: 'tiny' (the default without a GPU), 'gpu' (the default with "
+                        "one), 'h200' (8 layers of a 32/8-head, hidden-4096 model, 128 requests, 64 at a time, "
+                        "prompts 512-4096, bf16 and fp8 KV); options below override it")
+    g = p.add_argument_group("workload")
+    g.add_argument("--num-requests", type=_positive, help="requests to serve")
+    g.add_argument("--prompt-len", type=_range, help="prompt length in tokens: N or LO-HI (uniform, seeded)")
+    g.add_argument("--gen-len", type=_range, help="tokens to generate per request: N or LO-HI")
+    g.add_argument("--max-batch", type=_positive, help="most requests running at once")
+    g.add_argument("--max-prefill-tokens", type=_positive, help="prompt tokens admitted per prefill step")
+    g.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompts (default 0)")
+    g = p.add_argument_group("KV cache and kernels")
+    g.add_argument("--page-size", type=_positive, help="tokens per KV page")
+    g.add_argument("--num-pages", type=_positive, help="KV pages (default: enough for max-batch of the longest requests)")
+    g.add_argument("--kv-dtype", type=_kv_dtypes,
+                   help="KV cache dtype: bf16, fp16 or fp8 (e4m3 with per-layer K/V scales passed as k_scale/"
+                        "v_scale); a comma list runs each in turn (e.g. bf16,fp8)")
+    g.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
+                   help="weights and activations (default bf16); with fp32, attention takes fp16 queries")
+    g.add_argument("--use-tensor-cores", action="store_true", help="decode wrapper's use_tensor_cores=True")
+    g.add_argument("--no-cuda-graph", action="store_true", help="GPU: decode eagerly instead of replaying CUDA graphs")
+    g.add_argument("--no-warmup", action="store_true",
+                   help="GPU: skip the warm-up (kernel compilation and graph capture then count in the timings)")
+    g = p.add_argument_group("random model (ignored shape options are an error with --model)")
+    g.add_argument("--layers", type=_positive)
+    g.add_argument("--hidden", type=_positive)
+    g.add_argument("--intermediate", type=_positive, help="MLP size (default: the preset's, or 3.5 x hidden)")
+    g.add_argument("--heads", type=_heads, help="query/KV heads, e.g. 32/8")
+    g.add_argument("--head-dim", type=_positive)
+    g.add_argument("--vocab", type=_positive)
+    g.add_argument("--model", metavar="PATH",
+                   help="a local Hugging Face Llama/Qwen2/Mistral checkpoint folder (config.json + *.safetensors); "
+                        "prompts are random token ids")
+    g = p.add_argument_group("checking and output")
+    g.add_argument("--check", action="store_true",
+                   help="compare every step's logits with a dense float32 reference forward pass (plain torch); "
+                        "exit 1 if the largest difference exceeds the tolerance")
+    g.add_argument("--tolerance", type=float,
+                   help="--check: allowed max |logit - ref| / max |ref logit| per row (default by dtype)")
+    g.add_argument("--out", metavar="FILE", help="also write the summary as markdown to FILE")
+    g.add_argument("--quiet", action="store_true", help="no progress line")
+    return p
+
+
+def parse_args(argv: List[str], on_gpu: Optional[bool] = None) -> argparse.Namespace:
+    """Parse and resolve the options against the preset (``on_gpu`` picks the default preset)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if on_gpu is None:
+        on_gpu = _on_gpu()
+    args.interpreter = not on_gpu
+    if args.preset is None:
+        args.preset = "gpu" if on_gpu else "tiny"
+    preset = PRESETS[args.preset]
+    shape_opts = ("layers", "hidden", "intermediate", "heads", "head_dim", "vocab")
+    if args.model is not None:
+        given = [o for o in shape_opts if getattr(args, o) is not None]
+        if given:
+            parser.error(f"--model takes the shape from config.json; drop --{given[0].replace('_', '-')}")
+        if not os.path.isdir(args.model):
+            parser.error(f"--model {args.model}: not a folder")
+    derive_intermediate = args.intermediate is None and args.hidden is not None and args.hidden != preset["hidden"]
+    for key, value in preset.items():
+        if getattr(args, key, None) is None:
+            conv = {"prompt_len": _range, "gen_len": _range, "heads": _heads, "kv_dtype": _kv_dtypes}.get(key)
+            setattr(args, key, conv(value) if conv else value)
+    if derive_intermediate:
+        args.intermediate = max(8, int(3.5 * args.hidden) // 8 * 8)
+    args.argv = list(argv)
+    if args.tolerance is not None and not args.tolerance > 0:
+        parser.error("--tolerance: expected a positive number")
+    if args.head_dim % 8 or args.head_dim > 256:
+        parser.error(f"--head-dim: expected a multiple of 8 up to 256, got {args.head_dim}")
+    return args
+
+
+def _on_gpu() -> bool:
+    from tritoninfer import _device
+
+    return _device.has_gpu()
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+# ---------------------------------------------------------------------------------------------
+
+
+class Progress:
+    """A carriage-return status line on stderr (only when it is a terminal)."""
+
+    def __init__(self, total_tokens: int, label: str, enabled: bool) -> None:
+        self.total, self.label = total_tokens, label
+        self.enabled = enabled and sys.stderr.isatty()
+        self.done = 0
+        self.t0 = time.perf_counter()
+        self._last = 0.0
+
+    def update(self, engine, info) -> None:
+        self.done += info.batch
+        now = time.perf_counter()
+        if not self.enabled or (now - self._last < 0.1 and self.done < self.total):
+            return
+        self._last = now
+        s = engine.scheduler
+        alloc = engine.cache.allocator
+        frac = self.done / max(1, self.total)
+        bar = "#" * int(20 * frac) + "." * (20 - int(20 * frac))
+        line = (f"\r{self.label} [{bar}] {self.done}/{self.total} tokens | {info.kind:<7} batch {info.batch:>3} | "
+                f"running {len(s.running):>3} waiting {len(s.waiting):>3} done {len(s.finished):>3} | "
+                f"pages {alloc.num_used}/{alloc.num_pages} | {now - self.t0:6.1f} s")
+        sys.stderr.write(line)
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+
+
+def make_workload(args, vocab: int) -> List[Tuple[List[int], int]]:
+    """(prompt token ids, tokens to generate) per request; seeded."""
+    rng = np.random.default_rng(args.seed + 1)
+    lo, hi = args.prompt_len
+    glo, ghi = args.gen_len
+    lens = rng.integers(lo, hi + 1, size=args.num_requests)
+    gens = rng.integers(glo, ghi + 1, size=args.num_requests)
+    return [(rng.integers(0, vocab, size=int(n)).tolist(), int(g)) for n, g in zip(lens, gens)]
+
+
+def run(args) -> int:
+    from .engine import Engine, EngineConfig
+    from .hf import load_checkpoint
+    from .kv_cache import KV_DTYPES
+    from .model import DTYPES, LlamaModel, ModelConfig, random_weights
+    from .reference import DenseReference
+    from .scheduler import Request, pages_for
+
+    device = torch.device("cpu" if args.interpreter else "cuda")
+    dtype = DTYPES[args.dtype]
+    out = []  # lines of the header
+    if args.interpreter:
+        out.append("NOTE: no CUDA GPU: this is the Triton-interpreter configuration (every kernel interpreted on "
+                   "the CPU, a tiny model; throughput numbers mean nothing here).")
+    t0 = time.perf_counter()
+    if args.model:
+        try:
+            mcfg, weights = load_checkpoint(args.model, dtype, device)
+        except (OSError, ValueError, KeyError, NotImplementedError) as exc:
+            print(f"tritoninfer demo: error: {exc}", file=sys.stderr)
+            return 2
+        source = f"{mcfg.name} checkpoint {args.model}"
+    else:
+        q, kv = args.heads
+        try:
+            mcfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                               num_layers=args.layers, num_heads=q, num_kv_heads=kv, head_dim=args.head_dim)
+        except ValueError as exc:
+            print(f"tritoninfer demo: error: {exc}", file=sys.stderr)
+            return 2
+        weights = random_weights(mcfg, args.seed, dtype, device)
+        source = f"random Llama-architecture weights (seed {args.seed})"
+    model = LlamaModel(mcfg, weights, dtype)
+    load_time = time.perf_counter() - t0
+    workload = make_workload(args, mcfg.vocab_size)
+    max_kv = max(len(p) + g - 1 for p, g in workload)
+    num_pages = args.num_pages or args.max_batch * pages_for(max_kv, args.page_size)
+    if num_pages < pages_for(max_kv, args.page_size):
+        print(f"tritoninfer demo: error: --num-pages {num_pages} cannot hold the longest request "
+              f"({max_kv} tokens = {pages_for(max_kv, args.page_size)} pages)", file=sys.stderr)
+        return 2
+    reference = None
+    if args.check:
+        torch.set_float32_matmul_precision("highest")  # a float32 reference: no TF32 on the GPU
+        reference = DenseReference(mcfg, weights, device)
+    from tritoninfer import _device
+
+    out.append(f"device    : {_device.device_name()} | torch {torch.__version__} | triton {_triton_version()}")
+    out.append(f"model     : {source}: {mcfg.describe()}; {mcfg.num_parameters() / 1e6:.1f} M parameters, "
+               f"{args.dtype} ({load_time:.1f} s to build)")
+    plo, phi = args.prompt_len
+    glo, ghi = args.gen_len
+    out.append(f"workload  : {args.num_requests} requests, prompts {_span(plo, phi)} tokens, {_span(glo, ghi)} "
+               f"generated each (greedy), at most {args.max_batch} running, {args.max_prefill_tokens} prefill "
+               f"tokens per step")
+    if args.no_cuda_graph:
+        graph = "eager"
+    elif args.interpreter:
+        graph = "fixed padded buffers per batch bucket (the CUDA-graph path, run eagerly)"
+    else:
+        graph = "one CUDA graph per batch bucket, re-planned every step"
+    out.append(f"KV cache  : {num_pages} pages x {args.page_size} tokens, [layers, pages, 2, page, H_kv, D]; "
+               f"decode: {graph}, use_tensor_cores={args.use_tensor_cores}")
+    print("tritoninfer demo: continuous batching over a paged KV cache")
+    for line in out:
+        print("  " + line)
+    sys.stdout.flush()
+
+    results = []
+    for kv_name in args.kv_dtype:
+        ecfg = EngineConfig(page_size=args.page_size, max_batch=args.max_batch,
+                            max_prefill_tokens=args.max_prefill_tokens, num_pages=num_pages,
+                            use_tensor_cores=args.use_tensor_cores, cuda_graph=not args.no_cuda_graph,
+                            workspace_bytes=(32 if args.interpreter else 512) * 1024 * 1024)
+        if reference is not None:
+            reference.reset()
+        engine = Engine(model, KV_DTYPES[kv_name], ecfg, reference)
+        if not args.interpreter and not args.no_warmup:
+            calib = workload[0][0][: 4 * args.page_size * 16]
+            engine.warmup(calib)
+        reqs = [Request(i, list(p), g) for i, (p, g) in enumerate(workload)]
+        total = sum(g for _, g in workload)
+        progress = Progress(total, f"kv {kv_name}", enabled=not args.quiet)
+        try:
+            stats = engine.run(reqs, on_step=progress.update)
+        finally:
+            progress.close()
+        tol = args.tolerance if args.tolerance is not None else default_tolerance(args.dtype, kv_name)
+        results.append((kv_name, stats, tol, engine))
+        del engine
+    rows = summary_rows(results, args)
+    print()
+    print(format_text(rows))
+    status = 0
+    if args.check:
+        for kv_name, st, tol, _ in results:
+            ok = st.max_rel_diff <= tol
+            print(f"check ({kv_name} KV): largest |logit - reference| = {st.max_abs_diff:.4g} "
+                  f"({100 * st.max_rel_diff:.2f} % of the row's largest |logit|) over {st.checked_rows} rows; "
+                  f"tolerance {100 * tol:.1f} %: {'OK' if ok else 'FAILED'}")
+            if not ok:
+                status = 1
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(format_markdown(rows, out, args, results))
+        print(f"summary written to {args.out}")
+    return status
+
+
+def _span(lo: int, hi: int) -> str:
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+
+        return triton.__version__
+    except Exception:  # pragma: no cover
+        return "?"
+
+
+def _rate(tokens: int, seconds: float) -> str:
+    if not seconds:
+        return "-"
+    r = tokens / seconds
+    return f"{r:,.0f} tok/s" if r >= 100 else f"{r:.2f} tok/s"
+
+
+def summary_rows(results, args) -> List[Tuple[str, List[str]]]:
+    """(label, one value per KV dtype) rows of the summary."""
+    rows: List[Tuple[str, List[str]]] = []
+
+    def add(label, fn):
+        rows.append((label, [fn(st, tol) for _, st, tol, _ in results]))
+
+    add("requests", lambda s, t: f"{s.requests}")
+    add("prompt tokens (prefilled)", lambda s, t: f"{s.prompt_tokens:,}")
+    add("generated tokens", lambda s, t: f"{s.generated_tokens:,}")
+    add("prefill", lambda s, t: f"{_rate(s.prompt_tokens, s.prefill_time)} ({s.prefill_steps} steps, {s.prefill_time:.2f} s)")
+    add("decode", lambda s, t: f"{_rate(s.decode_tokens, s.decode_time)} ({s.decode_steps} steps, {s.decode_time:.2f} s)")
+    add("decode batch (mean / max)", lambda s, t: (
+        f"{np.mean(s.decode_batch_sizes):.1f} / {max(s.decode_batch_sizes)}" if s.decode_batch_sizes else "-"))
+    add("decode step (mean)", lambda s, t: f"{1e3 * s.decode_time / s.decode_steps:.2f} ms" if s.decode_steps else "-")
+    add("attention share: prefill / decode / all",
+        lambda s, t: f"{100 * s.prefill_attn_share:.0f} % / {100 * s.decode_attn_share:.0f} % / {100 * s.attn_share:.0f} %")
+    add("KV pages used (peak)", lambda s, t: f"{s.peak_pages} of {s.num_pages} ({100 * s.peak_pages / s.num_pages:.0f} %)")
+    if not args.interpreter:
+        add("warm-up (compile, graphs)", lambda s, t: f"{s.warmup_time:.1f} s, {s.graphs_captured} graphs")
+    add("total time", lambda s, t: f"{s.wall_time:.2f} s")
+    if args.check:
+        add("check: max |dlogit| (rel.)", lambda s, t: f"{s.max_abs_diff:.3g} ({100 * s.max_rel_diff:.2f} %, tol {100 * t:.1f} %)")
+        add("check: argmax differs", lambda s, t: f"{s.argmax_mismatches} of {s.checked_rows} steps")
+    return [("KV cache dtype", [kv for kv, *_ in results])] + rows
+
+
+def format_text(rows) -> str:
+    w0 = max(len(r[0]) for r in rows)
+    widths = [max(len(r[1][i]) for r in rows) for i in range(len(rows[0][1]))]
+    lines = []
+    for i, (label, values) in enumerate(rows):
+        lines.append(f"  {label:<{w0}}   " + "   ".join(f"{v:<{w}}" for v, w in zip(values, widths)).rstrip())
+        if i == 0:
+            lines.append("  " + "-" * (w0 + 3 + sum(widths) + 3 * (len(widths) - 1)))
+    return "\n".join(lines)
+
+
+def format_markdown(rows, header_lines, args, results) -> str:
+    cols = len(rows[0][1])
+    md = ["# tritoninfer demo", ""]
+    md += [f"- {line}" for line in header_lines]
+    md += [f"- command: `tritoninfer demo {' '.join(args.argv)}`" if getattr(args, "argv", None) is not None
+           else "- command: `tritoninfer demo`",
+           f"- host: {platform.node() or '?'}, {time.strftime('%Y-%m-%d %H:%M:%S')}", ""]
+    md.append("| " + " | ".join([rows[0][0]] + rows[0][1]) + " |")
+    md.append("|" + "---|" * (cols + 1))
+    for label, values in rows[1:]:
+        md.append("| " + " | ".join([label] + values) + " |")
+    md.append("")
+    return "\n".join(md)
