@@ -12,13 +12,13 @@ import sys
 import torch
 
 import tritoninfer
-from tritoninfer import _plan, decode
+from tritoninfer import _attention, _plan, decode
 
 sys.path.insert(0, "benchmarks")
 from decode_sweep import gpu_paged_kv, graph_time  # noqa: E402
 
 SHAPES = [(32, 8, 1, 4096), (32, 8, 16, 4096), (32, 8, 64, 4096), (32, 8, 256, 4096), (32, 32, 64, 4096)]
-CONFIGS = list(itertools.product([64, 128, 256], [4, 8], [2, 3, 4], [2, 4]))
+CONFIGS = list(itertools.product([64, 128, 256], [4, 8], [2, 3], [True, False], [True, False]))
 
 
 def main(argv=None):
@@ -27,7 +27,7 @@ def main(argv=None):
     ap.add_argument("--kv-dtypes", default="bfloat16,float8_e4m3fn")
     args = ap.parse_args(argv)
     original = _plan.decode_tiles
-    lines = ["| heads | batch x kv | kv dtype | BLOCK_N | warps | stages | prog/SM | us | TB/s |", "|" + "---|" * 9]
+    lines = ["| heads | batch x kv | kv dtype | BLOCK_N | warps | stages | prefetch | fp16 dot | us | TB/s |", "|" + "---|" * 10]
     best = {}
     for kv_name in args.kv_dtypes.split(","):
         kv_dtype = getattr(torch, kv_name)
@@ -38,17 +38,17 @@ def main(argv=None):
             q = torch.randn((batch, hq, 128), device="cuda").to(torch.bfloat16)
             nbytes = sum(c.nbytes for c in [kv.cache]) + 2 * q.nbytes
             ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-            for block_n, warps, stages, pps in CONFIGS:
-                if block_n == 256 and warps == 4:
+            for block_n, warps, stages, prefetch, fp16dot in CONFIGS:
+                if (block_n == 256 and warps == 4) or (fp16dot and kv_dtype == torch.bfloat16):
                     continue
 
-                def tiles(group, L, d, eb=2, _bn=block_n, _w=warps, _s=stages):
+                def tiles(group, L, d, eb=2, _bn=block_n, _w=warps, _s=stages, _p=prefetch):
                     t = original(group, L, d, eb)
-                    return _plan.Tiles(t.block_m, _bn, _w, _s, t.tile_tokens, t.row_tiles)
+                    return _plan.Tiles(t.block_m, _bn, _w, _s, t.tile_tokens, t.row_tiles, _p)
 
                 decode._decode_tiles.cache_clear()
                 decode._plan.decode_tiles = tiles
-                _plan.PROGRAMS_PER_SM = pps
+                _attention.FP8_DOT_FP16 = fp16dot
                 w = tritoninfer.BatchDecodeWithPagedKVCacheWrapper(ws)
                 w.plan(kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, hq, hk, 128, 16,
                        q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
@@ -66,11 +66,11 @@ def main(argv=None):
                 tbs = nbytes / us / 1e6
                 key = (hq, hk, batch, kv_len, kv_name)
                 if key not in best or us < best[key][0]:
-                    best[key] = (us, block_n, warps, stages, pps)
-                lines.append(f"| {hq}/{hk} | {batch}x{kv_len} | {kv_name} | {block_n} | {warps} | {stages} | {pps} | {us:.1f} | {tbs:.2f} |")
+                    best[key] = (us, block_n, warps, stages, prefetch, fp16dot)
+                lines.append(f"| {hq}/{hk} | {batch}x{kv_len} | {kv_name} | {block_n} | {warps} | {stages} | {prefetch} | {fp16dot} | {us:.1f} | {tbs:.2f} |")
                 print(lines[-1], flush=True)
     decode._plan.decode_tiles = original
-    lines += ["", "best:", ""] + [f"- {k}: {v[0]:.1f} us with BLOCK_N {v[1]}, warps {v[2]}, stages {v[3]}, prog/SM {v[4]}"
+    lines += ["", "best:", ""] + [f"- {k}: {v[0]:.1f} us with BLOCK_N {v[1]}, warps {v[2]}, stages {v[3]}, prefetch {v[4]}, fp16 dot {v[5]}"
                                    for k, v in best.items()]
     text = "\n".join(lines)
     print("\n".join(lines[-len(best) - 1:]))
