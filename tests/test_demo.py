@@ -20,8 +20,6 @@ from tritoninfer.demo.model import TINY, LlamaModel, ModelConfig, random_weights
 from tritoninfer.demo.reference import DenseReference
 from tritoninfer.demo.scheduler import Request, Scheduler
 
-from conftest import DEVICE
-
 # prompts of different lengths (1 token, exactly one page, partial pages) and generation lengths,
 # so requests finish at different steps and waiting ones are admitted mid-run (max_batch 3)
 PROMPT_LENS = [7, 1, 12, 4, 9]
@@ -45,7 +43,7 @@ def _hf_llama(cfg: ModelConfig, weights):
     hf_cfg._attn_implementation = "eager"
     model = transformers.LlamaForCausalLM(hf_cfg).eval()
     w = weights.to(torch.float32, "cpu")
-    hq, hkv, d, i = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim, cfg.intermediate_size
+    hq, hkv, i = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     with torch.no_grad():
         model.model.embed_tokens.weight.copy_(w.embed)
         for layer, lw in zip(model.model.layers, w.layers):
@@ -60,13 +58,16 @@ def _hf_llama(cfg: ModelConfig, weights):
             layer.post_attention_layernorm.weight.copy_(lw.post_norm)
         model.model.norm.weight.copy_(w.final_norm)
         model.lm_head.weight.copy_(w.lm_head)
-    del d
     return model
 
 
-def _serve(model, kv_dtype, workload, **engine_kw):
-    ecfg = EngineConfig(page_size=4, max_batch=3, record_logits=True, workspace_bytes=8 << 20, **engine_kw)
+def _serve(model, kv_dtype, workload, max_batch=3, warmup=False, **engine_kw):
+    ecfg = EngineConfig(page_size=4, max_batch=max_batch, record_logits=True, workspace_bytes=8 << 20, **engine_kw)
     engine = Engine(model, kv_dtype, ecfg, num_pages=3 * 4)
+    if warmup:  # what the GPU run does first: here it calibrates the fp8 scales and dirties pages
+        engine.warmup(list(range(10)))
+        assert engine.cache.k_scale is None or len(engine.cache.k_scale) == model.cfg.num_layers
+        assert engine.stats.prompt_tokens == 0 and engine.cache.allocator.num_free == engine.cache.num_pages
     reqs = [Request(i, list(p), g) for i, (p, g) in enumerate(workload)]
     stats = engine.run(reqs)
     return engine, reqs, stats
@@ -103,22 +104,24 @@ def _compare_with_hf(hf_model, engine, reqs, tol):
     "dtype,kv_dtype,engine_kw,tol",
     [
         # fp32 activations (attention on fp16 queries, fp16 KV), decode on fixed padded buffers (the
-        # CUDA-graph path; captured on a GPU)
-        (torch.float32, torch.float16, dict(cuda_graph=True), 1e-2),
+        # CUDA-graph path; captured on a GPU): buckets 1, 2, 4, so a batch of 3 is padded to 4
+        (torch.float32, torch.float16, {"cuda_graph": True, "max_batch": 4}, 1e-2),
         # bf16 activations, fp8 e4m3 KV with per-layer scales, eager decode, tensor-core flag
-        (torch.bfloat16, torch.float8_e4m3fn, dict(cuda_graph=False, use_tensor_cores=True), 0.12),
+        (torch.bfloat16, torch.float8_e4m3fn, {"cuda_graph": False, "use_tensor_cores": True, "warmup": True}, 0.12),
     ],
     ids=["fp32-fp16kv-graphpath", "bf16-fp8kv-eager"],
 )
-def test_serving_loop_matches_transformers(dtype, kv_dtype, engine_kw, tol):
+def test_serving_loop_matches_transformers(device, dtype, kv_dtype, engine_kw, tol):
     cfg = TINY
     weights = random_weights(cfg, seed=0, dtype=torch.float32)
     hf_model = _hf_llama(cfg, weights)
-    model = LlamaModel(cfg, weights.to(dtype, DEVICE), dtype)
+    model = LlamaModel(cfg, weights.to(dtype, device), dtype)
     engine, reqs, stats = _serve(model, kv_dtype, _workload(cfg.vocab_size), **engine_kw)
     assert all(r.done for r in reqs) and stats.generated_tokens == sum(GEN_LENS)
     assert stats.prefill_steps >= 2  # requests 4 and 5 were admitted after others finished
     assert engine.cache.allocator.num_free == engine.cache.num_pages  # every page went back
+    if engine_kw.get("max_batch") == 4:
+        assert 3 in stats.decode_batch_sizes  # padded to the bucket of 4
     _compare_with_hf(hf_model, engine, reqs, tol)
 
 
@@ -146,6 +149,9 @@ def _save_hf_checkpoint(tmp_path, kind):
     if kind == "qwen2":  # q/k/v biases, tied embeddings
         cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1e6)
         model = transformers.Qwen2ForCausalLM(cfg)
+    elif kind == "mistral":  # a sliding window shorter than the prompts: window_left in the wrappers
+        cfg = transformers.MistralConfig(**common, head_dim=16, sliding_window=5, tie_word_embeddings=False)
+        model = transformers.MistralForCausalLM(cfg)
     else:  # Llama 3 rope scaling with a short original context, so it matters at these positions
         cfg = transformers.LlamaConfig(**common, head_dim=16, tie_word_embeddings=False, rope_parameters={
             "rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
@@ -164,13 +170,15 @@ def _save_hf_checkpoint(tmp_path, kind):
     return model
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama3-rope"])
-def test_checkpoint_loading_matches_transformers(tmp_path, kind):
+@pytest.mark.parametrize("kind", ["qwen2", "llama3-rope", "mistral"])
+def test_checkpoint_loading_matches_transformers(device, tmp_path, kind):
     hf_model = _save_hf_checkpoint(tmp_path, kind)
-    cfg, weights = load_checkpoint(str(tmp_path), torch.float32, DEVICE)
+    cfg, weights = load_checkpoint(str(tmp_path), torch.float32, device)
     if kind == "qwen2":
         assert cfg.attention_bias and cfg.tie_word_embeddings and cfg.rope_theta == 1e6
         assert weights.lm_head is weights.embed and weights.layers[0].qkv_bias is not None
+    elif kind == "mistral":
+        assert cfg.sliding_window == 5 and cfg.window_left == 4
     else:
         assert cfg.rope_scaling["rope_type"] == "llama3" and not cfg.tie_word_embeddings
     model = LlamaModel(cfg, weights, torch.float32)
@@ -186,6 +194,15 @@ def test_checkpoint_loading_matches_transformers(tmp_path, kind):
             ref = hf_model(torch.tensor([r.prompt + r.output[:-1]])).logits[0, len(r.prompt) - 1:]
         rel = float(((ours - ref).abs().amax(-1) / ref.abs().amax(-1)).max())
         assert rel < 1e-2, rel
+
+
+def test_main_with_model_checkpoint(capsys, tmp_path):
+    _save_hf_checkpoint(tmp_path, "qwen2")
+    status = main(["--model", str(tmp_path), "--check", "--quiet", "--num-requests", "2", "--gen-len", "2",
+                   "--dtype", "fp32", "--kv-dtype", "fp16"])
+    text = capsys.readouterr().out
+    assert status == 0, text
+    assert "qwen2 checkpoint" in text and "OK" in text
 
 
 def test_read_safetensors_dtypes(tmp_path):
@@ -293,3 +310,45 @@ def test_main_model_conflicts_with_shape(capsys, tmp_path):
 def test_main_help(capsys):
     assert main(["--help"]) == 0
     assert "--kv-dtype" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("cuda_graph", [True, False], ids=["graph", "eager"])
+def test_gpu_serving_loop_matches_dense_reference(kv, cuda_graph):
+    """On the GPU: warm-up, per-bucket CUDA graphs re-planned every step (or eager decode), a
+    realistic head shape, and every step's logits against the float32 dense reference."""
+    from tritoninfer.demo.cli import default_tolerance
+    from tritoninfer.demo.kv_cache import KV_DTYPES
+
+    cfg = ModelConfig(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_layers=3, num_heads=16,
+                      num_kv_heads=4, head_dim=128)
+    weights = random_weights(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
+    model = LlamaModel(cfg, weights, torch.bfloat16)
+    reference = DenseReference(cfg, weights, "cuda")
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(1, 400, (24,), generator=g).tolist()
+    gens = torch.randint(1, 24, (24,), generator=g).tolist()
+    reqs = [Request(i, torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist(), m)
+            for i, (n, m) in enumerate(zip(lens, gens))]
+    ecfg = EngineConfig(page_size=16, max_batch=12, max_prefill_tokens=2048, cuda_graph=cuda_graph,
+                        attn_sample_every=4)
+    engine = Engine(model, KV_DTYPES[kv], ecfg, reference, num_pages=12 * 27)
+    engine.warmup(reqs[0].prompt)
+    stats = engine.run(reqs)
+    assert all(r.done for r in reqs) and stats.generated_tokens == sum(gens)
+    assert stats.max_rel_diff <= default_tolerance("bf16", kv), stats.max_rel_diff
+    assert engine.cache.allocator.num_free == engine.cache.num_pages
+    if cuda_graph:
+        assert stats.graphs_captured == len(engine.buckets)
+        assert 0 < stats.decode_attn_share < 1
+
+
+@pytest.mark.gpu
+def test_gpu_main_h200_shape_smoke(tmp_path):
+    """The h200 preset's model shape with a short workload; --out writes the markdown summary."""
+    out = tmp_path / "h200.md"
+    status = main(["--preset", "h200", "--num-requests", "8", "--max-batch", "4", "--prompt-len", "64-512",
+                   "--gen-len", "8", "--check", "--quiet", "--out", str(out)])
+    assert status == 0
+    assert "| KV cache dtype | bf16 | fp8 |" in out.read_text()

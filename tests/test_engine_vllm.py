@@ -49,18 +49,6 @@ from conftest import DEVICE
 
 FP8_STR = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
-XFAIL_SPLIT = pytest.mark.xfail(
-    strict=True, raises=ValueError,
-    reason="tritoninfer rejects fixed_split_size=-1 (_plan.kv_split_chunk); FlashInfer 0.5.3 maps None to -1 and "
-           "treats -1 as 'no fixed split', and vLLM passes decode/prefill_fixed_split_size=-1 outside "
-           "batch-invariant mode")
-XFAIL_INDPTR = pytest.mark.xfail(
-    strict=True, raises=ValueError,
-    reason="tritoninfer requires paged_kv_indptr[0] == 0 (_options.check_indptr_host, from "
-           "BatchPrefillWithPagedKVCacheWrapper.plan); vLLM plans the prefill wrapper of a mixed batch with "
-           "paged_kv_indptr_cpu[num_decodes:], absolute offsets into the shared paged_kv_indices")
-
-
 @pytest.fixture
 def fi():
     # force=True: on the GPU runner another test may already have imported the real flashinfer
@@ -503,7 +491,7 @@ def run_step(fi, model, builder, impl, reqs, query_lens, seq_lens, common_prefix
 
 def _case(mode, **kw):
     cfg = VConfig(batch_invariant=(mode == "batch-invariant"), **kw)
-    marks = [XFAIL_SPLIT] if mode == "default" else []
+    marks = []
     return cfg, marks
 
 
@@ -550,7 +538,6 @@ def test_vllm_prefill_eager(fi, cfg):
     run_step(fi, model, builder, impl, [1, 6, 3], [5, 12, 2], [12, 12, 40])
 
 
-@XFAIL_INDPTR
 def test_vllm_mixed_decode_prefill_batch(fi):
     """Decodes first, then prefills, in one step: the prefill plan gets paged_kv_indptr_cpu[num_decodes:]."""
     cfg = VConfig(batch_invariant=True, block_size=4)
@@ -596,7 +583,7 @@ def run_full_cuda_graph(fi, cfg: VConfig, steps, real_graph: bool):
     builder, impl = FlashInferMetadataBuilder(fi, model), FlashInferImpl(model)
     max_bs = max(cfg.cudagraph_capture_sizes)
     q_static = torch.zeros(max_bs, cfg.num_qo_heads, cfg.head_dim, dtype=cfg.dtype, device=cfg.device)
-    out_static = torch.zeros_like(q_static)
+    out_static = [torch.zeros_like(q_static) for _ in range(cfg.num_layers)]  # each layer's output buffer
     graphs = {}
     for bs in sorted(cfg.cudagraph_capture_sizes, reverse=True):
         cm = common_metadata(model, [0] * bs, [1] * bs, [1] * bs)
@@ -606,7 +593,7 @@ def run_full_cuda_graph(fi, cfg: VConfig, steps, real_graph: bool):
         assert md.decode_wrapper is wrapper and wrapper.is_cuda_graph_enabled and wrapper.vllm_first_call is False
 
         def forward(md=md, bs=bs):
-            return [impl.forward(layer, q_static[:bs], None, None, md, out_static[:bs])
+            return [impl.forward(layer, q_static[:bs], None, None, md, out_static[layer][:bs])
                     for layer in range(cfg.num_layers)]
 
         graphs[bs] = Graph(forward, real_graph)

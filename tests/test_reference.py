@@ -446,7 +446,7 @@ def segment_pack(masks):
 
 
 def test_batch_prefill_paged_custom_mask_and_ragged():
-    qo_lens, kv_lens, hq, hk, d, dvo = [3, 0, 4, 2, 5], [5, 3, 0, 9, 2], 4, 2, 16, 16
+    qo_lens, kv_lens, hq, hk, d = [3, 0, 4, 2, 5], [5, 3, 0, 9, 2], 4, 2, 16
     p = T.make_paged_kv(kv_lens, 2, hk, d, layout="HND", generator=gen(38))
     q, qo_indptr = T.random_qo(qo_lens, hq, d, dtype=torch.float16, generator=gen(39))
     g = gen(40)

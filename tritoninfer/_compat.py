@@ -358,6 +358,7 @@ class _CompatAttributes:
 
     def _compat_snapshot(self) -> None:
         self.__dict__["_compat_snap"] = (self._plan, self._compat_settings())
+        self.__dict__.pop("_compat_plan_info", None)  # a new plan: _plan_info is the new plan again
 
     def _compat_check(self) -> None:
         snap = self.__dict__.get("_compat_snap")
@@ -657,7 +658,7 @@ def _build_modules() -> Dict[str, types.ModuleType]:
     top.__tritoninfer_version__ = tritoninfer_version
     for name, module in modules.items():
         parent, _, child = name.rpartition(".")
-        if parent:
+        if parent and child not in modules[parent].__dict__:  # flashinfer.xqa is the function, as in FlashInfer
             setattr(modules[parent], child, module)
     return modules
 

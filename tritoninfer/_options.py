@@ -207,13 +207,14 @@ def check_int_index_tensor(t, name: str, *, length: Optional[int] = None) -> tor
     return t
 
 
-def check_indptr_host(indptr_host: torch.Tensor, name: str) -> None:
-    """Checks that need the values: only called on host copies."""
+def check_indptr_host(indptr_host: torch.Tensor, name: str, zero_start: bool = True) -> None:
+    """Checks that need the values: only called on host copies. A page-table indptr may start
+    past 0 (``zero_start=False``): vLLM plans a slice of a larger page table."""
     if indptr_host.numel() < 1:
         raise ValueError(f"{name}: expected at least one element (batch_size + 1)")
-    if int(indptr_host[0]) != 0:
+    if zero_start and int(indptr_host[0]) != 0:
         raise ValueError(f"{name}: expected {name}[0] == 0, got {int(indptr_host[0])}")
-    if indptr_host.numel() > 1 and bool((indptr_host[1:] < indptr_host[:-1]).any()):
+    if int(indptr_host[0]) < 0 or (indptr_host.numel() > 1 and bool((indptr_host[1:] < indptr_host[:-1]).any())):
         raise ValueError(f"{name}: expected a non-decreasing array")
 
 

@@ -46,8 +46,14 @@ def decode_tiles(group: int, q_len_per_req: int, head_dim: int, kv_elem_bytes: i
     block_m = min(max(16, next_pow2(rows)), 64)
     if _device.is_interpreter():
         return Tiles(block_m, 16, 1, 1, q_len_per_req, math.ceil(rows / block_m))
-    block_n = 64 if head_dim <= 128 else 32
-    return Tiles(block_m, block_n, 4, 2, q_len_per_req, math.ceil(rows / block_m))
+    row_tiles = math.ceil(rows / block_m)
+    if head_dim > 128:
+        return Tiles(block_m, 32, 4, 2, q_len_per_req, row_tiles, prefetch_pages=False)
+    if kv_elem_bytes == 1:
+        # fp8: twice the tokens per tile for the same bytes, a deeper pipeline and page ids one
+        # tile ahead (benchmarks/NOTES.md, decode tuning on the H200)
+        return Tiles(block_m, 128, 4, 3, q_len_per_req, row_tiles, prefetch_pages=True)
+    return Tiles(block_m, 128, 4, 2, q_len_per_req, row_tiles, prefetch_pages=False)
 
 
 def prefill_tiles(group: int, head_dim: int) -> Tiles:
@@ -88,9 +94,8 @@ def kv_split_chunk(
     """
     if disable_split_kv or kv_lens.size == 0:
         return None
-    if fixed_split_size is not None:
-        if int(fixed_split_size) <= 0:
-            raise ValueError(f"fixed_split_size: expected a positive number of pages, got {fixed_split_size!r}")
+    if fixed_split_size is not None and int(fixed_split_size) > 0:
+        # FlashInfer's -1 (what None becomes there) means "no fixed split"
         chunk = int(fixed_split_size) * page_size
     else:
         target = PROGRAMS_PER_SM * num_sms

@@ -339,7 +339,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         check_positive_int(page_size, "page_size")
         params = score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta, head_dim)
 
-        check_indptr_host(indptr_host, "indptr")
+        check_indptr_host(indptr_host, "indptr", zero_start=False)
         batch = indptr_host.numel() - 1
         if last_page_len_host.numel() != batch:
             raise ValueError(f"last_page_len: expected {batch} elements (batch_size), got {last_page_len_host.numel()}")
@@ -429,7 +429,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._params = params
         self._pos_encoding_mode = pos_encoding_mode
         self._window_left = window_left
-        self._logits_soft_cap = logits_soft_cap
+        self._logits_soft_cap = 0.0 if logits_soft_cap is None else logits_soft_cap  # as FlashInfer stores it
         self._sm_scale, self._rope_scale, self._rope_theta = sm_scale, rope_scale, rope_theta
 
     def run(

@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 # FlashInfer backend names; every one selects tritoninfer's Triton kernels.
-PREFILL_BACKENDS = ("auto", "fa2", "fa3", "trtllm-gen", "cudnn", "triton")
+PREFILL_BACKENDS = ("auto", "fa2", "fa3", "trtllm-gen", "cudnn", "cutlass", "triton")
 O_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -250,7 +250,8 @@ class _BatchPrefillBase:
         self._cached_q_data_type, self._cached_kv_data_type = q_dtype, kv_dtype
         self._params = params
         self._causal = bool(causal)
-        self._pos_encoding_mode, self._window_left, self._logits_soft_cap = pos_encoding_mode, window_left, logits_soft_cap
+        self._pos_encoding_mode, self._window_left = pos_encoding_mode, window_left
+        self._logits_soft_cap = 0.0 if logits_soft_cap is None else logits_soft_cap  # as FlashInfer stores it
         self._sm_scale, self._rope_scale, self._rope_theta = sm_scale, rope_scale, rope_theta
         return kv_views
 
@@ -473,7 +474,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         else:
             indptr_host = host_index(paged_kv_indptr, "paged_kv_indptr")
             last_host = host_index(paged_kv_last_page_len, "paged_kv_last_page_len")
-        check_indptr_host(indptr_host, "paged_kv_indptr")
+        check_indptr_host(indptr_host, "paged_kv_indptr", zero_start=False)
         check_int_index_tensor(paged_kv_indices, "paged_kv_indices")
         batch = indptr_host.numel() - 1
         if last_host.numel() != batch:

@@ -29,9 +29,9 @@ def _compiled_kernels_loaded() -> bool:
     except ImportError:  # pragma: no cover
         return False
     for name, module in list(sys.modules.items()):
-        if name.startswith("tritoninfer") and module is not None:
-            if any(isinstance(v, JITFunction) for v in list(vars(module).values())):
-                return True
+        if (name.startswith("tritoninfer") and module is not None
+                and any(isinstance(v, JITFunction) for v in list(vars(module).values()))):
+            return True
     return False
 
 

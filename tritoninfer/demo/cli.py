@@ -50,7 +50,7 @@ def _range(text: str) -> Tuple[int, int]:
     try:
         parts = [int(p) for p in text.split("-")] if "-" in text.strip("-") else [int(text)]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected N or LO-HI (positive ints), got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected N or LO-HI (positive ints), got {text!r}") from None
     lo, hi = parts[0], parts[-1]
     if len(parts) > 2 or lo < 1 or hi < lo:
         raise argparse.ArgumentTypeError(f"expected N or LO-HI with 1 <= LO <= HI, got {text!r}")
@@ -61,7 +61,7 @@ def _heads(text: str) -> Tuple[int, int]:
     try:
         parts = [int(p) for p in text.split("/")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected Q/KV (e.g. 32/8), got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected Q/KV (e.g. 32/8), got {text!r}") from None
     if len(parts) == 1:
         parts = parts * 2
     q, kv = parts
@@ -82,7 +82,7 @@ def _positive(text: str) -> int:
     try:
         v = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
     if v < 1:
         raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
     return v
@@ -100,31 +100,33 @@ def build_parser() -> argparse.ArgumentParser:
                         "one), 'h200' (8 layers of a 32/8-head, hidden-4096 model, 128 requests, 64 at a time, "
                         "prompts 512-4096, bf16 and fp8 KV); options below override it")
     g = p.add_argument_group("workload")
-    g.add_argument("--num-requests", type=_positive, help="requests to serve")
-    g.add_argument("--prompt-len", type=_range, help="prompt length in tokens: N or LO-HI (uniform, seeded)")
-    g.add_argument("--gen-len", type=_range, help="tokens to generate per request: N or LO-HI")
-    g.add_argument("--max-batch", type=_positive, help="most requests running at once")
-    g.add_argument("--max-prefill-tokens", type=_positive, help="prompt tokens admitted per prefill step")
-    g.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompts (default 0)")
+    g.add_argument("--num-requests", type=_positive, metavar="N", help="requests to serve")
+    g.add_argument("--prompt-len", type=_range, metavar="N|LO-HI", help="prompt length in tokens: N or LO-HI (uniform, seeded)")
+    g.add_argument("--gen-len", type=_range, metavar="N|LO-HI", help="tokens to generate per request: N or LO-HI")
+    g.add_argument("--max-batch", type=_positive, metavar="N", help="most requests running at once")
+    g.add_argument("--max-prefill-tokens", type=_positive, metavar="N", help="prompt tokens admitted per prefill step")
+    g.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the weights and the prompts (default 0)")
     g = p.add_argument_group("KV cache and kernels")
-    g.add_argument("--page-size", type=_positive, help="tokens per KV page")
-    g.add_argument("--num-pages", type=_positive, help="KV pages (default: enough for max-batch of the longest requests)")
-    g.add_argument("--kv-dtype", type=_kv_dtypes,
+    g.add_argument("--page-size", type=_positive, metavar="N", help="tokens per KV page")
+    g.add_argument("--num-pages", type=_positive, metavar="N", help="KV pages (default: enough for max-batch of the longest requests)")
+    g.add_argument("--kv-dtype", type=_kv_dtypes, metavar="{bf16,fp16,fp8}[,...]",
                    help="KV cache dtype: bf16, fp16 or fp8 (e4m3 with per-layer K/V scales passed as k_scale/"
                         "v_scale); a comma list runs each in turn (e.g. bf16,fp8)")
     g.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
                    help="weights and activations (default bf16); with fp32, attention takes fp16 queries")
     g.add_argument("--use-tensor-cores", action="store_true", help="decode wrapper's use_tensor_cores=True")
-    g.add_argument("--no-cuda-graph", action="store_true", help="GPU: decode eagerly instead of replaying CUDA graphs")
+    g.add_argument("--no-cuda-graph", action="store_true",
+                   help="decode with a plain wrapper, eagerly (default: per-bucket CUDA graphs on a GPU; padded fixed "
+                        "buffers, the graph path run eagerly, on the CPU)")
     g.add_argument("--no-warmup", action="store_true",
                    help="GPU: skip the warm-up (kernel compilation and graph capture then count in the timings)")
-    g = p.add_argument_group("random model (ignored shape options are an error with --model)")
-    g.add_argument("--layers", type=_positive)
-    g.add_argument("--hidden", type=_positive)
-    g.add_argument("--intermediate", type=_positive, help="MLP size (default: the preset's, or 3.5 x hidden)")
-    g.add_argument("--heads", type=_heads, help="query/KV heads, e.g. 32/8")
-    g.add_argument("--head-dim", type=_positive)
-    g.add_argument("--vocab", type=_positive)
+    g = p.add_argument_group("random model (the shape options are an error with --model)")
+    g.add_argument("--layers", type=_positive, metavar="N", help="decoder layers")
+    g.add_argument("--hidden", type=_positive, metavar="N", help="hidden size")
+    g.add_argument("--intermediate", type=_positive, metavar="N", help="MLP size (default: the preset's, or 3.5 x hidden)")
+    g.add_argument("--heads", type=_heads, metavar="Q/KV", help="query/KV heads, e.g. 32/8 (GQA)")
+    g.add_argument("--head-dim", type=_positive, metavar="N", help="a multiple of 8 up to 256")
+    g.add_argument("--vocab", type=_positive, metavar="N", help="vocabulary size")
     g.add_argument("--model", metavar="PATH",
                    help="a local Hugging Face Llama/Qwen2/Mistral checkpoint folder (config.json + *.safetensors); "
                         "prompts are random token ids")
@@ -132,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--check", action="store_true",
                    help="compare every step's logits with a dense float32 reference forward pass (plain torch); "
                         "exit 1 if the largest difference exceeds the tolerance")
-    g.add_argument("--tolerance", type=float,
+    g.add_argument("--tolerance", type=float, metavar="X",
                    help="--check: allowed max |logit - ref| / max |ref logit| per row (default by dtype)")
     g.add_argument("--out", metavar="FILE", help="also write the summary as markdown to FILE")
     g.add_argument("--quiet", action="store_true", help="no progress line")
@@ -238,6 +240,9 @@ def run(args) -> int:
     if args.interpreter:
         out.append("NOTE: no CUDA GPU: this is the Triton-interpreter configuration (every kernel interpreted on "
                    "the CPU, a tiny model; throughput numbers mean nothing here).")
+        if args.preset != "tiny" or args.hidden * args.layers > 4096:
+            out.append("NOTE: a large shape under the interpreter runs for a very long time; the tiny preset takes "
+                       "seconds.")
     t0 = time.perf_counter()
     if args.model:
         try:
@@ -292,7 +297,7 @@ def run(args) -> int:
         print("  " + line)
     sys.stdout.flush()
 
-    results = []
+    results, samples = [], []
     for kv_name in args.kv_dtype:
         ecfg = EngineConfig(page_size=args.page_size, max_batch=args.max_batch,
                             max_prefill_tokens=args.max_prefill_tokens, num_pages=num_pages,
@@ -312,23 +317,34 @@ def run(args) -> int:
         finally:
             progress.close()
         tol = args.tolerance if args.tolerance is not None else default_tolerance(args.dtype, kv_name)
-        results.append((kv_name, stats, tol, engine))
+        results.append((kv_name, stats, tol))
+        first = min(reqs, key=lambda r: r.rid)
+        samples.append(f"{kv_name} KV: request 0 ({len(first.prompt)}-token prompt) generated "
+                       f"{' '.join(map(str, first.output[:16]))}{' ...' if len(first.output) > 16 else ''}")
         del engine
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     rows = summary_rows(results, args)
     print()
     print(format_text(rows))
+    print()
+    for line in samples:
+        print(f"  {line}")
     status = 0
+    verdicts = []
     if args.check:
-        for kv_name, st, tol, _ in results:
+        for kv_name, st, tol in results:
             ok = st.max_rel_diff <= tol
-            print(f"check ({kv_name} KV): largest |logit - reference| = {st.max_abs_diff:.4g} "
-                  f"({100 * st.max_rel_diff:.2f} % of the row's largest |logit|) over {st.checked_rows} rows; "
-                  f"tolerance {100 * tol:.1f} %: {'OK' if ok else 'FAILED'}")
+            verdicts.append(f"check ({kv_name} KV): largest |logit - reference| = {st.max_abs_diff:.4g} "
+                            f"({100 * st.max_rel_diff:.2f} % of the row's largest |logit|) over {st.checked_rows} "
+                            f"rows; tolerance {100 * tol:.1f} %: {'OK' if ok else 'FAILED'}")
             if not ok:
                 status = 1
+    for line in verdicts:
+        print(line)
     if args.out:
         with open(args.out, "w") as f:
-            f.write(format_markdown(rows, out, args, results))
+            f.write(format_markdown(rows, out, args, samples + verdicts))
         print(f"summary written to {args.out}")
     return status
 
@@ -338,12 +354,9 @@ def _span(lo: int, hi: int) -> str:
 
 
 def _triton_version() -> str:
-    try:
-        import triton
+    import triton
 
-        return triton.__version__
-    except Exception:  # pragma: no cover
-        return "?"
+    return getattr(triton, "__version__", "?")
 
 
 def _rate(tokens: int, seconds: float) -> str:
@@ -358,13 +371,15 @@ def summary_rows(results, args) -> List[Tuple[str, List[str]]]:
     rows: List[Tuple[str, List[str]]] = []
 
     def add(label, fn):
-        rows.append((label, [fn(st, tol) for _, st, tol, _ in results]))
+        rows.append((label, [fn(st, tol) for _, st, tol in results]))
 
     add("requests", lambda s, t: f"{s.requests}")
     add("prompt tokens (prefilled)", lambda s, t: f"{s.prompt_tokens:,}")
     add("generated tokens", lambda s, t: f"{s.generated_tokens:,}")
     add("prefill", lambda s, t: f"{_rate(s.prompt_tokens, s.prefill_time)} ({s.prefill_steps} steps, {s.prefill_time:.2f} s)")
     add("decode", lambda s, t: f"{_rate(s.decode_tokens, s.decode_time)} ({s.decode_steps} steps, {s.decode_time:.2f} s)")
+    if not args.interpreter and not args.no_cuda_graph:
+        add("decode, GPU time only (sampled)", lambda s, t: _rate(s.decode_sampled_tokens, s.decode_attn_base))
     add("decode batch (mean / max)", lambda s, t: (
         f"{np.mean(s.decode_batch_sizes):.1f} / {max(s.decode_batch_sizes)}" if s.decode_batch_sizes else "-"))
     add("decode step (mean)", lambda s, t: f"{1e3 * s.decode_time / s.decode_steps:.2f} ms" if s.decode_steps else "-")
@@ -375,7 +390,7 @@ def summary_rows(results, args) -> List[Tuple[str, List[str]]]:
         add("warm-up (compile, graphs)", lambda s, t: f"{s.warmup_time:.1f} s, {s.graphs_captured} graphs")
     add("total time", lambda s, t: f"{s.wall_time:.2f} s")
     if args.check:
-        add("check: max |dlogit| (rel.)", lambda s, t: f"{s.max_abs_diff:.3g} ({100 * s.max_rel_diff:.2f} %, tol {100 * t:.1f} %)")
+        add("check: largest logit difference", lambda s, t: f"{s.max_abs_diff:.3g} ({100 * s.max_rel_diff:.2f} %, tol {100 * t:.1f} %)")
         add("check: argmax differs", lambda s, t: f"{s.argmax_mismatches} of {s.checked_rows} steps")
     return [("KV cache dtype", [kv for kv, *_ in results])] + rows
 
@@ -391,16 +406,20 @@ def format_text(rows) -> str:
     return "\n".join(lines)
 
 
-def format_markdown(rows, header_lines, args, results) -> str:
+def format_markdown(rows, header_lines, args, footer_lines) -> str:
+    import tritoninfer
+
     cols = len(rows[0][1])
     md = ["# tritoninfer demo", ""]
-    md += [f"- {line}" for line in header_lines]
-    md += [f"- command: `tritoninfer demo {' '.join(args.argv)}`" if getattr(args, "argv", None) is not None
-           else "- command: `tritoninfer demo`",
-           f"- host: {platform.node() or '?'}, {time.strftime('%Y-%m-%d %H:%M:%S')}", ""]
+    md += [f"- {' '.join(line.split())}" for line in header_lines]
+    md += [f"- command: `tritoninfer demo {' '.join(getattr(args, 'argv', []))}`",
+           f"- tritoninfer {tritoninfer.__version__}, python {platform.python_version()}, host "
+           f"{platform.node() or '?'}, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}", ""]
     md.append("| " + " | ".join([rows[0][0]] + rows[0][1]) + " |")
     md.append("|" + "---|" * (cols + 1))
     for label, values in rows[1:]:
         md.append("| " + " | ".join([label] + values) + " |")
+    md.append("")
+    md += [f"- {line}" for line in footer_lines]
     md.append("")
     return "\n".join(md)

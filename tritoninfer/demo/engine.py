@@ -64,6 +64,7 @@ class Stats:
     decode_time: float = 0.0
     decode_attn_time: float = 0.0  # eager: measured; CUDA graph: on sampled steps
     decode_attn_base: float = 0.0  # the step time those attention times are a share of
+    decode_sampled_tokens: int = 0  # CUDA graph: tokens of the steps whose replay was timed
     decode_batch_sizes: List[int] = dataclasses.field(default_factory=list)
     graphs_captured: int = 0
     capture_time: float = 0.0
@@ -162,7 +163,8 @@ class _DecodeRunner:
         self.pos = torch.zeros(bucket, dtype=torch.int32, device=dev)
         self.bidx = torch.full((bucket,), -1, dtype=torch.int32, device=dev)
         self.indptr = torch.zeros(bucket + 1, dtype=torch.int32, device=dev)
-        self.indices = torch.zeros(e.cache.num_pages, dtype=torch.int32, device=dev)
+        # room for every page of the cache, and for the warm-up's bucket of dummy rows sharing one page
+        self.indices = torch.zeros(max(e.cache.num_pages, bucket), dtype=torch.int32, device=dev)
         self.lpl = torch.zeros(bucket, dtype=torch.int32, device=dev)
         self.wrapper = BatchDecodeWithPagedKVCacheWrapper(
             e.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=e.cfg.use_tensor_cores,
@@ -195,7 +197,7 @@ class _DecodeRunner:
         npages = np.array([len(r.pages) for r in reqs] + [0] * (b - n), dtype=np.int64)
         indptr = np.zeros(b + 1, dtype=np.int32)
         np.cumsum(npages, out=indptr[1:])
-        indices = np.fromiter((p for r in reqs for p in r.pages), dtype=np.int32, count=int(indptr[-1]))
+        indices = _page_ids(reqs)
         lpl = np.array([(r.kv_len) % ps + 1 for r in reqs] + [0] * (b - n), dtype=np.int32)  # after this token
         self.wrapper.plan(torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(lpl),
                           e.cfg_model.num_heads, e.cfg_model.num_kv_heads, e.cfg_model.head_dim, ps,
@@ -210,7 +212,13 @@ class _DecodeRunner:
         if e.device.type != "cuda" or not e.cfg.cuda_graph:
             return self._forward(timer)[:n]
         if self.graph is None:
-            logits = self._forward(None)  # this step, eagerly; compiles every kernel before capture
+            # this step, eagerly (it compiles every kernel before the capture), on a side stream
+            # as PyTorch advises for the warm-up before a capture
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                logits = self._forward(None)
+            torch.cuda.current_stream().wait_stream(side)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             self.graph = torch.cuda.CUDAGraph()
@@ -237,7 +245,11 @@ class _DecodeRunner:
                     ks, vs = e.cache.scales(layer)
                     self.wrapper.run(self._q, e.cache.layer(layer), k_scale=ks, v_scale=vs, out=self._o)
 
-            body()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                body()
+            torch.cuda.current_stream().wait_stream(side)
             torch.cuda.synchronize()
             self.attn_graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.attn_graph, pool=e.graph_pool):
@@ -304,7 +316,7 @@ class Engine:
         np.cumsum(lens, out=qo_indptr[1:])
         kv_indptr = np.zeros(len(reqs) + 1, dtype=np.int32)
         np.cumsum([len(r.pages) for r in reqs], out=kv_indptr[1:])
-        kv_indices = np.fromiter((p for r in reqs for p in r.pages), dtype=np.int32, count=int(kv_indptr[-1]))
+        kv_indices = _page_ids(reqs)
         lpl = ((lens - 1) % ps + 1).astype(np.int32)
         ids = torch.tensor([t for r in reqs for t in r.prompt], dtype=torch.long).to(self.device)
         qo_d, kvi_d, kvx_d, lpl_d, seq_d = self._to_device([qo_indptr, kv_indptr, kv_indices, lpl, lens])
@@ -352,7 +364,7 @@ class Engine:
         b = len(reqs)
         indptr = np.zeros(b + 1, dtype=np.int32)
         np.cumsum([len(r.pages) for r in reqs], out=indptr[1:])
-        indices = np.fromiter((p for r in reqs for p in r.pages), dtype=np.int32, count=int(indptr[-1]))
+        indices = _page_ids(reqs)
         lpl = np.array([r.kv_len % ps + 1 for r in reqs], dtype=np.int32)
         pos = np.array([r.kv_len for r in reqs], dtype=np.int32)
         ind_d, idx_d, lpl_d, pos_d, bidx_d = self._to_device([indptr, indices, lpl, pos, np.arange(b)])
@@ -378,7 +390,7 @@ class Engine:
         also sets the static scales (captured graphs hold them as constants). Returns seconds."""
         t0 = time.perf_counter()
         alloc, ps = self.cache.allocator, self.cache.page_size
-        req = Request(-1, list(calib_tokens), 1)
+        req = Request(-1, list(calib_tokens)[: max(1, alloc.num_free - 1) * ps], 1)
         req.pages = alloc.alloc(-(-len(req.prompt) // ps))
         self._prefill([req], _Timer(self.device))
         alloc.free(req.pages)
@@ -435,6 +447,9 @@ class Engine:
                 st.decode_batch_sizes.append(len(reqs))
                 self._sample_decode_attention(reqs, attn, dt)
             if self.reference is not None:
+                if kind == "prefill":
+                    for r in reqs:
+                        self.reference.reserve(r.rid, r.max_kv_len)
                 segments = [(r.rid, r.prompt if kind == "prefill" else [r.last_token]) for r in reqs]
                 self._check(segments, logits)
             if self.cfg.record_logits:
@@ -475,6 +490,14 @@ class Engine:
         end.record()
         end.synchronize()
         st.decode_attn_base += start.elapsed_time(end) / 1e3
+        st.decode_sampled_tokens += len(reqs)
+
+
+def _page_ids(reqs: Sequence[Request]) -> np.ndarray:
+    """The concatenated page ids of ``reqs`` (int32), from each request's cached array."""
+    if not reqs:
+        return np.zeros(0, dtype=np.int32)
+    return np.concatenate([r.page_array() for r in reqs])
 
 
 def n_tokens(kind: str, reqs: Sequence[Request]) -> int:

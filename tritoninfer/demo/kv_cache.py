@@ -63,10 +63,13 @@ class PagedKVCache:
             raise ValueError(f"page_size: expected a positive int, got {page_size}")
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
-        self.data = torch.zeros(num_layers, num_pages, 2, page_size, num_kv_heads, head_dim, dtype=dtype,
-                                device=device)
-        self.allocator = PageAllocator(num_pages)
+        shape = (num_layers, num_pages, 2, page_size, num_kv_heads, head_dim)
         self.is_fp8 = dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        if self.is_fp8:  # zero bytes are +0.0; made as uint8, so no fp8 fill kernel is needed
+            self.data = torch.zeros(shape, dtype=torch.uint8, device=device).view(dtype)
+        else:
+            self.data = torch.zeros(shape, dtype=dtype, device=device)
+        self.allocator = PageAllocator(num_pages)
         # per-layer static scales (fp8 only); None until calibrated
         self.k_scale: Optional[List[float]] = None
         self.v_scale: Optional[List[float]] = None

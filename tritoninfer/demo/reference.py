@@ -81,17 +81,25 @@ class DenseReference:
         self._kv.pop(rid, None)
         self._len.pop(rid, None)
 
+    def reserve(self, rid: int, num_tokens: int) -> None:
+        """Make request ``rid``'s KV store hold ``num_tokens`` (avoids regrowing it token by token)."""
+        buf = self._kv.get(rid)
+        if buf is not None and buf.shape[2] >= num_tokens:
+            return
+        cfg = self.cfg
+        new = torch.zeros(cfg.num_layers, 2, num_tokens, cfg.num_kv_heads, cfg.head_dim, device=self.device)
+        if buf is not None:
+            new[:, :, : buf.shape[2]] = buf
+        self._kv[rid] = new
+
     def _store(self, rid: int, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
         n = k.shape[0]
         buf = self._kv.get(rid)
         need = pos + n
         if buf is None or buf.shape[2] < need:
-            cap = max(16, need, 0 if buf is None else 2 * buf.shape[2])
-            cfg = self.cfg
-            new = torch.zeros(cfg.num_layers, 2, cap, cfg.num_kv_heads, cfg.head_dim, device=self.device)
-            if buf is not None:
-                new[:, :, : buf.shape[2]] = buf
-            self._kv[rid] = buf = new
+            old = 0 if buf is None else buf.shape[2]
+            self.reserve(rid, max(16, need, old + old // 4))
+            buf = self._kv[rid]
         if self.kv_quant is not None:
             dtype, ks, vs = self.kv_quant
             fmax = torch.finfo(dtype).max

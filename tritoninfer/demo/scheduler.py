@@ -13,6 +13,8 @@ import collections
 import dataclasses
 from typing import Deque, List, Optional, Tuple
 
+import numpy as np
+
 from .kv_cache import PageAllocator
 
 __all__ = ["Request", "Scheduler", "pages_for"]
@@ -31,6 +33,13 @@ class Request:
     pages: List[int] = dataclasses.field(default_factory=list)
     kv_len: int = 0  # tokens whose K/V are in the cache
     reserved: int = 0  # pages reserved for the request's whole life
+    _page_cache: Optional[np.ndarray] = dataclasses.field(default=None, repr=False)
+
+    def page_array(self) -> np.ndarray:
+        """``pages`` as int32 numpy, rebuilt only when a page was added (keeps per-step host work small)."""
+        if self._page_cache is None or len(self._page_cache) != len(self.pages):
+            self._page_cache = np.asarray(self.pages, dtype=np.int32)
+        return self._page_cache
 
     @property
     def done(self) -> bool:
