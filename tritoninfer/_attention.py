@@ -8,6 +8,7 @@ host, so it can be captured in a CUDA graph.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Optional
 
@@ -46,6 +47,24 @@ class ScoreParams:
 
 def score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
                   head_dim, causal=False) -> ScoreParams:
+    """Parses the plan arguments that define the attention function (cached: plan() runs every step)."""
+    args = (pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta, head_dim, causal)
+    try:
+        # the types are part of the key so that e.g. window_left=True is still rejected
+        return _score_params_cached(args, tuple(type(a) for a in args))
+    except TypeError as e:
+        if "unhashable" not in str(e):
+            raise
+        return _parse_score_params(*args)  # e.g. a tensor scale: parse it uncached
+
+
+@functools.lru_cache(maxsize=256)
+def _score_params_cached(args: tuple, _types: tuple) -> ScoreParams:
+    return _parse_score_params(*args)
+
+
+def _parse_score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
+                        head_dim, causal=False) -> ScoreParams:
     """Parses the plan arguments that define the attention function."""
     mode = parse_pos_encoding_mode(pos_encoding_mode)
     rope_scale, rope_theta = resolve_rope(rope_scale, rope_theta)

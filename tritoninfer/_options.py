@@ -212,9 +212,10 @@ def check_indptr_host(indptr_host: torch.Tensor, name: str, zero_start: bool = T
     past 0 (``zero_start=False``): vLLM plans a slice of a larger page table."""
     if indptr_host.numel() < 1:
         raise ValueError(f"{name}: expected at least one element (batch_size + 1)")
-    if zero_start and int(indptr_host[0]) != 0:
-        raise ValueError(f"{name}: expected {name}[0] == 0, got {int(indptr_host[0])}")
-    if int(indptr_host[0]) < 0 or (indptr_host.numel() > 1 and bool((indptr_host[1:] < indptr_host[:-1]).any())):
+    values = indptr_host.numpy()
+    if zero_start and values[0] != 0:
+        raise ValueError(f"{name}: expected {name}[0] == 0, got {int(values[0])}")
+    if values[0] < 0 or (values.size > 1 and (values[1:] < values[:-1]).any()):
         raise ValueError(f"{name}: expected a non-decreasing array")
 
 

@@ -223,6 +223,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._plan_buf: Optional[torch.Tensor] = None  # CUDA-graph mode: fixed-capacity plan arrays
         self._plan_capacity = 0
         self._uploader = PlanUploader(self.device)
+        self._num_sms = _device.num_sms(self.device)
         self._plan: Optional[DevicePlan] = None
 
     @property
@@ -344,10 +345,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if last_page_len_host.numel() != batch:
             raise ValueError(f"last_page_len: expected {batch} elements (batch_size), got {last_page_len_host.numel()}")
         check_int_index_tensor(indices, "indices")
-        num_pages_used = int(indptr_host[-1])
+        ind = indptr_host.numpy().astype(np.int64)
+        num_pages_used = int(ind[-1])
         if indices.numel() < num_pages_used:
             raise ValueError(f"indices: indptr[-1] is {num_pages_used} but indices has only {indices.numel()} elements")
-        ind = indptr_host.numpy().astype(np.int64)
         pages = ind[1:] - ind[:-1]
         lpl = last_page_len_host.numpy().astype(np.int64)
         bad = (pages > 0) & ((lpl < 1) | (lpl > page_size))
@@ -374,7 +375,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 )
 
         tiles = _decode_tiles(group, 1, head_dim, kv_dtype.itemsize)
-        num_sms = _device.num_sms(self.device)
+        num_sms = self._num_sms
         ones = np.ones(batch, np.int64)
         chunk = kv_split_chunk(kv_lens, ones, num_kv_heads, num_sms, tiles.block_n, page_size,
                                fixed_split_size, disable_split_kv)
