@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Tuple, Union
 
+import numpy as np
 import torch
 
-from ._options import TensorLayout, check_tensor, host_index
+from ._options import TensorLayout, check_indptr_host, check_int_index_tensor, check_tensor, host_index
 
 PagedKVCache = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 
@@ -106,3 +107,38 @@ def page_table_from_block_tables(block_tables: torch.Tensor, seq_lens: Optional[
     keep = torch.arange(block_tables.shape[1])[None, :] < pages[:, None]
     indices = block_tables[keep.to(block_tables.device)].to(torch.int32)
     return indptr, indices, last
+
+
+@dataclasses.dataclass
+class HostPageTable:
+    """A page table's host-side facts, as plan() needs them."""
+
+    indptr: np.ndarray  # int64 [batch + 1]
+    last_page_len: np.ndarray  # int64 [batch]
+    kv_lens: np.ndarray  # int64 [batch]
+    num_pages_used: int  # indptr[-1]
+
+
+def host_page_table(indptr_host: torch.Tensor, last_page_len_host: torch.Tensor, indices: torch.Tensor,
+                    page_size: int, prefix: str = "") -> HostPageTable:
+    """Checks a CSR page table whose indptr and last_page_len are on the host (argument names are
+    ``prefix + "indptr"`` etc.) and derives the KV lengths: ``(pages - 1) * page_size + last_page_len``,
+    0 for a request with no pages. The indptr may start past 0 (a slice of a larger table)."""
+    check_indptr_host(indptr_host, prefix + "indptr", zero_start=False)
+    check_int_index_tensor(indices, prefix + "indices")
+    batch = indptr_host.numel() - 1
+    if last_page_len_host.numel() != batch:
+        raise ValueError(f"{prefix}last_page_len: expected {batch} elements (batch_size), got {last_page_len_host.numel()}")
+    ind = indptr_host.numpy().astype(np.int64)
+    num_pages_used = int(ind[-1])
+    if indices.numel() < num_pages_used:
+        raise ValueError(f"{prefix}indices: {prefix}indptr[-1] is {num_pages_used} but {prefix}indices has only "
+                         f"{indices.numel()} elements")
+    pages = ind[1:] - ind[:-1]
+    lpl = last_page_len_host.numpy().astype(np.int64)
+    bad = (pages > 0) & ((lpl < 1) | (lpl > page_size))
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(f"{prefix}last_page_len: request {i} has {int(lpl[i])}, expected 1..page_size ({page_size})")
+    kv_lens = np.where(pages > 0, (pages - 1) * page_size + lpl, 0)
+    return HostPageTable(ind, lpl, kv_lens, num_pages_used)

@@ -18,7 +18,7 @@ import torch
 
 from . import _device
 from ._attention import DevicePlan, KVSource, PlanUploader, launch_attention, pad_work, score_params, scratch_workspace
-from ._kvcache import PagedKVCache, page_table_from_block_tables, unpack_paged_kv_cache
+from ._kvcache import PagedKVCache, host_page_table, page_table_from_block_tables, unpack_paged_kv_cache
 from ._options import (
     KV_DTYPES,
     Q_DTYPES,
@@ -27,8 +27,6 @@ from ._options import (
     check_dtype_in,
     check_head_dim,
     check_heads,
-    check_indptr_host,
-    check_int_index_tensor,
     check_out,
     check_sinks,
     copy_into,
@@ -340,27 +338,16 @@ class BatchDecodeWithPagedKVCacheWrapper:
         check_positive_int(page_size, "page_size")
         params = score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta, head_dim)
 
-        check_indptr_host(indptr_host, "indptr", zero_start=False)
-        batch = indptr_host.numel() - 1
-        if last_page_len_host.numel() != batch:
-            raise ValueError(f"last_page_len: expected {batch} elements (batch_size), got {last_page_len_host.numel()}")
-        check_int_index_tensor(indices, "indices")
-        ind = indptr_host.numpy().astype(np.int64)
-        num_pages_used = int(ind[-1])
-        if indices.numel() < num_pages_used:
-            raise ValueError(f"indices: indptr[-1] is {num_pages_used} but indices has only {indices.numel()} elements")
+        table = host_page_table(indptr_host, last_page_len_host, indices, page_size)
+        ind, lpl, num_pages_used = table.indptr, table.last_page_len, table.num_pages_used
+        batch = ind.size - 1
         pages = ind[1:] - ind[:-1]
-        lpl = last_page_len_host.numpy().astype(np.int64)
-        bad = (pages > 0) & ((lpl < 1) | (lpl > page_size))
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise ValueError(f"last_page_len: request {i} has {int(lpl[i])}, expected 1..page_size ({page_size})")
         if seq_lens is not None:
             kv_lens = host_index(seq_lens, "seq_lens").numpy().astype(np.int64)
             if kv_lens.size != batch or (kv_lens > pages * page_size).any():
                 raise ValueError("seq_lens: expected one length per request, each within its pages")
         else:
-            kv_lens = np.where(pages > 0, (pages - 1) * page_size + lpl, 0)
+            kv_lens = table.kv_lens
 
         if self._use_cuda_graph:
             if batch != self._fixed_batch_size:

@@ -16,7 +16,7 @@ import torch
 
 from . import _device
 from ._attention import DevicePlan, KVSource, PlanUploader, launch_attention, pad_work, score_params, scratch_workspace
-from ._kvcache import PagedKVCache, page_table_from_block_tables, unpack_paged_kv_cache
+from ._kvcache import PagedKVCache, host_page_table, page_table_from_block_tables, unpack_paged_kv_cache
 from ._options import (
     KV_DTYPES,
     Q_DTYPES,
@@ -26,7 +26,6 @@ from ._options import (
     check_head_dim,
     check_heads,
     check_indptr_host,
-    check_int_index_tensor,
     check_out,
     check_positive_int,
     check_same_dtype_as_plan,
@@ -474,22 +473,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         else:
             indptr_host = host_index(paged_kv_indptr, "paged_kv_indptr")
             last_host = host_index(paged_kv_last_page_len, "paged_kv_last_page_len")
-        check_indptr_host(indptr_host, "paged_kv_indptr", zero_start=False)
-        check_int_index_tensor(paged_kv_indices, "paged_kv_indices")
-        batch = indptr_host.numel() - 1
-        if last_host.numel() != batch:
-            raise ValueError(f"paged_kv_last_page_len: expected {batch} elements, got {last_host.numel()}")
-        ind = indptr_host.numpy().astype(np.int64)
-        num_pages_used = int(ind[-1])
-        if paged_kv_indices.numel() < num_pages_used:
-            raise ValueError(f"paged_kv_indices: paged_kv_indptr[-1] is {num_pages_used}, indices has {paged_kv_indices.numel()}")
-        pages = ind[1:] - ind[:-1]
-        lpl = last_host.numpy().astype(np.int64)
-        bad = (pages > 0) & ((lpl < 1) | (lpl > page_size))
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise ValueError(f"paged_kv_last_page_len: request {i} has {int(lpl[i])}, expected 1..page_size ({page_size})")
-        kv_lens = np.where(pages > 0, (pages - 1) * page_size + lpl, 0)
+        table = host_page_table(indptr_host, last_host, paged_kv_indices, page_size, prefix="paged_kv_")
+        ind, lpl, kv_lens, num_pages_used = table.indptr, table.last_page_len, table.kv_lens, table.num_pages_used
         qo = qo_indptr_host.numpy().astype(np.int64)
         for hint, value, name in ((max_token_per_sequence, (qo[1:] - qo[:-1]).max(initial=0), "max_token_per_sequence"),
                                   (max_sequence_kv, kv_lens.max(initial=0), "max_sequence_kv")):
