@@ -126,11 +126,11 @@ def attention_fwd_kernel(
     mask_ptr, mask_indptr_ptr, alibi_ptr, sinks_ptr,
     # per-head scales (single_prefill's scale_q [H_qo], scale_k [H_kv], scale_v [H_kv])
     scale_q_ptr, scale_k_ptr, scale_v_ptr,
-    q_len_per_req, tile_tokens, state_mult, page_size, num_qo_heads,
+    q_len_per_req, tile_tokens, state_mult, num_qo_heads,
     sm_scale_log2, soft_cap, v_scale, rope_rcp_scale, rope_log2_theta, window_left,
     GROUP: tl.constexpr, HEAD_DIM_QK: tl.constexpr, HEAD_DIM_VO: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    IS_PAGED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    IS_PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SOFT_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_ROPE: tl.constexpr,
     HAS_CUSTOM_MASK: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_HEAD_SCALES: tl.constexpr,
     WRITE_LSE: tl.constexpr, DOT_DTYPE: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
@@ -210,13 +210,13 @@ def attention_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
-    k_head = i_kvh.to(tl.int64) * stride_k_head
-    v_head = i_kvh.to(tl.int64) * stride_v_head
+    k_head = i_kvh * stride_k_head
+    v_head = i_kvh * stride_v_head
     if IS_PAGED and PREFETCH_PAGES:
         # page ids of the first tile; each iteration fetches the next tile's, so K/V addresses never
         # wait on a load issued in the same iteration
         offs_first = lo + tl.arange(0, BLOCK_N)
-        next_page = tl.load(kv_indices_ptr + page_base + offs_first // page_size, mask=offs_first < hi, other=0)
+        next_page = tl.load(kv_indices_ptr + page_base + offs_first // PAGE_SIZE, mask=offs_first < hi, other=0)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
@@ -224,12 +224,13 @@ def attention_fwd_kernel(
             if PREFETCH_PAGES:
                 page = next_page.to(tl.int64)
                 offs_next = offs_n + BLOCK_N
-                next_page = tl.load(kv_indices_ptr + page_base + offs_next // page_size, mask=offs_next < hi, other=0)
+                next_page = tl.load(kv_indices_ptr + page_base + offs_next // PAGE_SIZE, mask=offs_next < hi, other=0)
             else:
-                page = tl.load(kv_indices_ptr + page_base + offs_n // page_size, mask=n_ok, other=0).to(tl.int64)
-            slot = (offs_n % page_size).to(tl.int64)
-            k_rows = page * stride_k_page + slot * stride_k_slot + k_head
-            v_rows = page * stride_v_page + slot * stride_v_slot + v_head
+                page = tl.load(kv_indices_ptr + page_base + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+            # int64 only where it is needed: page * page stride can pass 2^31 elements
+            slot = offs_n % PAGE_SIZE
+            k_rows = page * stride_k_page + (slot * stride_k_slot + k_head)
+            v_rows = page * stride_v_page + (slot * stride_v_slot + v_head)
         else:
             t = token_base + offs_n
             k_rows = t * stride_k_page + k_head
