@@ -109,6 +109,36 @@ def finalize(m_i, l_i, acc, sink_log2, v_scale, HAS_SINKS: tl.constexpr):
 
 
 @triton.jit
+def item_rows(req, q_tile_start, i_kvh, i_rows, qo_indptr_ptr, q_len_per_req, tile_tokens,
+              GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The query rows a program of a work item handles: rows are (query token, head of the GQA
+    group) pairs. Returns the request's first q row and length, and per row [BLOCK_M] the token
+    index within the request, the query head and whether the row exists."""
+    if q_len_per_req > 0:
+        q_start = req * q_len_per_req
+        q_len = q_len_per_req
+    else:
+        q_start = tl.load(qo_indptr_ptr + req)
+        q_len = tl.load(qo_indptr_ptr + req + 1) - q_start
+    offs_r = i_rows * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = q_tile_start + offs_r // GROUP
+    qo_head = i_kvh * GROUP + offs_r % GROUP
+    row_ok = (offs_r // GROUP < tile_tokens) & (tok < q_len)
+    return q_start, q_len, tok, qo_head, row_ok
+
+
+@triton.jit
+def store_rows(o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, o, lse, q_start, tok, qo_head, row_ok,
+               offs_dv, dv_ok, WRITE_LSE: tl.constexpr):
+    """Final output [BLOCK_M, BLOCK_DV] (cast to o's dtype) and LSE [BLOCK_M] of the rows."""
+    o_rows = (q_start + tok).to(tl.int64) * stride_o_tok + qo_head.to(tl.int64) * stride_o_head
+    tl.store(o_ptr + o_rows[:, None] + offs_dv[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & dv_ok[None, :])
+    if WRITE_LSE:
+        tl.store(lse_ptr + (q_start + tok).to(tl.int64) * stride_lse_tok + qo_head, lse, mask=row_ok)
+
+
+@triton.jit
 def attention_fwd_kernel(
     # q [tokens, H_qo, D_qk]; o [tokens, H_qo, D_vo]; lse [tokens, H_qo] float32
     q_ptr, stride_q_tok, stride_q_head,
@@ -149,20 +179,10 @@ def attention_fwd_kernel(
     split = tl.load(w + 4)
     num_splits = tl.load(w + 5)
 
-    if q_len_per_req > 0:
-        q_start = req * q_len_per_req
-        q_len = q_len_per_req
-    else:
-        q_start = tl.load(qo_indptr_ptr + req)
-        q_len = tl.load(qo_indptr_ptr + req + 1) - q_start
+    q_start, q_len, tok, qo_head, row_ok = item_rows(req, q_tile_start, i_kvh, i_rows, qo_indptr_ptr,
+                                                     q_len_per_req, tile_tokens, GROUP, BLOCK_M)
     kv_len = tl.load(kv_len_ptr + req)
-
-    # rows: (query token, head within the group)
-    offs_r = i_rows * BLOCK_M + tl.arange(0, BLOCK_M)
-    tok = q_tile_start + offs_r // GROUP
-    qo_head = i_kvh * GROUP + offs_r % GROUP
     tile_end = tl.minimum(q_tile_start + tile_tokens, q_len)
-    row_ok = (offs_r // GROUP < tile_tokens) & (tok < q_len)
 
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -268,11 +288,8 @@ def attention_fwd_kernel(
         if HAS_SINKS:
             sink_log2 = tl.load(sinks_ptr + qo_head, mask=row_ok, other=0.0) * LOG2E
         o, lse = finalize(m_i, l_i, acc, sink_log2, v_scale, HAS_SINKS)
-        o_rows = (q_start + tok).to(tl.int64) * stride_o_tok + qo_head.to(tl.int64) * stride_o_head
-        tl.store(o_ptr + o_rows[:, None] + offs_dv[None, :], o.to(o_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & dv_ok[None, :])
-        if WRITE_LSE:
-            tl.store(lse_ptr + (q_start + tok).to(tl.int64) * stride_lse_tok + qo_head, lse, mask=row_ok)
+        store_rows(o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, o, lse, q_start, tok, qo_head,
+                   row_ok, offs_dv, dv_ok, WRITE_LSE)
     else:
         # unscaled partial state: v_scale and sinks are applied once, by the merge
         o, lse = finalize(m_i, l_i, acc, 0.0, 1.0, False)
@@ -305,17 +322,8 @@ def merge_split_states_kernel(
     if (split != 0) | (num_splits == 1):
         return
     q_tile_start = tl.load(w + 1)
-    if q_len_per_req > 0:
-        q_start = req * q_len_per_req
-        q_len = q_len_per_req
-    else:
-        q_start = tl.load(qo_indptr_ptr + req)
-        q_len = tl.load(qo_indptr_ptr + req + 1) - q_start
-
-    offs_r = i_rows * BLOCK_M + tl.arange(0, BLOCK_M)
-    tok = q_tile_start + offs_r // GROUP
-    qo_head = i_kvh * GROUP + offs_r % GROUP
-    row_ok = (offs_r // GROUP < tile_tokens) & (tok < q_len)
+    q_start, q_len, tok, qo_head, row_ok = item_rows(req, q_tile_start, i_kvh, i_rows, qo_indptr_ptr,
+                                                     q_len_per_req, tile_tokens, GROUP, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
     dv_ok = offs_dv < HEAD_DIM_VO
 
@@ -338,11 +346,8 @@ def merge_split_states_kernel(
     if HAS_HEAD_SCALES:
         v_scale = v_scale * tl.load(scale_v_ptr + i_kvh)
     o, lse = finalize(m_i, l_i, acc, sink_log2, v_scale, HAS_SINKS)
-    o_rows = (q_start + tok).to(tl.int64) * stride_o_tok + qo_head.to(tl.int64) * stride_o_head
-    tl.store(o_ptr + o_rows[:, None] + offs_dv[None, :], o.to(o_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & dv_ok[None, :])
-    if WRITE_LSE:
-        tl.store(lse_ptr + (q_start + tok).to(tl.int64) * stride_lse_tok + qo_head, lse, mask=row_ok)
+    store_rows(o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, o, lse, q_start, tok, qo_head,
+               row_ok, offs_dv, dv_ok, WRITE_LSE)
 
 
 @triton.jit
