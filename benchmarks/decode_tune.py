@@ -1,77 +1,102 @@
-"""Tile/split sweep for the decode kernel (issue "Decode, part 2"): which (BLOCK_N, warps, stages,
-programs per SM) is fastest per shape and KV dtype. Patches the planner's choices at run time;
-results go to benchmarks/NOTES.md by hand.
+"""Tile sweep for the decode kernel (issue "Decode, part 2"): which compile-time tile is fastest per
+shape and KV dtype. Patches the planner's tile choice at run time; results go to
+benchmarks/NOTES.md by hand.
 
-    PYTHONPATH=. python benchmarks/decode_tune.py --out tune.md
+    PYTHONPATH=. python benchmarks/decode_tune.py --configs std-128-4-2,kvm-128-4-3-p --out tune.md
+
+A config is ``ORIENT-BLOCK_N-WARPS-STAGES[-p][-sSLOTS]``: ORIENT ``std`` puts the query rows in the M
+of the dots (mma.sync, M padded to 16), ``kvm`` puts the KV positions there (wgmma); ``-p`` loads page
+ids one tile ahead; ``-sN`` tells the split planner N programs fit on an SM. ``--programs-per-sm`` changes the resident slots the split planner assumes.
 """
 
 import argparse
-import itertools
+import dataclasses
 import sys
 
 import torch
 
 import tritoninfer
-from tritoninfer import _attention, _plan, decode
+from tritoninfer import _plan, decode
 
 sys.path.insert(0, "benchmarks")
 from decode_sweep import gpu_paged_kv, graph_time  # noqa: E402
 
 SHAPES = [(32, 8, 1, 4096), (32, 8, 16, 4096), (32, 8, 64, 4096), (32, 8, 256, 4096), (32, 32, 64, 4096)]
-CONFIGS = list(itertools.product([64, 128, 256], [4, 8], [2, 3], [True, False], [True, False]))
+
+
+def parse_config(text):
+    """``ORIENT-BLOCK_N-WARPS-STAGES[-p][-sSLOTS]`` -> (kv_as_m, block_n, warps, stages, prefetch, slots)."""
+    parts = text.split("-")
+    orient, block_n, warps, stages = parts[0], int(parts[1]), int(parts[2]), int(parts[3])
+    if orient not in ("std", "kvm"):
+        raise ValueError(f"config {text!r}: orientation must be std or kvm")
+    slots = [int(p[1:]) for p in parts[4:] if p.startswith("s")]
+    return orient == "kvm", block_n, warps, stages, "p" in parts[4:], slots[0] if slots else 0
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--configs", required=True, help="comma-separated ORIENT-BLOCK_N-WARPS-STAGES[-p]")
     ap.add_argument("--kv-dtypes", default="bfloat16,float8_e4m3fn")
+    ap.add_argument("--shapes", default=None, help="comma-separated HQ/HK/BATCH/KV_LEN (default: a fixed set)")
+    ap.add_argument("--programs-per-sm", default="0", help="comma-separated resident programs per SM for the "
+                    "split planner (0: the planner's own)")
+    ap.add_argument("--layout", default="NHD", choices=["NHD", "HND"])
+    ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    configs = [parse_config(c) for c in args.configs.split(",")]
+    shapes = SHAPES if args.shapes is None else [tuple(map(int, s.split("/"))) for s in args.shapes.split(",")]
     original = _plan.decode_tiles
-    lines = ["| heads | batch x kv | kv dtype | BLOCK_N | warps | stages | prefetch | fp16 dot | us | TB/s |", "|" + "---|" * 10]
+    lines = ["| heads | batch x kv | kv dtype | config | programs/SM | us | TB/s |", "|" + "---|" * 7]
     best = {}
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     for kv_name in args.kv_dtypes.split(","):
         kv_dtype = getattr(torch, kv_name)
-        for hq, hk, batch, kv_len in SHAPES:
+        for hq, hk, batch, kv_len in shapes:
             torch.manual_seed(0)
-            kv = gpu_paged_kv(batch, kv_len, hk, 128, 16, kv_dtype, "NHD")
+            kv = gpu_paged_kv(batch, kv_len, hk, 128, 16, kv_dtype, args.layout)
             copies = [kv.cache] + [kv.cache.clone() for _ in range(max(0, min(7, int(3e8 // kv.cache.nbytes))))]
             q = torch.randn((batch, hq, 128), device="cuda").to(torch.bfloat16)
-            nbytes = sum(c.nbytes for c in [kv.cache]) + 2 * q.nbytes
-            ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-            for block_n, warps, stages, prefetch, fp16dot in CONFIGS:
-                if (block_n == 256 and warps == 4) or (fp16dot and kv_dtype == torch.bfloat16):
-                    continue
+            nbytes = kv.cache.nbytes + 2 * q.nbytes
+            reference_out = None
+            for (kv_as_m, block_n, warps, stages, prefetch, slots), name in zip(configs, args.configs.split(",")):
+                for pps in ([slots] if slots else map(int, args.programs_per_sm.split(","))):
+                    def tiles(*a, _c=(kv_as_m, block_n, warps, stages, prefetch), _pps=pps):
+                        t = original(*a)
+                        return dataclasses.replace(t, kv_as_m=_c[0], block_n=_c[1], num_warps=_c[2], num_stages=_c[3],
+                                                   prefetch_pages=_c[4], programs_per_sm=_pps or t.programs_per_sm)
 
-                def tiles(group, L, d, eb=2, _bn=block_n, _w=warps, _s=stages, _p=prefetch):
-                    t = original(group, L, d, eb)
-                    return _plan.Tiles(t.block_m, _bn, _w, _s, t.tile_tokens, t.row_tiles, _p)
+                    decode._decode_tiles.cache_clear()
+                    decode._plan.decode_tiles = tiles
+                    w = tritoninfer.BatchDecodeWithPagedKVCacheWrapper(ws, args.layout)
+                    w.plan(kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, hq, hk, 128, 16,
+                           q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
+                    i = [0]
 
-                decode._decode_tiles.cache_clear()
-                decode._plan.decode_tiles = tiles
-                _attention.FP8_DOT_FP16 = fp16dot
-                w = tritoninfer.BatchDecodeWithPagedKVCacheWrapper(ws)
-                w.plan(kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, hq, hk, 128, 16,
-                       q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
-                i = [0]
+                    def call():
+                        w.run(q, copies[i[0] % len(copies)], k_scale=1.0, v_scale=1.0)
+                        i[0] += 1
 
-                def call():
-                    w.run(q, copies[i[0] % len(copies)], k_scale=1.0, v_scale=1.0)
-                    i[0] += 1
-
-                try:
-                    us = graph_time(call, replays=15)
-                except Exception as e:  # noqa: BLE001 (a config that does not compile is skipped)
-                    print("skip", block_n, warps, stages, type(e).__name__, str(e)[:200], flush=True)
-                    continue
-                tbs = nbytes / us / 1e6
-                key = (hq, hk, batch, kv_len, kv_name)
-                if key not in best or us < best[key][0]:
-                    best[key] = (us, block_n, warps, stages, prefetch, fp16dot)
-                lines.append(f"| {hq}/{hk} | {batch}x{kv_len} | {kv_name} | {block_n} | {warps} | {stages} | {prefetch} | {fp16dot} | {us:.1f} | {tbs:.2f} |")
-                print(lines[-1], flush=True)
+                    try:
+                        out = w.run(q, kv.cache, k_scale=1.0, v_scale=1.0)
+                        us = graph_time(call, replays=15)
+                    except Exception as e:  # noqa: BLE001 (a config that does not compile is skipped)
+                        print("skip", name, type(e).__name__, str(e)[:300], flush=True)
+                        continue
+                    if reference_out is None:
+                        reference_out = out.float()
+                    err = ((out.float() - reference_out).norm() / reference_out.norm()).item()
+                    if err > 2e-2:
+                        print(f"MISMATCH {name}: relative error {err:.3g} against the first config", flush=True)
+                    key = (hq, hk, batch, kv_len, kv_name)
+                    if key not in best or us < best[key][0]:
+                        best[key] = (us, name, pps)
+                    lines.append(f"| {hq}/{hk} | {batch}x{kv_len} | {kv_name} {args.layout} | {name} | {pps} | {us:.1f} | "
+                                 f"{nbytes / us / 1e6:.2f} |")
+                    print(lines[-1], flush=True)
     decode._plan.decode_tiles = original
-    lines += ["", "best:", ""] + [f"- {k}: {v[0]:.1f} us with BLOCK_N {v[1]}, warps {v[2]}, stages {v[3]}, prefetch {v[4]}, fp16 dot {v[5]}"
-                                   for k, v in best.items()]
+    decode._decode_tiles.cache_clear()
+    lines += ["", "best:", ""] + [f"- {k}: {v[0]:.1f} us with {v[1]}, programs/SM {v[2]}" for k, v in best.items()]
     text = "\n".join(lines)
     print("\n".join(lines[-len(best) - 1:]))
     if args.out:

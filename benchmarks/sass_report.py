@@ -39,7 +39,7 @@ def compile_kernel(args):
                  PAGE_SIZE=args.page_size, IS_CAUSAL=False, HAS_WINDOW=False, HAS_SOFT_CAP=False, HAS_ALIBI=False,
                  HAS_ROPE=False, HAS_CUSTOM_MASK=False, HAS_SINKS=False, HAS_HEAD_SCALES=False, WRITE_LSE=False,
                  DOT_DTYPE=tl.float16 if args.kv_dtype.startswith("fp8") else tl.bfloat16,
-                 PREFETCH_PAGES=args.prefetch)
+                 PREFETCH_PAGES=args.prefetch, KV_AS_M=args.kv_as_m)
     sig, attrs = {}, {}
     for i, name in enumerate(names):
         if name in const:
@@ -70,6 +70,7 @@ def main(argv=None):
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--prefetch", action="store_true")
+    ap.add_argument("--kv-as-m", action="store_true", help="KV positions as the M dimension of the dots (wgmma)")
     ap.add_argument("--top", type=int, default=15)
     args = ap.parse_args(argv)
     kernel = compile_kernel(args)
@@ -89,6 +90,30 @@ def main(argv=None):
     print(f"SASS instructions: {sum(ops.values())}")
     for op, n in ops.most_common(args.top):
         print(f"  {n:6d} {op}")
+    body = main_loop(sass)
+    print(f"main loop (largest backward branch): {sum(body.values())} instructions")
+    for op, n in body.most_common(args.top):
+        print(f"  {n:6d} {op}")
+
+
+def main_loop(sass: str) -> collections.Counter:
+    """Instruction mix between the largest loop's label and its backward branch."""
+    labels, ops, best = {}, [], (0, 0)
+    for line in sass.splitlines():
+        label = re.match(r"^(\.L_x_\d+):", line.strip())
+        if label:
+            labels[label.group(1)] = len(ops)
+            continue
+        m = re.match(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P[0-9T]+\s+)?([A-Z0-9_.]+)(.*)", line)
+        if not m:
+            continue
+        ops.append(m.group(1).split(".")[0])
+        target = re.search(r"`\((\.L_x_\d+)\)", m.group(2))
+        if m.group(1).startswith("BRA") and target and target.group(1) in labels:
+            start = labels[target.group(1)]
+            if len(ops) - start > best[1] - best[0]:
+                best = (start, len(ops))
+    return collections.Counter(ops[best[0]:best[1]])
 
 
 if __name__ == "__main__":

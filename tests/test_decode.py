@@ -97,12 +97,27 @@ def test_batch_decode_matches_reference(case):
         assert torch.all(o[empty] == 0) and torch.all(lse[empty] == float("-inf"))
 
 
-def test_split_kv_is_exercised_and_correct():
-    """One long request and one KV head: the planner must split, and the merge must be exact."""
+@pytest.mark.parametrize("case", CASES[:6], ids=Case.id)
+def test_kv_as_m_orientation_matches_reference(case, monkeypatch):
+    """The transposed dot orientation (KV positions as M) computes the same attention."""
+    from tritoninfer import decode, _plan as plan_mod
+
+    def tiles(*args):
+        return dataclasses.replace(plan_mod.decode_tiles(*args), kv_as_m=True)
+
+    monkeypatch.setattr(decode, "_decode_tiles", tiles)
+    test_batch_decode_matches_reference(case)
+
+
+@pytest.mark.parametrize("fixed_pages", [None, 1])
+def test_split_kv_is_exercised_and_correct(fixed_pages):
+    """One long request and one KV head: the planner must split, and the merge must be exact, also
+    with more splits (19) than the merge kernel loads at once."""
     case = Case((150,), heads=(4, 1), page_size=8)
     kv, q = _make(case)
-    wrapper = BatchDecodeWithPagedKVCacheWrapper(testing.make_workspace(1 << 20, DEVICE))
-    _plan(wrapper, case, kv)
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(testing.make_workspace(1 << 20, DEVICE),
+                                                 use_tensor_cores=fixed_pages is not None)
+    _plan(wrapper, case, kv, fixed_split_size=fixed_pages)
     assert wrapper._plan.has_splits
     o, lse = wrapper.run_return_lse(q, kv.cache)
     ref_o, ref_lse = _reference(case, kv, q)

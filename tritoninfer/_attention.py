@@ -294,6 +294,7 @@ def launch_attention(
         HAS_CUSTOM_MASK=packed_mask is not None, HAS_SINKS=sinks is not None,
         HAS_HEAD_SCALES=head_scales is not None, WRITE_LSE=lse is not None,
         DOT_DTYPE=dot_dtype(q.dtype, kv.k.dtype), PREFETCH_PAGES=tiles.prefetch_pages,
+        KV_AS_M=tiles.kv_as_m,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     if plan.has_splits or plan.always_merge:
@@ -306,6 +307,7 @@ def launch_attention(
             head_scales[2] if head_scales is not None else dummy,
             q_len_per_req, tiles.tile_tokens, state_mult, num_qo_heads, v_scale,
             GROUP=group, HEAD_DIM_VO=head_dim_vo, BLOCK_M=tiles.block_m, BLOCK_DV=block_dv,
+            SPLIT_BLOCK=max(1, min(8, 1024 // (tiles.block_m * block_dv // 16))),
             HAS_SINKS=sinks is not None, HAS_HEAD_SCALES=head_scales is not None, WRITE_LSE=lse is not None,
-            num_warps=4,
+            num_warps=8 if tiles.block_m * block_dv >= 2048 else 4,
         )

@@ -34,10 +34,8 @@ class Tiles:
     tile_tokens: int  # query tokens per work item
     row_tiles: int  # programs along the row axis per item (decode: L*group may exceed block_m)
     prefetch_pages: bool = True  # load the next KV tile's page ids one iteration ahead
-
-
-# Split-KV aims at this many programs per SM when a batch alone does not fill the GPU.
-PROGRAMS_PER_SM = 2
+    kv_as_m: bool = False  # KV positions as the M of the dots, query rows as N (decode on Hopper)
+    programs_per_sm: int = 2  # resident programs per SM (registers, shared memory) on the H200
 
 
 def decode_tiles(group: int, q_len_per_req: int, head_dim: int, kv_elem_bytes: int = 2) -> Tiles:
@@ -50,10 +48,12 @@ def decode_tiles(group: int, q_len_per_req: int, head_dim: int, kv_elem_bytes: i
     if head_dim > 128:
         return Tiles(block_m, 32, 4, 2, q_len_per_req, row_tiles, prefetch_pages=False)
     if kv_elem_bytes == 1:
-        # fp8: twice the tokens per tile for the same bytes, a deeper pipeline and page ids one
-        # tile ahead (benchmarks/NOTES.md, decode tuning on the H200)
-        return Tiles(block_m, 128, 4, 3, q_len_per_req, row_tiles, prefetch_pages=True)
-    return Tiles(block_m, 128, 4, 2, q_len_per_req, row_tiles, prefetch_pages=False)
+        # fp8: query rows as M (mma.sync), 128-token tiles, page ids one tile ahead; 162 registers
+        # and 74 KB of shared memory leave three programs per SM (benchmarks/NOTES.md, v4)
+        return Tiles(block_m, 128, 4, 2, q_len_per_req, row_tiles, prefetch_pages=True, programs_per_sm=3)
+    # 16-bit KV: KV positions as M (wgmma reads K and V from shared memory), 64-token tiles,
+    # three stages (benchmarks/NOTES.md, v4)
+    return Tiles(block_m, 64, 4, 3, q_len_per_req, row_tiles, prefetch_pages=True, kv_as_m=True)
 
 
 def prefill_tiles(group: int, head_dim: int) -> Tiles:
@@ -85,29 +85,45 @@ def kv_split_chunk(
     page_size: int,
     fixed_split_size: Optional[int],
     disable_split_kv: bool,
+    programs_per_sm: int = 2,
 ) -> Optional[int]:
     """KV positions per split, or None for no split.
 
     ``fixed_split_size`` is in pages (FlashInfer's unit) and makes the split of each request
-    independent of the rest of the batch. Otherwise the KV of long requests is cut so that the
-    launch has about two programs per SM.
+    independent of the rest of the batch. Otherwise the chunk minimises an estimate of the
+    launch's duration in KV positions: programs run in waves of ``programs_per_sm * num_sms``
+    (the resident slots), a wave lasts as long as its longest program, and a split costs a merge.
+    Cutting requests finer than needed to fill the slots only adds merges, but cutting them so
+    that the last wave is full pays: 512 equal programs on 396 slots take two full-length waves,
+    while 1536 programs of a third of the length take four waves of a third.
     """
     if disable_split_kv or kv_lens.size == 0:
         return None
     if fixed_split_size is not None and int(fixed_split_size) > 0:
         # FlashInfer's -1 (what None becomes there) means "no fixed split"
         chunk = int(fixed_split_size) * page_size
-    else:
-        target = PROGRAMS_PER_SM * num_sms
-        programs = int(q_tiles.sum()) * num_kv_heads
-        if programs >= target:
-            return None
-        work = int((kv_lens.astype(np.int64) * q_tiles).sum()) * num_kv_heads
-        chunk = max(2 * block_n, math.ceil(work / target))
-        chunk = math.ceil(chunk / block_n) * block_n
-    if int(kv_lens.max()) <= chunk:
+        return None if int(kv_lens.max()) <= chunk else chunk
+    slots = programs_per_sm * num_sms
+    kv = kv_lens.astype(np.int64)
+    pairs = q_tiles.astype(np.int64) * num_kv_heads
+    total = int((kv * pairs).sum())
+    all_pairs = int(pairs.sum())
+    longest, shortest = int(kv.max()), int(kv.min())
+    if total == 0:
         return None
-    return chunk
+    best, best_time = None, max(longest, -(-all_pairs // slots) * total / all_pairs)
+    for waves in range(1, 9):
+        chunk = max(2 * block_n, math.ceil(total / (waves * slots)))
+        chunk = math.ceil(chunk / block_n) * block_n
+        if chunk >= longest:
+            continue
+        # programs after the cut: exact for equal lengths, an upper bound otherwise (host time
+        # matters here: plan() runs every step)
+        items = all_pairs * -(-longest // chunk) if shortest == longest else -(-total // chunk) + all_pairs
+        t = max(chunk, -(-items // slots) * total / items) + block_n  # + a merge, about one tile
+        if t < best_time * 0.97:  # a split must win clearly: partial states are not free
+            best, best_time = chunk, t
+    return best
 
 
 def build_work(

@@ -119,7 +119,8 @@ def single_decode_with_kv_cache(
     num_sms = _device.num_sms(device)
     tiles = _decode_tiles(num_qo_heads // num_kv_heads, 1, head_dim, k.element_size())
     kv_lens = np.array([kv_len], np.int64)
-    chunk = kv_split_chunk(kv_lens, np.ones(1, np.int64), num_kv_heads, num_sms, tiles.block_n, 1, None, False)
+    chunk = kv_split_chunk(kv_lens, np.ones(1, np.int64), num_kv_heads, num_sms, tiles.block_n, 1, None, False,
+                           tiles.programs_per_sm)
     workspace = scratch_workspace(device)
     work = _plan.fit_work(np.ones(1, np.int64), kv_lens, 1, chunk, workspace.numel(), num_qo_heads, head_dim_vo, False)
     work_d, kv_len_d, state_offset_d, kv_indptr_d = _uploader(device).upload(
@@ -365,10 +366,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         num_sms = self._num_sms
         ones = np.ones(batch, np.int64)
         chunk = kv_split_chunk(kv_lens, ones, num_kv_heads, num_sms, tiles.block_n, page_size,
-                               fixed_split_size, disable_split_kv)
+                               fixed_split_size, disable_split_kv, tiles.programs_per_sm)
         if self._use_cuda_graph:
             # depends on the batch only, so the buffers (and captured graphs) survive any re-plan
-            max_splits = max(1, -(-_plan.PROGRAMS_PER_SM * num_sms // max(1, batch)))
+            max_splits = max(1, -(-tiles.programs_per_sm * num_sms // max(1, batch)))
             # the state layout is fixed by the capacity: keep it within the workspace
             per_split = max(1, batch) * _plan.state_bytes(1, num_qo_heads, head_dim)
             max_splits = max(1, min(max_splits, self._float_workspace_buffer.numel() // per_split))

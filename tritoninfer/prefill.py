@@ -182,7 +182,7 @@ class _BatchPrefillBase:
         q_tiles = -(-qo_lens // tiles.tile_tokens)
         num_sms = _device.num_sms(self.device)
         chunk = kv_split_chunk(kv_lens, q_tiles, num_kv_heads, num_sms, tiles.block_n, max(page_size, 1),
-                               fixed_split_size, disable_split_kv)
+                               fixed_split_size, disable_split_kv, tiles.programs_per_sm)
 
         mask_arrays = [byte_indptr] if byte_indptr is not None else []
         if self._use_cuda_graph:
@@ -195,7 +195,7 @@ class _BatchPrefillBase:
                 # sized once, from the first plan's total rows (as FlashInfer does); captured graphs
                 # keep pointers into it
                 self._max_total_rows = total_rows
-                max_splits = max(1, -(-_plan.PROGRAMS_PER_SM * num_sms // max(1, batch)))
+                max_splits = max(1, -(-tiles.programs_per_sm * num_sms // max(1, batch)))
                 # the state layout is fixed by the first plan: keep it within the workspace
                 per_split = max(1, total_rows) * _plan.state_bytes(1, num_qo_heads, head_dim_vo)
                 max_splits = max(1, min(max_splits, self._float_workspace_buffer.numel() // per_split))
