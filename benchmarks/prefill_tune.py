@@ -4,7 +4,8 @@ benchmarks/NOTES.md by hand.
 
     PYTHONPATH=. python benchmarks/prefill_tune.py --configs 128-64-8-2,128-128-8-3 --out tune.md
 
-A config is ``BLOCK_M-BLOCK_N-WARPS-STAGES``; BLOCK_M counts rows, i.e. (query token, head of the
+A config is ``BLOCK_M-BLOCK_N-WARPS-STAGES[-masked]`` (``-masked``: one loop that masks every
+tile, instead of a mask-free loop for the tiles every row sees in full); BLOCK_M counts rows, i.e. (query token, head of the
 GQA group) pairs. Time: median of CUDA-event timed calls after warm-up. FLOPs: ``testing.prefill_flops``
 (causal counts the visible half).
 """
@@ -69,11 +70,13 @@ def main(argv=None):
             flops = testing.prefill_flops([n] * batch, [n] * batch, hq, d, d, causal)
             for form in args.forms.split(","):
                 for name in args.configs.split(","):
-                    bm, bn, warps, stages = map(int, name.split("-"))
+                    parts = name.split("-")
+                    bm, bn, warps, stages = map(int, parts[:4])
 
-                    def tiles(group, head_dim, _c=(bm, bn, warps, stages)):
+                    def tiles(group, head_dim, _c=(bm, bn, warps, stages), _mf="masked" not in parts):
                         return dataclasses.replace(original(group, head_dim), block_m=_c[0], block_n=_c[1],
-                                                   num_warps=_c[2], num_stages=_c[3], tile_tokens=_c[0] // group)
+                                                   num_warps=_c[2], num_stages=_c[3], tile_tokens=_c[0] // group,
+                                                   mask_free_tiles=_mf)
 
                     prefill.prefill_tiles = tiles
                     if form == "ragged":

@@ -294,7 +294,7 @@ def launch_attention(
         HAS_CUSTOM_MASK=packed_mask is not None, HAS_SINKS=sinks is not None,
         HAS_HEAD_SCALES=head_scales is not None, WRITE_LSE=lse is not None,
         DOT_DTYPE=dot_dtype(q.dtype, kv.k.dtype), PREFETCH_PAGES=tiles.prefetch_pages,
-        KV_AS_M=tiles.kv_as_m,
+        KV_AS_M=tiles.kv_as_m, MASK_FREE_TILES=tiles.mask_free_tiles,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     if plan.has_splits or plan.always_merge:

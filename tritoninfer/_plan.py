@@ -36,6 +36,7 @@ class Tiles:
     prefetch_pages: bool = True  # load the next KV tile's page ids one iteration ahead
     kv_as_m: bool = False  # KV positions as the M of the dots, query rows as N (decode on Hopper)
     programs_per_sm: int = 2  # resident programs per SM (registers, shared memory) on the H200
+    mask_free_tiles: bool = False  # a separate loop without score masks for tiles every row sees
 
 
 def decode_tiles(group: int, q_len_per_req: int, head_dim: int, kv_elem_bytes: int = 2) -> Tiles:
@@ -60,10 +61,13 @@ def prefill_tiles(group: int, head_dim: int) -> Tiles:
     """Tiles for prefill: each work item covers ``block_m // group`` query tokens."""
     if _device.is_interpreter():
         block_m = max(16, next_pow2(group))
-        return Tiles(block_m, 16, 1, 1, block_m // group, 1)
+        return Tiles(block_m, 16, 1, 1, block_m // group, 1, mask_free_tiles=True)
     block_m = max(64 if head_dim > 128 else 128, next_pow2(group))
     block_n = 32 if head_dim > 128 else 64
-    return Tiles(block_m, block_n, 8 if block_m >= 128 else 4, 2, block_m // group, 1)
+    # 128 x 64 tiles, 8 warps, 3 stages and a mask-free loop for the tiles every row sees in full:
+    # the best of the sweep in benchmarks/NOTES.md (prefill, v1)
+    return Tiles(block_m, block_n, 8 if block_m >= 128 else 4, 3 if head_dim <= 128 else 2, block_m // group, 1,
+                 mask_free_tiles=True)
 
 
 @dataclasses.dataclass

@@ -160,6 +160,82 @@ def store_rows(o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, o, l
 
 
 @triton.jit
+def attend_range(
+    m_i, l_i, acc, next_page, q, lo, end, hi,
+    k_ptr, stride_k_page, stride_k_slot, k_head, v_ptr, stride_v_page, stride_v_slot, v_head,
+    kv_indices_ptr, page_base, token_base, offs_dqk, offs_dqk_partner, dqk_ok, offs_dv, dv_ok,
+    tok, kv_len, q_len, window_left, mask_ptr, mask_base, row_scale, slope,
+    sm_scale_log2, soft_cap, rope_rcp_scale, rope_log2_theta, q_elem,
+    HEAD_DIM_QK: tl.constexpr, BLOCK_N: tl.constexpr, IS_PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_ROPE: tl.constexpr, HAS_CUSTOM_MASK: tl.constexpr, HAS_HEAD_SCALES: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PREFETCH_PAGES: tl.constexpr, KV_AS_M: tl.constexpr, MASKED: tl.constexpr,
+):
+    """Online softmax over the KV tiles starting at lo, lo + BLOCK_N, ... below ``end``; positions
+    at or past ``hi`` are not read. ``MASKED=False`` is for tiles that every row sees in full: no
+    score mask is built. ``next_page`` holds the page ids of the first tile (with
+    ``PREFETCH_PAGES``) and comes back holding those of the tile at ``end``."""
+    for start in range(lo, end, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        if IS_PAGED:
+            if PREFETCH_PAGES:
+                page = next_page.to(tl.int64)
+                offs_next = offs_n + BLOCK_N
+                next_page = tl.load(kv_indices_ptr + page_base + offs_next // PAGE_SIZE, mask=offs_next < hi, other=0)
+            else:
+                page = tl.load(kv_indices_ptr + page_base + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+            # int64 only where it is needed: page * page stride can pass 2^31 elements
+            slot = offs_n % PAGE_SIZE
+            k_rows = page * stride_k_page + (slot * stride_k_slot + k_head)
+            v_rows = page * stride_v_page + (slot * stride_v_slot + v_head)
+        else:
+            t = token_base + offs_n
+            k_rows = t * stride_k_page + k_head
+            v_rows = t * stride_v_page + v_head
+
+        # [BLOCK_N, BLOCK_DQK]
+        k = tl.load(k_ptr + k_rows[:, None] + offs_dqk[None, :], mask=n_ok[:, None] & dqk_ok[None, :], other=0.0)
+        if HAS_ROPE:
+            # [BLOCK_N, BLOCK_DQK]
+            k_partner = tl.load(k_ptr + k_rows[:, None] + offs_dqk_partner[None, :],
+                                mask=n_ok[:, None] & dqk_ok[None, :], other=0.0)
+            k = rope_rotate(k, k_partner, offs_n, offs_dqk, HEAD_DIM_QK, rope_rcp_scale, rope_log2_theta)
+            k = k.to(q_elem.dtype)
+        k = _to_dot(k, DOT_DTYPE)
+
+        # [BLOCK_M, BLOCK_N]
+        if KV_AS_M:
+            # KV positions as the M of the dot (>= 64 rows: wgmma with K and V read from shared
+            # memory); the few query rows are its N
+            s = tl.trans(tl.dot(k, tl.trans(q)))
+        else:
+            s = tl.dot(q, tl.trans(k))
+        if HAS_HEAD_SCALES:
+            s = s * row_scale[:, None]
+        s = transform_scores(s, sm_scale_log2, soft_cap, HAS_SOFT_CAP)
+        if HAS_ALIBI:
+            s += slope[:, None] * (offs_n[None, :] - tok[:, None]).to(tl.float32)
+        if MASKED:
+            keep = visible_mask(offs_n, tok, kv_len, q_len, window_left, mask_ptr, mask_base,
+                                IS_CAUSAL, HAS_WINDOW, HAS_CUSTOM_MASK)
+            keep = keep & n_ok[None, :]
+            m_i, l_i, acc, p = softmax_update(m_i, l_i, acc, s, keep)
+        else:
+            m_i, l_i, acc, p = softmax_update(m_i, l_i, acc, s, True)
+
+        # [BLOCK_N, BLOCK_DV]
+        v = tl.load(v_ptr + v_rows[:, None] + offs_dv[None, :], mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+        v = v_to_dot(v, DOT_DTYPE)
+        if KV_AS_M:
+            acc = tl.trans(tl.dot(tl.trans(v), tl.trans(p.to(DOT_DTYPE)), tl.trans(acc)))
+        else:
+            acc += tl.dot(p.to(DOT_DTYPE), v)
+
+    return m_i, l_i, acc, next_page
+
+
+@triton.jit
 def attention_fwd_kernel(
     # q [tokens, H_qo, D_qk]; o [tokens, H_qo, D_vo]; lse [tokens, H_qo] float32
     q_ptr, stride_q_tok, stride_q_head,
@@ -185,6 +261,7 @@ def attention_fwd_kernel(
     HAS_SOFT_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_ROPE: tl.constexpr,
     HAS_CUSTOM_MASK: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_HEAD_SCALES: tl.constexpr,
     WRITE_LSE: tl.constexpr, DOT_DTYPE: tl.constexpr, PREFETCH_PAGES: tl.constexpr, KV_AS_M: tl.constexpr,
+    MASK_FREE_TILES: tl.constexpr,
 ):
     i_item = tl.program_id(0)
     i_kvh = tl.program_id(1)
@@ -258,59 +335,42 @@ def attention_fwd_kernel(
         # wait on a load issued in the same iteration
         offs_first = lo + tl.arange(0, BLOCK_N)
         next_page = tl.load(kv_indices_ptr + page_base + offs_first // PAGE_SIZE, mask=offs_first < hi, other=0)
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < hi
-        if IS_PAGED:
-            if PREFETCH_PAGES:
-                page = next_page.to(tl.int64)
-                offs_next = offs_n + BLOCK_N
-                next_page = tl.load(kv_indices_ptr + page_base + offs_next // PAGE_SIZE, mask=offs_next < hi, other=0)
-            else:
-                page = tl.load(kv_indices_ptr + page_base + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-            # int64 only where it is needed: page * page stride can pass 2^31 elements
-            slot = offs_n % PAGE_SIZE
-            k_rows = page * stride_k_page + (slot * stride_k_slot + k_head)
-            v_rows = page * stride_v_page + (slot * stride_v_slot + v_head)
-        else:
-            t = token_base + offs_n
-            k_rows = t * stride_k_page + k_head
-            v_rows = t * stride_v_page + v_head
-
-        # [BLOCK_N, BLOCK_DQK]
-        k = tl.load(k_ptr + k_rows[:, None] + offs_dqk[None, :], mask=n_ok[:, None] & dqk_ok[None, :], other=0.0)
-        if HAS_ROPE:
-            # [BLOCK_N, BLOCK_DQK]
-            k_partner = tl.load(k_ptr + k_rows[:, None] + offs_dqk_partner[None, :],
-                                mask=n_ok[:, None] & dqk_ok[None, :], other=0.0)
-            k = rope_rotate(k, k_partner, offs_n, offs_dqk, HEAD_DIM_QK, rope_rcp_scale, rope_log2_theta)
-            k = k.to(q_ptr.dtype.element_ty)
-        k = _to_dot(k, DOT_DTYPE)
-
-        # [BLOCK_M, BLOCK_N]
-        if KV_AS_M:
-            # KV positions as the M of the dot (>= 64 rows: wgmma with K and V read from shared
-            # memory); the few query rows are its N
-            s = tl.trans(tl.dot(k, tl.trans(q)))
-        else:
-            s = tl.dot(q, tl.trans(k))
-        if HAS_HEAD_SCALES:
-            s = s * row_scale[:, None]
-        s = transform_scores(s, sm_scale_log2, soft_cap, HAS_SOFT_CAP)
-        if HAS_ALIBI:
-            s += slope[:, None] * (offs_n[None, :] - tok[:, None]).to(tl.float32)
-        keep = visible_mask(offs_n, tok, kv_len, q_len, window_left, mask_ptr, mask_base,
-                            IS_CAUSAL, HAS_WINDOW, HAS_CUSTOM_MASK)
-        keep = keep & n_ok[None, :]
-        m_i, l_i, acc, p = softmax_update(m_i, l_i, acc, s, keep)
-
-        # [BLOCK_N, BLOCK_DV]
-        v = tl.load(v_ptr + v_rows[:, None] + offs_dv[None, :], mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
-        v = v_to_dot(v, DOT_DTYPE)
-        if KV_AS_M:
-            acc = tl.trans(tl.dot(tl.trans(v), tl.trans(p.to(DOT_DTYPE)), tl.trans(acc)))
-        else:
-            acc += tl.dot(p.to(DOT_DTYPE), v)
+    if not (IS_PAGED and PREFETCH_PAGES):
+        next_page = tl.zeros([BLOCK_N], tl.int32)
+    if not IS_PAGED:
+        page_base = 0
+    else:
+        token_base = 0
+    if not HAS_HEAD_SCALES:
+        row_scale = 0.0
+    if not HAS_ALIBI:
+        slope = 0.0
+    if not HAS_ROPE:
+        offs_dqk_partner = offs_dqk
+    # tiles every row sees in full need no score mask: all of them unless a window or a custom
+    # mask is set; with causal, those left of the first row's diagonal
+    full_end = lo
+    if MASK_FREE_TILES and not HAS_WINDOW and not HAS_CUSTOM_MASK:
+        full_hi = hi
+        if IS_CAUSAL:
+            full_hi = tl.minimum(full_hi, q_tile_start + kv_len - q_len + 1)
+        full_end = lo + tl.maximum(full_hi - lo, 0) // BLOCK_N * BLOCK_N
+        m_i, l_i, acc, next_page = attend_range(
+            m_i, l_i, acc, next_page, q, lo, full_end, hi,
+            k_ptr, stride_k_page, stride_k_slot, k_head, v_ptr, stride_v_page, stride_v_slot, v_head,
+            kv_indices_ptr, page_base, token_base, offs_dqk, offs_dqk_partner, dqk_ok, offs_dv, dv_ok,
+            tok, kv_len, q_len, window_left, mask_ptr, mask_base, row_scale, slope,
+            sm_scale_log2, soft_cap, rope_rcp_scale, rope_log2_theta, tl.zeros([1], q_ptr.dtype.element_ty),
+            HEAD_DIM_QK, BLOCK_N, IS_PAGED, PAGE_SIZE, IS_CAUSAL, HAS_WINDOW, HAS_SOFT_CAP, HAS_ALIBI, HAS_ROPE,
+            HAS_CUSTOM_MASK, HAS_HEAD_SCALES, DOT_DTYPE, PREFETCH_PAGES, KV_AS_M, False)
+    m_i, l_i, acc, next_page = attend_range(
+        m_i, l_i, acc, next_page, q, full_end, hi, hi,
+        k_ptr, stride_k_page, stride_k_slot, k_head, v_ptr, stride_v_page, stride_v_slot, v_head,
+        kv_indices_ptr, page_base, token_base, offs_dqk, offs_dqk_partner, dqk_ok, offs_dv, dv_ok,
+        tok, kv_len, q_len, window_left, mask_ptr, mask_base, row_scale, slope,
+        sm_scale_log2, soft_cap, rope_rcp_scale, rope_log2_theta, tl.zeros([1], q_ptr.dtype.element_ty),
+        HEAD_DIM_QK, BLOCK_N, IS_PAGED, PAGE_SIZE, IS_CAUSAL, HAS_WINDOW, HAS_SOFT_CAP, HAS_ALIBI, HAS_ROPE,
+        HAS_CUSTOM_MASK, HAS_HEAD_SCALES, DOT_DTYPE, PREFETCH_PAGES, KV_AS_M, True)
 
     if num_splits == 1:
         sink_log2 = 0.0
