@@ -4,6 +4,7 @@ handling, and ``--quick`` end to end through the Triton interpreter."""
 import csv
 import os
 import subprocess
+import shutil
 import sys
 from pathlib import Path
 
@@ -307,6 +308,22 @@ def test_git_commit_reads_dot_git(tmp_path):
     (tmp_path / ".git" / "refs" / "heads" / "main").unlink()
     (tmp_path / ".git" / "packed-refs").write_text(f"# pack-refs\n{sha} refs/heads/main\n")
     assert report.git_commit(tmp_path / "pkg") == sha
+
+
+def test_working_tree_modified_sees_changed_tracked_files(tmp_path):
+    git = shutil.which("git")
+    if git is None:
+        pytest.skip("git is not installed")
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t", "HOME": str(tmp_path), "PATH": os.environ.get("PATH", "")}
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "m.py").write_text("x = 1\n")
+    for cmd in (["init", "-q"], ["add", "."], ["commit", "-qm", "c"]):
+        subprocess.run([git, *cmd], cwd=tmp_path, check=True, env=env)
+    assert report.working_tree_modified(tmp_path / "pkg" / "m.py") is False
+    (tmp_path / "pkg" / "m.py").write_text("x = 2\n")
+    assert report.working_tree_modified(tmp_path / "pkg" / "m.py") is True
+    assert report.working_tree_modified(Path("/")) is None
 
 
 # --------------------------------------------------------------------------------------------------

@@ -37,6 +37,28 @@ METRIC = {"decode": "TB/s", "prefill": "TFLOP/s", "append": "TB/s", "cascade": "
 # --------------------------------------------------------------------------------------------------
 
 
+def working_tree_modified(start: Optional[Path] = None) -> Optional[bool]:
+    """Whether tracked files differ from the checked-out commit (``git status``); ``None`` when
+    git is unavailable or this is not a repository. A copy of a newer tree over an old checkout
+    (as remote GPU machines get) shows up here, so the report cannot name the wrong commit."""
+    here = (start or Path(__file__)).resolve()
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here.parent,
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return bool(out.stdout.strip())
+
+
+def _commit_and_state() -> str:
+    commit = git_commit()
+    if commit is None:
+        return "unknown"
+    return commit + (" + uncommitted changes" if working_tree_modified() else "")
+
+
 def git_commit(start: Optional[Path] = None) -> Optional[str]:
     """The commit checked out in the repository holding ``start`` (default: this package), read from
     ``.git`` directly (no git process). ``None`` outside a repository."""
@@ -103,7 +125,7 @@ def environment(device: torch.device, copy_tb_s: Optional[float], l2_bytes: Opti
         "flashinfer": flashinfer_version() or "not installed",
         "tritoninfer": ti_version,
         "python": platform.python_version(),
-        "git commit": git_commit() or "unknown",
+        "git commit": _commit_and_state(),
         "date (UTC)": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
     }
     if gpu:
