@@ -2,7 +2,11 @@
 
 One program handles one *work item* (a request, a tile of its query tokens, a range of its KV
 positions) for one KV head. Its rows are (query token, query head of the GQA group) pairs, so
-each KV tile is loaded once per group and the group is the M dimension of ``tl.dot``.
+each KV tile is loaded once per group and the group is the M dimension of ``tl.dot``; with
+``KV_AS_M`` the dots are transposed instead (KV positions as M, the rows as N), which lets Triton
+use wgmma with K and V read from shared memory for decode's few rows. The KV loop
+(``attend_range``) runs twice: over the tiles every row sees in full without building a score
+mask (``MASK_FREE_TILES``), then over the rest with masks.
 
 Everything that defines the attention function lives here once: the logits transform (scale,
 soft cap, ALiBi), the masks (causal, sliding window, packed custom mask), on-the-fly RoPE, the
@@ -349,28 +353,24 @@ def attention_fwd_kernel(
         offs_dqk_partner = offs_dqk
     # tiles every row sees in full need no score mask: all of them unless a window or a custom
     # mask is set; with causal, those left of the first row's diagonal
+    SPLIT_LOOP: tl.constexpr = MASK_FREE_TILES and not HAS_WINDOW and not HAS_CUSTOM_MASK
     full_end = lo
-    if MASK_FREE_TILES and not HAS_WINDOW and not HAS_CUSTOM_MASK:
+    if SPLIT_LOOP:
         full_hi = hi
         if IS_CAUSAL:
             full_hi = tl.minimum(full_hi, q_tile_start + kv_len - q_len + 1)
         full_end = lo + tl.maximum(full_hi - lo, 0) // BLOCK_N * BLOCK_N
-        m_i, l_i, acc, next_page = attend_range(
-            m_i, l_i, acc, next_page, q, lo, full_end, hi,
-            k_ptr, stride_k_page, stride_k_slot, k_head, v_ptr, stride_v_page, stride_v_slot, v_head,
-            kv_indices_ptr, page_base, token_base, offs_dqk, offs_dqk_partner, dqk_ok, offs_dv, dv_ok,
-            tok, kv_len, q_len, window_left, mask_ptr, mask_base, row_scale, slope,
-            sm_scale_log2, soft_cap, rope_rcp_scale, rope_log2_theta, tl.zeros([1], q_ptr.dtype.element_ty),
-            HEAD_DIM_QK, BLOCK_N, IS_PAGED, PAGE_SIZE, IS_CAUSAL, HAS_WINDOW, HAS_SOFT_CAP, HAS_ALIBI, HAS_ROPE,
-            HAS_CUSTOM_MASK, HAS_HEAD_SCALES, DOT_DTYPE, PREFETCH_PAGES, KV_AS_M, False)
-    m_i, l_i, acc, next_page = attend_range(
-        m_i, l_i, acc, next_page, q, full_end, hi, hi,
-        k_ptr, stride_k_page, stride_k_slot, k_head, v_ptr, stride_v_page, stride_v_slot, v_head,
-        kv_indices_ptr, page_base, token_base, offs_dqk, offs_dqk_partner, dqk_ok, offs_dv, dv_ok,
-        tok, kv_len, q_len, window_left, mask_ptr, mask_base, row_scale, slope,
-        sm_scale_log2, soft_cap, rope_rcp_scale, rope_log2_theta, tl.zeros([1], q_ptr.dtype.element_ty),
-        HEAD_DIM_QK, BLOCK_N, IS_PAGED, PAGE_SIZE, IS_CAUSAL, HAS_WINDOW, HAS_SOFT_CAP, HAS_ALIBI, HAS_ROPE,
-        HAS_CUSTOM_MASK, HAS_HEAD_SCALES, DOT_DTYPE, PREFETCH_PAGES, KV_AS_M, True)
+    # phase 0: the mask-free tiles [lo, full_end); phase 1: the rest, masked
+    for phase in tl.static_range(2):
+        if phase == 1 or SPLIT_LOOP:
+            m_i, l_i, acc, next_page = attend_range(
+                m_i, l_i, acc, next_page, q, lo if phase == 0 else full_end, full_end if phase == 0 else hi, hi,
+                k_ptr, stride_k_page, stride_k_slot, k_head, v_ptr, stride_v_page, stride_v_slot, v_head,
+                kv_indices_ptr, page_base, token_base, offs_dqk, offs_dqk_partner, dqk_ok, offs_dv, dv_ok,
+                tok, kv_len, q_len, window_left, mask_ptr, mask_base, row_scale, slope,
+                sm_scale_log2, soft_cap, rope_rcp_scale, rope_log2_theta, tl.zeros([1], q_ptr.dtype.element_ty),
+                HEAD_DIM_QK, BLOCK_N, IS_PAGED, PAGE_SIZE, IS_CAUSAL, HAS_WINDOW, HAS_SOFT_CAP, HAS_ALIBI, HAS_ROPE,
+                HAS_CUSTOM_MASK, HAS_HEAD_SCALES, DOT_DTYPE, PREFETCH_PAGES, KV_AS_M, phase == 1)
 
     if num_splits == 1:
         sink_log2 = 0.0
