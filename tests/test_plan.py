@@ -1,0 +1,97 @@
+"""Host-side planning (``tritoninfer._plan``): split-KV choice, work lists, workspace fitting.
+Pure numpy; expected values are worked out by hand in the comments."""
+
+import numpy as np
+import pytest
+
+from tritoninfer import _plan
+
+
+def chunk(kv_lens, heads=8, sms=132, block_n=128, page=16, fixed=None, disable=False, per_sm=2, q_tiles=None):
+    kv = np.asarray(kv_lens, np.int64)
+    tiles = np.ones(kv.size, np.int64) if q_tiles is None else np.asarray(q_tiles, np.int64)
+    return _plan.kv_split_chunk(kv, tiles, heads, sms, block_n, page, fixed, disable, per_sm)
+
+
+def test_split_fills_the_last_wave():
+    # 64 x 4096 x 8 heads = 512 programs. On 3 x 132 = 396 slots that is 1.29 waves, i.e. two
+    # full-length waves (8192 positions of time); cut in thirds (1792 positions, 1536 programs)
+    # it is four waves of a third: 4 * 4096/3 = 5461 (+ a merge), the best candidate.
+    assert chunk([4096] * 64, per_sm=3) == 1792
+    # On 2 x 132 = 264 slots the 512 programs already make two nearly full waves: no split.
+    assert chunk([4096] * 64, per_sm=2) is None
+
+
+def test_small_batch_splits_to_fill_the_gpu():
+    # 1 x 4096 x 8 heads: 8 programs for 264 slots. The smallest chunk (2 tiles = 256 positions)
+    # gives 128 programs, one wave of 256 positions.
+    assert chunk([4096]) == 256
+
+
+def test_uneven_batch_cuts_the_long_request():
+    # One 32768-token request among 63 of 100 tokens: unsplit, the long one takes 32768 positions
+    # of time. Chunk 1280 (one wave's share of the work, rounded to tiles) bounds it.
+    c = chunk([32768] + [100] * 63)
+    assert c == 1280
+    work = _plan.build_work(np.ones(64, np.int64), np.array([32768] + [100] * 63), 1, c)
+    assert (work.work[:, 0] == 0).sum() == 26 and (work.work[:, 0] > 0).sum() == 63
+
+
+def test_fixed_and_disabled_splits():
+    assert chunk([4096] * 64, fixed=4) == 64  # pages -> positions
+    assert chunk([60, 64], fixed=4) is None  # every request fits in one chunk
+    assert chunk([4096], fixed=-1) == 256  # FlashInfer's -1: no fixed split, plan as usual
+    assert chunk([4096], disable=True) is None
+    assert chunk([], heads=8) is None
+    assert chunk([0, 0]) is None
+
+
+def covered(work, kv_lens, q_lens, tile_tokens):
+    """Every (request, query tile) covers [0, kv_len) exactly once, with consistent split fields."""
+    for r, (kv, ql) in enumerate(zip(kv_lens, q_lens)):
+        rows = work.work[work.work[:, 0] == r]
+        tiles = sorted(set(rows[:, 1].tolist()))
+        assert tiles == list(range(0, ql, tile_tokens))
+        for t in tiles:
+            items = rows[rows[:, 1] == t]
+            items = items[np.argsort(items[:, 4])]
+            assert items[:, 4].tolist() == list(range(len(items)))
+            assert (items[:, 5] == len(items)).all()
+            assert items[0, 2] == 0 and items[-1, 3] == kv
+            assert (items[1:, 2] == items[:-1, 3]).all()
+
+
+def test_build_work_without_splits_is_one_item_per_request():
+    q_lens, kv_lens = np.array([1, 1, 0, 1]), np.array([5, 0, 7, 9])
+    work = _plan.build_work(q_lens, kv_lens, 1, None)
+    assert work.work[:, 0].tolist() == [0, 1, 3]  # no query rows, no item
+    assert not work.has_splits and work.num_states == 0
+    covered(work, kv_lens, q_lens, 1)
+
+
+def test_build_work_with_splits_and_query_tiles():
+    q_lens, kv_lens = np.array([3, 1, 5]), np.array([10, 4, 25])
+    work = _plan.build_work(q_lens, kv_lens, 2, 8)
+    covered(work, kv_lens, q_lens, 2)
+    # splits per request: ceil(kv/8) = 2, 1, 4; partial states q_len * splits where split
+    assert work.has_splits and work.num_states == 3 * 2 + 5 * 4
+    assert work.state_offset.tolist() == [0, 6, 6]
+
+
+def test_build_work_caps_splits():
+    work = _plan.build_work(np.array([1, 1]), np.array([100, 30]), 1, 10, max_splits=3)
+    covered(work, [100, 30], [1, 1], 1)
+    assert work.work[work.work[:, 0] == 0, 5].tolist() == [3, 3, 3]
+    assert work.work[work.work[:, 0] == 0, 3].tolist() == [34, 68, 100]
+
+
+def test_fit_work_coarsens_automatic_splits_and_rejects_fixed_ones():
+    q_lens, kv_lens = np.ones(4, np.int64), np.full(4, 64, np.int64)
+    per_state = _plan.state_bytes(1, 8, 128)
+    # chunk 8 -> 8 splits x 4 requests = 32 states; room for 8 states -> chunk 32 (2 splits each)
+    work = _plan.fit_work(q_lens, kv_lens, 1, 8, 8 * per_state, 8, 128, fixed=False)
+    assert work.num_states == 8 and (work.work[:, 5] == 2).all()
+    # room for nothing: no split at all
+    assert not _plan.fit_work(q_lens, kv_lens, 1, 8, 0, 8, 128, fixed=False).has_splits
+    with pytest.raises(ValueError, match="fixed_split_size"):
+        _plan.fit_work(q_lens, kv_lens, 1, 8, 8 * per_state, 8, 128, fixed=True)
