@@ -96,12 +96,16 @@ def main(argv=None):
                     print(lines[-1], flush=True)
     decode._plan.decode_tiles = original
     decode._decode_tiles.cache_clear()
-    lines += ["", "best:", ""] + [f"- {k}: {v[0]:.1f} us with {v[1]}, programs/SM {v[2]}" for k, v in best.items()]
-    text = "\n".join(lines)
-    print("\n".join(lines[-len(best) - 1:]))
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    write_table(lines, [f"- {k}: {v[0]:.1f} us with {v[1]}, programs/SM {v[2]}" for k, v in best.items()], args.out)
+
+
+def write_table(lines, best_lines, out):
+    """Prints the best config per shape and writes the whole table (markdown) to ``out``."""
+    lines = lines + ["", "best:", ""] + best_lines
+    print("\n".join(best_lines))
+    if out:
+        with open(out, "w") as f:
+            f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

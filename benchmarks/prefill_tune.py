@@ -6,35 +6,24 @@ benchmarks/NOTES.md by hand.
 
 A config is ``BLOCK_M-BLOCK_N-WARPS-STAGES[-masked]`` (``-masked``: one loop that masks every
 tile, instead of a mask-free loop for the tiles every row sees in full); BLOCK_M counts rows, i.e. (query token, head of the
-GQA group) pairs. Time: median of CUDA-event timed calls after warm-up. FLOPs: ``testing.prefill_flops``
+GQA group) pairs. Time: median of CUDA-event timed calls after a warm-up call. FLOPs: ``testing.prefill_flops``
 (causal counts the visible half).
 """
 
 import argparse
 import dataclasses
-import statistics
+import sys
 
 import torch
 
 import tritoninfer
 from tritoninfer import _plan, prefill, testing
 
+sys.path.insert(0, "benchmarks")
+from decode_sweep import eager_time  # noqa: E402
+from decode_tune import write_table  # noqa: E402
+
 SHAPES = [(16, 1024), (4, 4096), (1, 16384)]
-
-
-def event_time(fn, reps=10):
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
 
 
 def main(argv=None):
@@ -90,7 +79,7 @@ def main(argv=None):
                         scale = {} if kv_dtype == torch.bfloat16 else {"k_scale": 1.0, "v_scale": 1.0}
                         call = lambda: w.run(q, cache, **scale)  # noqa: E731
                     try:
-                        us = event_time(call)
+                        us = eager_time(call, reps=10)
                     except Exception as e:  # noqa: BLE001 (a config that does not compile is skipped)
                         print("skip", name, type(e).__name__, str(e)[:300], flush=True)
                         continue
@@ -100,12 +89,7 @@ def main(argv=None):
                     lines.append(f"| {batch}x{n} | {form} | {causal} | {name} | {us:.0f} | {flops / us / 1e6:.0f} |")
                     print(lines[-1], flush=True)
     prefill.prefill_tiles = original
-    lines += ["", "best:", ""] + [f"- {k}: {v[0]:.0f} us with {v[1]}" for k, v in best.items()]
-    text = "\n".join(lines)
-    print("\n".join(lines[-len(best) - 1:]))
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    write_table(lines, [f"- {k}: {v[0]:.0f} us with {v[1]}" for k, v in best.items()], args.out)
 
 
 if __name__ == "__main__":
