@@ -380,3 +380,15 @@ def test_quick_other_workloads_end_to_end(tmp_path):
         rows = _read(out / f"{workload}.csv")
         _check_rows(rows, compared=("reference",))
         assert (out / f"{workload}.md").exists() and (out / f"{workload}.png").exists()
+
+
+def test_prefill_ws_experiment_smoke():
+    """benchmarks/prefill_ws.py (the warp-specialised prefill experiment) agrees with tritoninfer's
+    prefill through the interpreter, so the script is ready for a GPU run."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root), TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "benchmarks/prefill_ws.py", "--smoke"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line for line in out.stdout.splitlines() if "16-16-ws" in line]
+    assert len(rows) == 2 and "MISMATCH" not in out.stdout
