@@ -113,6 +113,45 @@ def test_paged_prefill_matches_reference(case, device=DEVICE):
     testing.assert_lse_close(lse, ref_lse, dtype=case.q_dtype)
 
 
+# GPU tile choices run through the interpreter: decode-shaped tiles for short queries (FlashInfer's
+# small query tile), and 128-row tiles whose split states are merged 16 rows per program
+GPU_TILE_CASES = [
+    (Case((1, 1, 2, 1), (37, 5, 70, 0), heads=(8, 2), causal=True), 16),
+    (Case((1, 3), (90, 41), heads=(8, 2), q_dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn, split="fixed"), 16),
+    (Case((3, 2, 1), (20, 33, 9), heads=(12, 2), head_dim=48, head_dim_vo=32, form="tuple", split="fixed", sinks=True),
+     16),
+    (Case((40,), (300,), heads=(4, 1), causal=True, split="fixed"), 128),
+]
+
+
+@pytest.mark.parametrize("case,block_m", GPU_TILE_CASES, ids=lambda c: c.id() if isinstance(c, Case) else str(c))
+def test_gpu_tile_choices_match_reference(case, block_m, monkeypatch):
+    from types import SimpleNamespace
+
+    from tritoninfer import _plan
+
+    monkeypatch.setattr(_plan, "_device", SimpleNamespace(is_interpreter=lambda: False))
+    g, q, qo_indptr, mask, sinks = _inputs(case)
+    kv = testing.make_paged_kv(case.kv_lens, case.page_size, case.heads[1], case.head_dim, head_dim_vo=case.head_dim_vo,
+                               form=case.form, dtype=case.kv_dtype, device=DEVICE, generator=g,
+                               k_scale=0.5 if case.kv_dtype.itemsize == 1 else None,
+                               v_scale=0.5 if case.kv_dtype.itemsize == 1 else None)
+    wrapper = BatchPrefillWithPagedKVCacheWrapper(testing.make_workspace(4 << 20, DEVICE))
+    wrapper.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, case.heads[0], case.heads[1],
+                 case.head_dim, case.page_size, head_dim_vo=case.head_dim_vo, q_data_type=case.q_dtype,
+                 kv_data_type=case.kv_dtype, **_opts(case))
+    assert wrapper._tiles.block_m == block_m
+    assert wrapper._tiles.kv_as_m == (block_m < 128 and case.kv_dtype.itemsize == 2 and case.head_dim <= 128)
+    if case.split == "fixed":
+        assert wrapper._plan.has_splits
+    o, lse = wrapper.run(q, kv.cache, k_scale=kv.k_scale, v_scale=kv.v_scale, sinks=sinks, return_lse=True)
+    ref_o, ref_lse = reference.batch_prefill_with_paged_kv_cache(
+        q, qo_indptr.to(DEVICE), kv.cache, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, "NHD",
+        k_scale=kv.k_scale, v_scale=kv.v_scale, sinks=sinks, causal=case.causal)
+    testing.assert_close(o, ref_o, case.q_dtype)
+    testing.assert_lse_close(lse, ref_lse, dtype=case.q_dtype)
+
+
 @pytest.mark.parametrize("case", RAGGED_CASES, ids=Case.id)
 def test_ragged_prefill_matches_reference(case):
     g, q, qo_indptr, mask, _ = _inputs(case)

@@ -17,6 +17,7 @@ import torch
 import triton.language as tl
 
 from . import _device
+from ._launch import CachedLauncher
 from ._options import (
     PosEncodingMode,
     check_soft_cap,
@@ -27,6 +28,12 @@ from ._options import (
 )
 from ._plan import WORK_FIELDS, Tiles, WorkPlan, alibi_slopes
 from .kernels.attention import attention_fwd_kernel, merge_split_states_kernel
+
+_ATTENTION = CachedLauncher(attention_fwd_kernel)
+_MERGE_SPLITS = CachedLauncher(merge_split_states_kernel)
+
+# rows per merge program: small enough that a prefill tile's merge is spread over many programs
+MERGE_ROWS = 16
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
@@ -267,7 +274,7 @@ def launch_attention(
 
     grid = (plan.capacity, num_kv_heads, tiles.row_tiles)
     lse_arg = lse if lse is not None else dummy
-    attention_fwd_kernel[grid](
+    _ATTENTION[grid](
         q, q.stride(0), q.stride(1),
         out, out.stride(0), out.stride(1),
         lse_arg, lse.stride(0) if lse is not None else 0,
@@ -298,7 +305,10 @@ def launch_attention(
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     if plan.has_splits or plan.always_merge:
-        merge_split_states_kernel[grid](
+        # a few rows per merge program: a request split many ways has many states per row
+        merge_m = min(tiles.block_m, MERGE_ROWS)
+        merge_grid = (plan.capacity, num_kv_heads, tiles.row_tiles * (tiles.block_m // merge_m))
+        _MERGE_SPLITS[merge_grid](
             out, out.stride(0), out.stride(1), lse_arg, lse.stride(0) if lse is not None else 0,
             part_o, part_lse, plan.work,
             plan.qo_indptr if plan.qo_indptr is not None else dummy,
@@ -306,8 +316,8 @@ def launch_attention(
             sinks if sinks is not None else dummy,
             head_scales[2] if head_scales is not None else dummy,
             q_len_per_req, tiles.tile_tokens, state_mult, num_qo_heads, v_scale,
-            GROUP=group, HEAD_DIM_VO=head_dim_vo, BLOCK_M=tiles.block_m, BLOCK_DV=block_dv,
-            SPLIT_BLOCK=max(1, min(8, 1024 // (tiles.block_m * block_dv // 16))),
+            GROUP=group, HEAD_DIM_VO=head_dim_vo, BLOCK_M=tiles.block_m, MERGE_M=merge_m, BLOCK_DV=block_dv,
+            SPLIT_BLOCK=max(1, min(8, 1024 // (merge_m * block_dv // 16))),
             HAS_SINKS=sinks is not None, HAS_HEAD_SCALES=head_scales is not None, WRITE_LSE=lse is not None,
-            num_warps=8 if tiles.block_m * block_dv >= 2048 else 4,
+            num_warps=8 if merge_m * block_dv >= 2048 else 4,
         )

@@ -46,6 +46,11 @@ def _strides_4d(t: torch.Tensor, layout: TensorLayout, name: str) -> Tuple[Tuple
     return (t.stride(0), t.stride(2), t.stride(1)), page, heads, dim
 
 
+# (form, shapes, strides, dtypes, devices, layout) -> the checked sizes and strides of PagedKV;
+# no tensor is kept, so a freed cache is not held alive
+_UNPACKED: dict = {}
+
+
 def unpack_paged_kv_cache(paged_kv_cache: PagedKVCache, layout: TensorLayout) -> PagedKV:
     """Every cache form of FlashInfer 0.5.3.
 
@@ -53,7 +58,38 @@ def unpack_paged_kv_cache(paged_kv_cache: PagedKVCache, layout: TensorLayout) ->
     - a 4-D tensor ``[P, 2, H, D]``: page size 1;
     - a ``(k_cache, v_cache)`` tuple of 4-D tensors ``[P, page_size, H, D]`` / ``[P, H, page_size, D]``;
     - a ``(k, v)`` tuple of 3-D ``[tokens, H, D]`` tensors: page size 1 (SGLang's form).
+
+    ``run()`` calls this every step with the same cache: the checks run once per distinct
+    geometry (shapes, strides, dtypes, devices), later calls only take the K and V views.
     """
+    if isinstance(paged_kv_cache, torch.Tensor):
+        key = (paged_kv_cache.shape, paged_kv_cache.stride(), paged_kv_cache.dtype, paged_kv_cache.device, layout)
+        known = _UNPACKED.get(key)
+        if known is not None:
+            if paged_kv_cache.dim() == 4:
+                paged_kv_cache = paged_kv_cache.unsqueeze(2 if layout == TensorLayout.NHD else 3)
+            return PagedKV(paged_kv_cache[:, 0], paged_kv_cache[:, 1], *known)
+        kv = _unpack(paged_kv_cache, layout)
+    elif isinstance(paged_kv_cache, (tuple, list)) and len(paged_kv_cache) == 2 and \
+            all(isinstance(t, torch.Tensor) for t in paged_kv_cache):
+        k, v = paged_kv_cache
+        key = (k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(), v.dtype, v.device, layout)
+        known = _UNPACKED.get(key)
+        if known is not None:
+            if k.dim() == 3:
+                axis = 1 if layout == TensorLayout.NHD else 2
+                k, v = k.unsqueeze(axis), v.unsqueeze(axis)
+            return PagedKV(k, v, *known)
+        kv = _unpack(paged_kv_cache, layout)
+    else:
+        return _unpack(paged_kv_cache, layout)
+    if len(_UNPACKED) > 64:
+        _UNPACKED.clear()
+    _UNPACKED[key] = (kv.page_size, kv.num_heads, kv.head_dim_qk, kv.head_dim_vo, kv.k_strides, kv.v_strides)
+    return kv
+
+
+def _unpack(paged_kv_cache: PagedKVCache, layout: TensorLayout) -> PagedKV:
     if isinstance(paged_kv_cache, (tuple, list)):
         if len(paged_kv_cache) != 2:
             raise ValueError(f"paged_kv_cache: expected a (k_cache, v_cache) pair, got {len(paged_kv_cache)} tensors")

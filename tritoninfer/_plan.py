@@ -57,11 +57,23 @@ def decode_tiles(group: int, q_len_per_req: int, head_dim: int, kv_elem_bytes: i
     return Tiles(block_m, 64, 4, 3, q_len_per_req, row_tiles, prefetch_pages=True, kv_as_m=True)
 
 
-def prefill_tiles(group: int, head_dim: int) -> Tiles:
-    """Tiles for prefill: each work item covers ``block_m // group`` query tokens."""
+def prefill_tiles(group: int, head_dim: int, avg_packed_rows: Optional[float] = None,
+                  kv_elem_bytes: int = 2) -> Tiles:
+    """Tiles for prefill: each work item covers ``block_m // group`` query tokens.
+
+    ``avg_packed_rows`` is the batch's query rows per request times the group (FlashInfer's
+    "packed" length). At 64 or fewer (decode-like steps through the prefill API, a cascade's
+    per-request level) a 128-row tile would be mostly empty: the tiles are then decode's, sized to
+    the rows, as FlashInfer also picks a smaller query tile from the same average.
+    """
     if _device.is_interpreter():
         block_m = max(16, next_pow2(group))
         return Tiles(block_m, 16, 1, 1, block_m // group, 1, mask_free_tiles=True)
+    if avg_packed_rows is not None and avg_packed_rows <= 64 and group <= 64:
+        block_m = min(max(16, next_pow2(math.ceil(avg_packed_rows)), next_pow2(group)), 64)
+        tokens = block_m // group
+        return dataclasses.replace(decode_tiles(group, tokens, head_dim, kv_elem_bytes), tile_tokens=tokens,
+                                   row_tiles=1, mask_free_tiles=True)
     block_m = max(64 if head_dim > 128 else 128, next_pow2(group))
     block_n = 32 if head_dim > 128 else 64
     # 128 x 64 tiles, 8 warps, 3 stages and a mask-free loop for the tiles every row sees in full:

@@ -16,7 +16,11 @@ import torch
 import triton
 
 from . import _device
+from ._launch import CachedLauncher
 from .kernels.activation import act_and_mul_kernel
+
+# the launches on every call's path skip Triton's per-call binding (_launch.py)
+_ACT_AND_MUL = CachedLauncher(act_and_mul_kernel)
 
 __all__ = ["silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul"]
 
@@ -81,7 +85,7 @@ def _act_and_mul(input, out, act: int) -> torch.Tensor:
         rows = max(1, min(triton.next_power_of_2(m), 2048 // block_d))
         num_warps = 4 if rows * block_d <= 1024 else 8
     grid = (triton.cdiv(m, rows), triton.cdiv(d, block_d))
-    act_and_mul_kernel[grid](
+    _ACT_AND_MUL[grid](
         x2, target, m, d,
         x2.stride(0), x2.stride(1), target.stride(0), target.stride(1),
         ACT=act, ROWS=rows, BLOCK_D=block_d, num_warps=num_warps,

@@ -19,6 +19,7 @@ from typing import List, Optional, Tuple, Union
 
 import torch
 
+from ._launch import CachedLauncher
 from ._kvcache import PagedKVCache, unpack_paged_kv_cache
 from ._options import (
     KV_DTYPES,
@@ -34,6 +35,10 @@ from ._plan import next_pow2
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .kernels.merge import merge_state_kernel, merge_states_kernel
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper
+
+# the launches on every call's path skip Triton's per-call binding (_launch.py)
+_MERGE_STATE = CachedLauncher(merge_state_kernel)
+_MERGE_STATES = CachedLauncher(merge_states_kernel)
 
 __all__ = [
     "merge_state",
@@ -68,7 +73,7 @@ def _launch_merge_two(v_a, s_a, v_b, s_b, v_out, s_out, mask: Optional[torch.Ten
         return
     block_h, block_d = _blocks(num_heads, head_dim)
     grid = (n, _cdiv(num_heads, block_h))
-    merge_state_kernel[grid](
+    _MERGE_STATE[grid](
         v_a, v_a.stride(0), v_a.stride(1), s_a, s_a.stride(0), s_a.stride(1),
         v_b, v_b.stride(0), v_b.stride(1), s_b, s_b.stride(0), s_b.stride(1),
         v_out, v_out.stride(0), v_out.stride(1), s_out, s_out.stride(0), s_out.stride(1),
@@ -159,7 +164,7 @@ def merge_states(v: torch.Tensor, s: torch.Tensor) -> Tuple[torch.Tensor, torch.
     if n == 0:
         return out, lse
     block_h, block_d = _blocks(num_heads, head_dim)
-    merge_states_kernel[(n, _cdiv(num_heads, block_h))](
+    _MERGE_STATES[(n, _cdiv(num_heads, block_h))](
         v, v.stride(0), v.stride(1), v.stride(2),
         s, s.stride(0), s.stride(1), s.stride(2),
         out, out.stride(0), out.stride(1),

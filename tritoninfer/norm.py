@@ -17,7 +17,11 @@ import torch
 import triton
 
 from . import _device
+from ._launch import CachedLauncher
 from .kernels.norm import rmsnorm_kernel
+
+# the launches on every call's path skip Triton's per-call binding (_launch.py)
+_RMSNORM = CachedLauncher(rmsnorm_kernel)
 
 __all__ = ["rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rmsnorm"]
 
@@ -88,7 +92,7 @@ def _launch(input, residual, weight, out, eps: float, weight_bias: float) -> Non
         num_warps = 4 if elems <= 1024 else 8 if elems <= 4096 else 16
     fused = residual is not None
     res = residual if fused else input
-    rmsnorm_kernel[(triton.cdiv(m, rows),)](
+    _RMSNORM[(triton.cdiv(m, rows),)](
         input, res, weight, out,
         m, n, h,
         *_strides3(input), *_strides3(res), *_strides3(out), weight.stride(0),

@@ -20,8 +20,13 @@ import torch
 import triton
 
 from . import _device
+from ._launch import CachedLauncher
 from ._options import KV_DTYPES, FP8_DTYPES, TensorLayout, check_int_index_tensor, check_tensor, parse_layout
 from .kernels.page import append_paged_kv_cache_kernel, batch_indices_positions_kernel
+
+# the launches on every call's path skip Triton's per-call binding (_launch.py)
+_APPEND_PAGED_KV_CACHE = CachedLauncher(append_paged_kv_cache_kernel)
+_BATCH_INDICES_POSITIONS = CachedLauncher(batch_indices_positions_kernel)
 
 __all__ = ["append_paged_kv_cache", "get_batch_indices_positions", "get_seq_lens"]
 
@@ -258,7 +263,7 @@ def append_paged_kv_cache(
     _check_launchable(k_cache, "paged_kv_cache")
     block_t, block_d, block_dv, num_warps = _append_block_sizes(head_dim, head_dim_v)
     grid = (triton.cdiv(nnz, block_t), num_heads)
-    append_paged_kv_cache_kernel[grid](
+    _APPEND_PAGED_KV_CACHE[grid](
         append_key, append_value, batch_indices, positions, k_cache, v_cache, kv_indices, kv_indptr,
         nnz, kv_indptr.numel() - 1, num_pages, kv_indices.numel(), page_size,
         append_key.stride(0), append_key.stride(1), append_key.stride(2),
@@ -320,7 +325,7 @@ def get_batch_indices_positions(
     if nnz == 0:
         return batch_indices, positions
     _check_launchable(append_indptr, "append_indptr")
-    batch_indices_positions_kernel[(batch_size + 1,)](
+    _BATCH_INDICES_POSITIONS[(batch_size + 1,)](
         append_indptr, seq_lens, batch_indices, positions, nnz, batch_size, BLOCK=256,
     )
     return batch_indices, positions

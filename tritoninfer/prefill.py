@@ -178,7 +178,11 @@ class _BatchPrefillBase:
                 packed = _pack_mask(custom_mask, bit_indptr)
             packed = packed.to(self.device)
 
-        tiles = prefill_tiles(group, max(head_dim_qk, head_dim_vo))
+        tiles = prefill_tiles(group, max(head_dim_qk, head_dim_vo), total_rows * group / max(batch, 1),
+                              kv_dtype.itemsize)
+        if self._use_cuda_graph and self._plan_buf is not None:
+            # captured graphs hold the first plan's kernel, tile size and buffer layout: keep them
+            tiles = self._tiles
         q_tiles = -(-qo_lens // tiles.tile_tokens)
         num_sms = _device.num_sms(self.device)
         chunk = kv_split_chunk(kv_lens, q_tiles, num_kv_heads, num_sms, tiles.block_n, max(page_size, 1),

@@ -33,7 +33,11 @@ import torch
 import triton
 
 from . import _device
+from ._launch import CachedLauncher
 from .kernels.rope import rope_kernel
+
+# the launches on every call's path skip Triton's per-call binding (_launch.py)
+_ROPE = CachedLauncher(rope_kernel)
 
 __all__ = [
     "apply_rope",
@@ -175,7 +179,7 @@ def _launch(
     n_search = max(batch_size - 1, 0).bit_length()
 
     grid = (triton.cdiv(nnz, block_t), n_groups)
-    rope_kernel[grid](
+    _ROPE[grid](
         q, k, q_out, k_out,
         pos_ids if pos_ids is not None else dummy,
         indptr if ragged else dummy,

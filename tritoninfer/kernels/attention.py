@@ -134,18 +134,18 @@ def finalize(m_i, l_i, acc, sink_log2, v_scale, HAS_SINKS: tl.constexpr):
 
 
 @triton.jit
-def item_rows(req, q_tile_start, i_kvh, i_rows, qo_indptr_ptr, q_len_per_req, tile_tokens,
+def item_rows(req, q_tile_start, i_kvh, row0, qo_indptr_ptr, q_len_per_req, tile_tokens,
               GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The query rows a program of a work item handles: rows are (query token, head of the GQA
-    group) pairs. Returns the request's first q row and length, and per row [BLOCK_M] the token
-    index within the request, the query head and whether the row exists."""
+    """The query rows ``row0 .. row0 + BLOCK_M`` of a work item: rows are (query token, head of
+    the GQA group) pairs. Returns the request's first q row and length, and per row [BLOCK_M] the
+    token index within the request, the query head and whether the row exists."""
     if q_len_per_req > 0:
         q_start = req * q_len_per_req
         q_len = q_len_per_req
     else:
         q_start = tl.load(qo_indptr_ptr + req)
         q_len = tl.load(qo_indptr_ptr + req + 1) - q_start
-    offs_r = i_rows * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = row0 + tl.arange(0, BLOCK_M)
     tok = q_tile_start + offs_r // GROUP
     qo_head = i_kvh * GROUP + offs_r % GROUP
     row_ok = (offs_r // GROUP < tile_tokens) & (tok < q_len)
@@ -281,7 +281,7 @@ def attention_fwd_kernel(
     split = tl.load(w + 4)
     num_splits = tl.load(w + 5)
 
-    q_start, q_len, tok, qo_head, row_ok = item_rows(req, q_tile_start, i_kvh, i_rows, qo_indptr_ptr,
+    q_start, q_len, tok, qo_head, row_ok = item_rows(req, q_tile_start, i_kvh, i_rows * BLOCK_M, qo_indptr_ptr,
                                                      q_len_per_req, tile_tokens, GROUP, BLOCK_M)
     kv_len = tl.load(kv_len_ptr + req)
     tile_end = tl.minimum(q_tile_start + tile_tokens, q_len)
@@ -394,11 +394,14 @@ def merge_split_states_kernel(
     o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok,
     part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, state_offset_ptr, sinks_ptr, scale_v_ptr,
     q_len_per_req, tile_tokens, state_mult, num_qo_heads, v_scale,
-    GROUP: tl.constexpr, HEAD_DIM_VO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
-    SPLIT_BLOCK: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_HEAD_SCALES: tl.constexpr, WRITE_LSE: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM_VO: tl.constexpr, BLOCK_M: tl.constexpr, MERGE_M: tl.constexpr,
+    BLOCK_DV: tl.constexpr, SPLIT_BLOCK: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_HEAD_SCALES: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
 ):
-    """Merges the split-KV partial states of the rows of one work item (the item with split 0 of
-    a split request does it; every other item returns). Same grid as the attention kernel."""
+    """Merges the split-KV partial states of ``MERGE_M`` rows of one work item (the item with
+    split 0 of a split request does it; every other item returns). Grid: the attention kernel's,
+    with axis 2 multiplied by ``BLOCK_M // MERGE_M``: a prefill tile of 128 rows is merged by 8
+    programs, not one, so a request split many ways (a shared prefix) is merged in parallel."""
     i_item = tl.program_id(0)
     i_kvh = tl.program_id(1)
     i_rows = tl.program_id(2)
@@ -411,24 +414,24 @@ def merge_split_states_kernel(
     if (split != 0) | (num_splits == 1):
         return
     q_tile_start = tl.load(w + 1)
-    q_start, q_len, tok, qo_head, row_ok = item_rows(req, q_tile_start, i_kvh, i_rows, qo_indptr_ptr,
-                                                     q_len_per_req, tile_tokens, GROUP, BLOCK_M)
+    q_start, q_len, tok, qo_head, row_ok = item_rows(req, q_tile_start, i_kvh, i_rows * MERGE_M, qo_indptr_ptr,
+                                                     q_len_per_req, tile_tokens, GROUP, MERGE_M)
     offs_dv = tl.arange(0, BLOCK_DV)
     dv_ok = offs_dv < HEAD_DIM_VO
 
     first = tl.load(state_offset_ptr + req) * state_mult + tok * num_splits
     offs_s = tl.arange(0, SPLIT_BLOCK)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    m_i = tl.full([MERGE_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([MERGE_M], tl.float32)
+    acc = tl.zeros([MERGE_M, BLOCK_DV], tl.float32)
     # SPLIT_BLOCK states per iteration, loaded together: a loop of one state per iteration waits
     # one memory latency per split
     for s0 in range(0, num_splits, SPLIT_BLOCK):
         split_ok = row_ok[:, None] & ((s0 + offs_s) < num_splits)[None, :]
-        # [BLOCK_M, SPLIT_BLOCK]
+        # [MERGE_M, SPLIT_BLOCK]
         st_row = (first[:, None] + s0 + offs_s[None, :]).to(tl.int64) * num_qo_heads + qo_head[:, None]
         lse = tl.load(part_lse_ptr + st_row, mask=split_ok, other=float("-inf"))
-        # [BLOCK_M, SPLIT_BLOCK, BLOCK_DV]
+        # [MERGE_M, SPLIT_BLOCK, BLOCK_DV]
         v = tl.load(part_o_ptr + st_row[:, :, None] * HEAD_DIM_VO + offs_dv[None, None, :],
                     mask=split_ok[:, :, None] & dv_ok[None, None, :], other=0.0)
         m_new = tl.maximum(m_i, tl.max(lse, 1))
