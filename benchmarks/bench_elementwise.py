@@ -1,7 +1,7 @@
 """Bandwidth of tritoninfer's elementwise kernels (RoPE, RMSNorm, gated activations) vs FlashInfer.
 
-Each case's device time is the median of CUDA-graph replays (``triton.testing.do_bench_cudagraph``),
-its eager time the median of back-to-back launches from Python (``triton.testing.do_bench``, host
+Each case's device time is its kernels' own duration (CUPTI, through ``torch.profiler``, L2
+flushed before each call), its eager time the median of back-to-back launches from Python (``triton.testing.do_bench``, host
 launch cost included). GB/s counts the bytes the operation must read and write (inputs once,
 outputs once, index and cos/sin-cache bytes included); "% copy" compares with a torch copy moving
 the same bytes, timed the same way (copy bandwidth depends on size: 67 MB copy at ~2.8 TB/s, 1 GB
@@ -178,13 +178,31 @@ def _err(exc: Exception) -> str:
     return f"error: {type(exc).__name__} {msg}".replace("|", "/").strip()
 
 
-def device_ms(fn: Callable[[], object], smoke: bool) -> float:
-    """Device time per call: median of CUDA-graph replays (host launch cost excluded)."""
+_FLUSH: list = []
+
+
+def device_ms(fn: Callable[[], object], smoke: bool, calls: int = 30) -> float:
+    """Device time per call: the kernels' own durations (CUPTI, through ``torch.profiler``), L2
+    flushed before every call, so neither host launch cost nor data left in L2 counts."""
     if smoke:
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e3
-    return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
+    if not _FLUSH:
+        _FLUSH.append(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
+    flush = _FLUSH[0]
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            flush.zero_()
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e.device_time for e in prof.events()
+               if e.device_type.name == "CUDA" and "FillFunctor" not in e.name]
+    if not kernels:
+        raise RuntimeError("the profiler recorded no kernel")
+    return sum(kernels) / calls / 1e3
 
 
 def eager_ms(fn: Callable[[], object], smoke: bool) -> float:
@@ -247,8 +265,8 @@ def run(args) -> str:
         f"- device: {gpu}",
         f"- torch {torch.__version__}, triton {triton.__version__}, tritoninfer "
         f"{tritoninfer.__version__}, flashinfer {fi_version}, python {platform.python_version()}",
-        f"- dtype: {args.dtype}; µs: device time, median of CUDA-graph replays "
-        "(`triton.testing.do_bench_cudagraph`); GB/s = bytes read + written / time (1 GB = 1e9 B); "
+        f"- dtype: {args.dtype}; µs: device time, the kernels' own durations (CUPTI via torch.profiler), "
+        "mean of 30 calls with L2 flushed before each; GB/s = bytes read + written / time (1 GB = 1e9 B); "
         "% copy = a torch copy moving the same bytes (read + write), timed the same way, over this time; "
         "eager µs: median of back-to-back calls from Python (`triton.testing.do_bench`), which includes "
         "the host's launch cost when that exceeds the device time; ratio = flashinfer device time / "

@@ -34,3 +34,36 @@ def test_key_merges_values_triton_treats_alike():
     assert _arg_key(32) == _arg_key(48) and _arg_key(17) == _arg_key(3)
     assert _arg_key(torch.empty(8)) == _arg_key(torch.empty(16))
     assert _arg_key(0.5) == _arg_key(3.0)
+
+
+@pytest.mark.gpu
+def test_cached_launches_follow_alignment_and_call_profiler_hooks():
+    """Decode through the launch cache: a q view 2 bytes off 16-byte alignment must get its own
+    kernel (a wrong cache hit would read misaligned vectors), and a registered launch hook must be
+    called on cached launches too."""
+    from triton import knobs
+
+    import tritoninfer
+    from tritoninfer import reference, testing
+
+    g = torch.Generator().manual_seed(0)
+    kv = testing.make_paged_kv([300, 77, 1024], 16, 2, 128, dtype=torch.bfloat16, device="cuda", generator=g)
+    base = torch.randn(3 * 8 * 128 + 1, generator=g).to("cuda", torch.bfloat16)
+    wrapper = tritoninfer.BatchDecodeWithPagedKVCacheWrapper(testing.make_workspace(32 << 20, "cuda"))
+    wrapper.plan(kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 8, 2, 128, 16, q_data_type=torch.bfloat16)
+    calls = []
+
+    def hook(metadata):
+        calls.append(metadata.get()["name"])
+
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        for offset in (0, 1, 0, 1):
+            q = base[offset:offset + 3 * 8 * 128].view(3, 8, 128)
+            o = wrapper.run(q, kv.cache)
+            ref, _ = reference.batch_decode_with_paged_kv_cache(q, kv.cache, kv.kv_indptr, kv.kv_indices,
+                                                                 kv.kv_last_page_len, "NHD")
+            testing.assert_close(o, ref, torch.bfloat16)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert calls.count("attention_fwd_kernel") == 4

@@ -12,8 +12,8 @@ dtype and whether its address is 16-byte aligned; an int's width (i32, i64, u64)
 divisible by 16, or that it is 1; a bool's value; a float nothing but its type (floats are not
 specialised); anything else (``None``, the keyword constexprs) itself.
 
-Calls fall back to the ordinary path when a Triton launch hook is set (profilers need them) and
-under the interpreter.
+Launch hooks registered with Triton (profilers) are called as Triton's own launch calls them;
+under the interpreter every call takes the ordinary path.
 """
 
 from __future__ import annotations
@@ -59,8 +59,7 @@ class CachedLauncher:
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
 
     def _launch(self, grid, args: tuple, kwargs: dict) -> None:
-        if _device.is_interpreter() or knobs.runtime.launch_enter_hook is not None \
-                or knobs.runtime.launch_exit_hook is not None:
+        if _device.is_interpreter():
             self.kernel[grid](*args, **kwargs)
             return
         device = driver.active.get_current_device()
@@ -80,5 +79,17 @@ class CachedLauncher:
         compiled, tail = hit
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
-        compiled.run(grid[0], g1, g2, driver.active.get_current_stream(device), compiled.function,
-                     compiled.packed_metadata, None, None, None, *args, *tail)
+        stream = driver.active.get_current_stream(device)
+        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        if _no_hook(enter) and _no_hook(leave):
+            compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                         *args, *tail)
+        else:  # a profiler's hooks get what Triton's own launch gives them
+            full = (*args, *tail)
+            compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata,
+                         compiled.launch_metadata(grid, stream, *full), enter, leave, *full)
+
+
+def _no_hook(hook) -> bool:
+    """Triton 3.6's hooks are chains, empty unless a profiler registered one."""
+    return hook is None or (isinstance(hook, knobs.HookChain) and not hook.calls)

@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
 
 from . import _device
 from ._launch import CachedLauncher
+from ._plan import cdiv, next_pow2
 from .kernels.activation import act_and_mul_kernel
 
 # the launches on every call's path skip Triton's per-call binding (_launch.py)
@@ -77,14 +77,14 @@ def _act_and_mul(input, out, act: int) -> torch.Tensor:
     m = x2.shape[0]
 
     if _device.is_interpreter():
-        block_d = triton.next_power_of_2(d)
-        rows = max(1, min(triton.next_power_of_2(m), 16384 // block_d))
+        block_d = next_pow2(d)
+        rows = max(1, min(next_pow2(m), 16384 // block_d))
         num_warps = 4
     else:
-        block_d = min(triton.next_power_of_2(d), 2048)
-        rows = max(1, min(triton.next_power_of_2(m), 2048 // block_d))
+        block_d = min(next_pow2(d), 2048)
+        rows = max(1, min(next_pow2(m), 2048 // block_d))
         num_warps = 4 if rows * block_d <= 1024 else 8
-    grid = (triton.cdiv(m, rows), triton.cdiv(d, block_d))
+    grid = (cdiv(m, rows), cdiv(d, block_d))
     _ACT_AND_MUL[grid](
         x2, target, m, d,
         x2.stride(0), x2.stride(1), target.stride(0), target.stride(1),

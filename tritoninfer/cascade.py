@@ -31,7 +31,7 @@ from ._options import (
     host_index,
     parse_layout,
 )
-from ._plan import next_pow2
+from ._plan import cdiv, next_pow2
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .kernels.merge import merge_state_kernel, merge_states_kernel
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper
@@ -72,7 +72,7 @@ def _launch_merge_two(v_a, s_a, v_b, s_b, v_out, s_out, mask: Optional[torch.Ten
     if n == 0:
         return
     block_h, block_d = _blocks(num_heads, head_dim)
-    grid = (n, _cdiv(num_heads, block_h))
+    grid = (n, cdiv(num_heads, block_h))
     _MERGE_STATE[grid](
         v_a, v_a.stride(0), v_a.stride(1), s_a, s_a.stride(0), s_a.stride(1),
         v_b, v_b.stride(0), v_b.stride(1), s_b, s_b.stride(0), s_b.stride(1),
@@ -80,10 +80,6 @@ def _launch_merge_two(v_a, s_a, v_b, s_b, v_out, s_out, mask: Optional[torch.Ten
         mask if mask is not None else s_out, num_heads,
         HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, HAS_MASK=mask is not None,
     )
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def merge_state(
@@ -164,7 +160,7 @@ def merge_states(v: torch.Tensor, s: torch.Tensor) -> Tuple[torch.Tensor, torch.
     if n == 0:
         return out, lse
     block_h, block_d = _blocks(num_heads, head_dim)
-    _MERGE_STATES[(n, _cdiv(num_heads, block_h))](
+    _MERGE_STATES[(n, cdiv(num_heads, block_h))](
         v, v.stride(0), v.stride(1), v.stride(2),
         s, s.stride(0), s.stride(1), s.stride(2),
         out, out.stride(0), out.stride(1),

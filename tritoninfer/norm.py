@@ -14,10 +14,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
 
 from . import _device
 from ._launch import CachedLauncher
+from ._plan import cdiv, next_pow2
 from .kernels.norm import rmsnorm_kernel
 
 # the launches on every call's path skip Triton's per-call binding (_launch.py)
@@ -79,20 +79,20 @@ def _launch(input, residual, weight, out, eps: float, weight_bias: float) -> Non
     m = input.numel() // n if n else 0
     if m == 0 or n == 0:
         return
-    block_n = min(triton.next_power_of_2(n), _MAX_BLOCK_N)
-    num_chunks = triton.cdiv(n, block_n)
+    block_n = min(next_pow2(n), _MAX_BLOCK_N)
+    num_chunks = cdiv(n, block_n)
     if _device.is_interpreter():
         # each interpreted op costs the same whatever the tile: few, large programs
-        rows = max(1, min(triton.next_power_of_2(m), 16384 // block_n))
+        rows = max(1, min(next_pow2(m), 16384 // block_n))
         num_warps = 4
     else:
         # small rows (per-head q/k norm): several rows per program, ~2K elements each
-        rows = max(1, min(triton.next_power_of_2(m), 2048 // block_n))
+        rows = max(1, min(next_pow2(m), 2048 // block_n))
         elems = rows * block_n
         num_warps = 4 if elems <= 1024 else 8 if elems <= 4096 else 16
     fused = residual is not None
     res = residual if fused else input
-    _RMSNORM[(triton.cdiv(m, rows),)](
+    _RMSNORM[(cdiv(m, rows),)](
         input, res, weight, out,
         m, n, h,
         *_strides3(input), *_strides3(res), *_strides3(out), weight.stride(0),

@@ -17,11 +17,11 @@ from __future__ import annotations
 from typing import Tuple, Union
 
 import torch
-import triton
 
 from . import _device
 from ._launch import CachedLauncher
 from ._options import KV_DTYPES, FP8_DTYPES, TensorLayout, check_int_index_tensor, check_tensor, parse_layout
+from ._plan import cdiv, next_pow2
 from .kernels.page import append_paged_kv_cache_kernel, batch_indices_positions_kernel
 
 # the launches on every call's path skip Triton's per-call binding (_launch.py)
@@ -175,8 +175,8 @@ def _check_positions_host(batch_indices, positions, kv_indices, kv_indptr, num_p
 
 def _append_block_sizes(head_dim: int, head_dim_v: int) -> Tuple[int, int, int, int]:
     """(BLOCK_T, BLOCK_D, BLOCK_DV, num_warps): about 4K elements of K per program, keyed on head_dim only."""
-    block_d = triton.next_power_of_2(head_dim)
-    block_dv = triton.next_power_of_2(head_dim_v)
+    block_d = next_pow2(head_dim)
+    block_dv = next_pow2(head_dim_v)
     block_t = max(1, min(64, 4096 // max(block_d, block_dv)))
     return block_t, block_d, block_dv, 4
 
@@ -262,7 +262,7 @@ def append_paged_kv_cache(
         return
     _check_launchable(k_cache, "paged_kv_cache")
     block_t, block_d, block_dv, num_warps = _append_block_sizes(head_dim, head_dim_v)
-    grid = (triton.cdiv(nnz, block_t), num_heads)
+    grid = (cdiv(nnz, block_t), num_heads)
     _APPEND_PAGED_KV_CACHE[grid](
         append_key, append_value, batch_indices, positions, k_cache, v_cache, kv_indices, kv_indptr,
         nnz, kv_indptr.numel() - 1, num_pages, kv_indices.numel(), page_size,

@@ -30,10 +30,10 @@ import math
 from typing import Optional, Tuple
 
 import torch
-import triton
 
 from . import _device
 from ._launch import CachedLauncher
+from ._plan import cdiv, next_pow2
 from .kernels.rope import rope_kernel
 
 # the launches on every call's path skip Triton's per-call binding (_launch.py)
@@ -150,26 +150,26 @@ def _launch(
         return
 
     in_place = q_out.data_ptr() == q.data_ptr() and k_out.data_ptr() == k.data_ptr()
-    half_pad = triton.next_power_of_2(rotary_dim // 2)
+    half_pad = next_pow2(rotary_dim // 2)
     pass_dim = head_dim - rotary_dim
-    pass_pad = triton.next_power_of_2(pass_dim) if pass_dim > 0 else 1
+    pass_pad = next_pow2(pass_dim) if pass_dim > 0 else 1
     copy_pass = pass_dim > 0 and not in_place
 
     if _device.is_interpreter():
         # each interpreted op costs the same whatever the tile: few, large programs
-        block_t = min(triton.next_power_of_2(nnz), 64)
+        block_t = min(next_pow2(nnz), 64)
         n_groups = 1
         heads_per_prog = num_heads
         num_warps = 4
     else:
         # ~2K rotated elements per head step; split the heads over programs when there are few
         # token blocks (decode batches), as FlashInfer's head-parallel variant does
-        block_t = max(1, min(64, 2048 // (2 * half_pad), triton.next_power_of_2(nnz)))
-        t_progs = triton.cdiv(nnz, block_t)
+        block_t = max(1, min(64, 2048 // (2 * half_pad), next_pow2(nnz)))
+        t_progs = cdiv(nnz, block_t)
         target = 8 * _device.num_sms(q.device)
-        n_groups = min(num_heads, max(1, triton.cdiv(target, t_progs)))
-        heads_per_prog = triton.cdiv(num_heads, n_groups)
-        n_groups = triton.cdiv(num_heads, heads_per_prog)
+        n_groups = min(num_heads, max(1, cdiv(target, t_progs)))
+        heads_per_prog = cdiv(num_heads, n_groups)
+        n_groups = cdiv(num_heads, heads_per_prog)
         num_warps = 4 if block_t * half_pad <= 1024 else 8
 
     ragged = indptr is not None
@@ -178,7 +178,7 @@ def _launch(
     batch_size = indptr.numel() - 1 if ragged else 0
     n_search = max(batch_size - 1, 0).bit_length()
 
-    grid = (triton.cdiv(nnz, block_t), n_groups)
+    grid = (cdiv(nnz, block_t), n_groups)
     _ROPE[grid](
         q, k, q_out, k_out,
         pos_ids if pos_ids is not None else dummy,
