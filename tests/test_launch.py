@@ -7,7 +7,7 @@ import torch
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend
 
-from tritoninfer._launch import _arg_key
+from tritoninfer._launch import _arg_key, _args_key
 
 INTS = [0, 1, 2, 15, 16, 17, 32, -1, -16, -17, (1 << 31) - 16, (1 << 31) - 1, 1 << 31, -(1 << 31), -(1 << 31) - 16,
         (1 << 40) + 16, (1 << 63) - 1, -(1 << 63), 1 << 63, (1 << 63) + 16]
@@ -26,6 +26,8 @@ def _values():
 @pytest.mark.parametrize("a,b", list(itertools.combinations(_values(), 2)))
 def test_key_separates_what_triton_specialises_differently(a, b):
     if _arg_key(a) == _arg_key(b):
+        assert _triton(a) == _triton(b)
+    if _args_key((a,)) == _args_key((b,)):
         assert _triton(a) == _triton(b)
 
 

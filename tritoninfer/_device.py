@@ -25,7 +25,13 @@ def is_interpreter() -> bool:
 
 def has_gpu() -> bool:
     """True when a CUDA device is usable for real (not interpreted) kernel launches."""
-    return not is_interpreter() and torch.cuda.is_available()
+    return not is_interpreter() and _cuda_available()
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_available() -> bool:
+    # asked on every launch's path; the answer does not change within a process
+    return torch.cuda.is_available()
 
 
 def _index(device: torch.device | str | int | None) -> int:
@@ -44,6 +50,8 @@ def num_sms(device: torch.device | str | int | None = None) -> int:
     """Streaming multiprocessors of ``device`` (``INTERPRETER_NUM_SMS`` without a GPU)."""
     if not has_gpu() or (device is not None and torch.device(device).type != "cuda"):
         return INTERPRETER_NUM_SMS
+    if isinstance(device, torch.device) and device.index is not None:
+        return _props(device.index).multi_processor_count
     return _props(_index(device)).multi_processor_count
 
 

@@ -37,11 +37,18 @@ def _arg_key(a: Any):
     if isinstance(a, int):
         if a == 1:
             return 1
-        width = 32 if -(1 << 31) <= a < (1 << 31) else 64 if -(1 << 63) <= a < (1 << 63) else 65
-        return width, a % 16 == 0
+        return (a & 15) == 0, -(1 << 31) <= a < (1 << 31), a < (1 << 63)
     if isinstance(a, float):
         return float
     return a
+
+
+def _args_key(args: tuple) -> tuple:
+    """``tuple(map(_arg_key, args))`` with the two common cases (tensors, ints) inlined: this runs
+    for every argument of every launch."""
+    return tuple([(a.dtype, (a.data_ptr() & 15) == 0) if type(a) is torch.Tensor else
+                  (1 if a == 1 else ((a & 15) == 0, -2147483648 <= a < 2147483648, a < 9223372036854775808))
+                  if type(a) is int else _arg_key(a) for a in args])
 
 
 class CachedLauncher:
@@ -63,7 +70,7 @@ class CachedLauncher:
             self.kernel[grid](*args, **kwargs)
             return
         device = driver.active.get_current_device()
-        key = (device, tuple(kwargs.items()), tuple(map(_arg_key, args)))
+        key = (device, tuple(kwargs.items()), _args_key(args))
         hit = self._compiled.get(key)
         if hit is None:
             compiled = self.kernel[grid](*args, **kwargs)
