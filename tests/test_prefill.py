@@ -227,6 +227,39 @@ def test_tree_mask_cuda_graph_buffers_replan():
         wrapper.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, hq, hk, d, page)
 
 
+def test_cuda_graph_keeps_the_first_plans_tiles(monkeypatch):
+    """With GPU tile choices, a CUDA-graph wrapper first planned with long queries (128-row tiles)
+    keeps them when a later plan has short queries (decode-shaped tiles otherwise): a captured
+    graph holds the first plan's kernel."""
+    from types import SimpleNamespace
+
+    from tritoninfer import _plan
+
+    monkeypatch.setattr(_plan, "_device", SimpleNamespace(is_interpreter=lambda: False))
+    batch, hq, hk, d, page = 2, 4, 2, 32, 4
+    bufs = dict(qo_indptr_buf=torch.empty(batch + 1, dtype=torch.int32, device=DEVICE),
+                paged_kv_indptr_buf=torch.empty(batch + 1, dtype=torch.int32, device=DEVICE),
+                paged_kv_indices_buf=torch.empty(64, dtype=torch.int32, device=DEVICE),
+                paged_kv_last_page_len_buf=torch.empty(batch, dtype=torch.int32, device=DEVICE))
+    wrapper = BatchPrefillWithPagedKVCacheWrapper(testing.make_workspace(1 << 20, DEVICE), use_cuda_graph=True, **bufs)
+    fresh = BatchPrefillWithPagedKVCacheWrapper(testing.make_workspace(1 << 20, DEVICE))
+    for seed, (qo_lens, kv_lens) in enumerate((((40, 30), (50, 41)), ((1, 2), (33, 7)))):
+        case = Case(qo_lens, kv_lens, heads=(hq, hk), head_dim=d, causal=True)
+        g, q, qo_indptr, _, _ = _inputs(case, seed=seed)
+        kv = testing.make_paged_kv(kv_lens, page, hk, d, device=DEVICE, generator=g)
+        for w in (wrapper, fresh):
+            w.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, hq, hk, d, page, causal=True,
+                   q_data_type=torch.float16)
+        q_full = torch.zeros((70, hq, d), dtype=torch.float16, device=DEVICE)
+        q_full[:q.shape[0]] = q
+        o = wrapper.run(q_full, kv.cache)
+        ref_o, _ = reference.batch_prefill_with_paged_kv_cache(q, qo_indptr, kv.cache, kv.kv_indptr, kv.kv_indices,
+                                                               kv.kv_last_page_len, causal=True)
+        testing.assert_close(o[:q.shape[0]], ref_o, torch.float16)
+        assert wrapper._tiles.block_m == 128
+    assert fresh._tiles.block_m == 16
+
+
 def test_forward_overwrites_planned_settings():
     case = Case((3, 4), (7, 9), causal=True, pos="ROPE_LLAMA")
     g, q, qo_indptr, _, _ = _inputs(case)
