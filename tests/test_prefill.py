@@ -193,17 +193,33 @@ def test_single_prefill(layout):
     testing.assert_close(o, ref_o, torch.float16)
 
 
+def _graph_wrapper(batch, **extra_bufs):
+    """A CUDA-graph paged prefill wrapper with fixed buffers for ``batch`` requests (64 pages)."""
+    bufs = dict(qo_indptr_buf=torch.empty(batch + 1, dtype=torch.int32, device=DEVICE),
+                paged_kv_indptr_buf=torch.empty(batch + 1, dtype=torch.int32, device=DEVICE),
+                paged_kv_indices_buf=torch.empty(64, dtype=torch.int32, device=DEVICE),
+                paged_kv_last_page_len_buf=torch.empty(batch, dtype=torch.int32, device=DEVICE), **extra_bufs)
+    return BatchPrefillWithPagedKVCacheWrapper(testing.make_workspace(1 << 20, DEVICE), use_cuda_graph=True, **bufs)
+
+
+def _check_graph_run(wrapper, q, qo_indptr, kv, rows, **ref_kw):
+    """Runs ``q`` padded to ``rows`` rows (as a captured graph sees it) against the reference; the
+    padding rows must come out 0."""
+    q_full = torch.zeros((rows,) + tuple(q.shape[1:]), dtype=q.dtype, device=DEVICE)
+    q_full[:q.shape[0]] = q
+    o = wrapper.run(q_full, kv.cache)
+    ref_o, _ = reference.batch_prefill_with_paged_kv_cache(q, qo_indptr, kv.cache, kv.kv_indptr, kv.kv_indices,
+                                                           kv.kv_last_page_len, **ref_kw)
+    testing.assert_close(o[:q.shape[0]], ref_o, q.dtype)
+    assert torch.all(o[q.shape[0]:] == 0)
+
+
 def test_tree_mask_cuda_graph_buffers_replan():
     """Speculative verification: tree masks through the fixed mask buffers, re-planned with other
     lengths; the launch grid stays the one of the first plan."""
     batch, hq, hk, d, page = 2, 4, 2, 32, 4
-    bufs = dict(qo_indptr_buf=torch.empty(batch + 1, dtype=torch.int32, device=DEVICE),
-                paged_kv_indptr_buf=torch.empty(batch + 1, dtype=torch.int32, device=DEVICE),
-                paged_kv_indices_buf=torch.empty(64, dtype=torch.int32, device=DEVICE),
-                paged_kv_last_page_len_buf=torch.empty(batch, dtype=torch.int32, device=DEVICE),
-                custom_mask_buf=torch.empty(256, dtype=torch.uint8, device=DEVICE),
-                mask_indptr_buf=torch.empty(batch + 1, dtype=torch.int32, device=DEVICE))
-    wrapper = BatchPrefillWithPagedKVCacheWrapper(testing.make_workspace(1 << 20, DEVICE), use_cuda_graph=True, **bufs)
+    wrapper = _graph_wrapper(batch, custom_mask_buf=torch.empty(256, dtype=torch.uint8, device=DEVICE),
+                             mask_indptr_buf=torch.empty(batch + 1, dtype=torch.int32, device=DEVICE))
     capacities = []
     for seed, (qo_lens, kv_lens) in enumerate((((4, 4), (9, 6)), ((3, 4), (30, 5)), ((4, 2), (4, 17)))):
         case = Case(qo_lens, kv_lens, heads=(hq, hk), head_dim=d, mask="bool")
@@ -212,13 +228,7 @@ def test_tree_mask_cuda_graph_buffers_replan():
         wrapper.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, hq, hk, d, page,
                      custom_mask=mask, q_data_type=torch.float16)
         capacities.append(wrapper._plan.capacity)
-        q_full = torch.zeros((8, hq, d), dtype=torch.float16, device=DEVICE)
-        q_full[:q.shape[0]] = q
-        o = wrapper.run(q_full, kv.cache)
-        ref_o, _ = reference.batch_prefill_with_paged_kv_cache(q, qo_indptr, kv.cache, kv.kv_indptr, kv.kv_indices,
-                                                               kv.kv_last_page_len, custom_mask=mask)
-        testing.assert_close(o[:q.shape[0]], ref_o, torch.float16)
-        assert torch.all(o[q.shape[0]:] == 0)
+        _check_graph_run(wrapper, q, qo_indptr, kv, 8, custom_mask=mask)
     assert len(set(capacities)) == 1
     with pytest.raises(ValueError, match="first plan"):
         case = Case((8, 8), (9, 9))
@@ -237,11 +247,7 @@ def test_cuda_graph_keeps_the_first_plans_tiles(monkeypatch):
 
     monkeypatch.setattr(_plan, "_device", SimpleNamespace(is_interpreter=lambda: False))
     batch, hq, hk, d, page = 2, 4, 2, 32, 4
-    bufs = dict(qo_indptr_buf=torch.empty(batch + 1, dtype=torch.int32, device=DEVICE),
-                paged_kv_indptr_buf=torch.empty(batch + 1, dtype=torch.int32, device=DEVICE),
-                paged_kv_indices_buf=torch.empty(64, dtype=torch.int32, device=DEVICE),
-                paged_kv_last_page_len_buf=torch.empty(batch, dtype=torch.int32, device=DEVICE))
-    wrapper = BatchPrefillWithPagedKVCacheWrapper(testing.make_workspace(1 << 20, DEVICE), use_cuda_graph=True, **bufs)
+    wrapper = _graph_wrapper(batch)
     fresh = BatchPrefillWithPagedKVCacheWrapper(testing.make_workspace(1 << 20, DEVICE))
     for seed, (qo_lens, kv_lens) in enumerate((((40, 30), (50, 41)), ((1, 2), (33, 7)))):
         case = Case(qo_lens, kv_lens, heads=(hq, hk), head_dim=d, causal=True)
@@ -250,12 +256,7 @@ def test_cuda_graph_keeps_the_first_plans_tiles(monkeypatch):
         for w in (wrapper, fresh):
             w.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, hq, hk, d, page, causal=True,
                    q_data_type=torch.float16)
-        q_full = torch.zeros((70, hq, d), dtype=torch.float16, device=DEVICE)
-        q_full[:q.shape[0]] = q
-        o = wrapper.run(q_full, kv.cache)
-        ref_o, _ = reference.batch_prefill_with_paged_kv_cache(q, qo_indptr, kv.cache, kv.kv_indptr, kv.kv_indices,
-                                                               kv.kv_last_page_len, causal=True)
-        testing.assert_close(o[:q.shape[0]], ref_o, torch.float16)
+        _check_graph_run(wrapper, q, qo_indptr, kv, 70, causal=True)
         assert wrapper._tiles.block_m == 128
     assert fresh._tiles.block_m == 16
 
