@@ -5,7 +5,8 @@ against FlashInfer in the same process.
 "run" is host wall time per call over 1000 back-to-back calls (no sync inside the loop,
 ``host_overhead.per_call``); "eager" is device time per call of the same loop between CUDA events,
 i.e. the larger of host and device time. "-jit" rows launch through Triton's ordinary
-``kernel[grid](...)`` path.
+``kernel[grid](...)`` path; "-cached" rows through ``CachedLauncher`` with every argument keyed
+and passed as a tensor (session 3), not through the plan's bound launch (``BoundLaunch``).
 
     PYTHONPATH=. python benchmarks/host_cost.py
 """
@@ -18,7 +19,7 @@ sys.path.insert(0, "benchmarks")
 import tritoninfer  # noqa: E402
 from decode_sweep import gpu_paged_kv  # noqa: E402
 from host_overhead import per_call  # noqa: E402
-from tritoninfer._launch import CachedLauncher  # noqa: E402
+from tritoninfer._launch import BoundLaunch, CachedLauncher  # noqa: E402
 
 try:
     import flashinfer
@@ -29,13 +30,25 @@ except Exception as exc:  # noqa: BLE001 - any import failure means "not availab
 
 @contextlib.contextmanager
 def triton_launch_path():
-    """Every CachedLauncher launches through Triton's ``kernel[grid](...)`` inside the block."""
-    cached = CachedLauncher._launch
+    """Every launch goes through Triton's ``kernel[grid](...)`` inside the block."""
+    cached, bound = CachedLauncher._launch, BoundLaunch.__call__
     CachedLauncher._launch = lambda self, grid, args, kwargs: self.kernel[grid](*args, **kwargs)
+    BoundLaunch.__call__ = lambda self, *head: self.launcher.kernel[self.grid](*head, *self.tail, **self.kwargs)
     try:
         yield
     finally:
-        CachedLauncher._launch = cached
+        CachedLauncher._launch, BoundLaunch.__call__ = cached, bound
+
+
+@contextlib.contextmanager
+def unbound_launch_path():
+    """Bound launches go through ``CachedLauncher`` with all their arguments inside the block."""
+    bound = BoundLaunch.__call__
+    BoundLaunch.__call__ = lambda self, *head: self.launcher._launch(self.grid, head + self.tail, self.kwargs)
+    try:
+        yield
+    finally:
+        BoundLaunch.__call__ = bound
 
 
 def eager_device(fn, n=200):
@@ -75,6 +88,8 @@ def decode_rows():
             if lib is tritoninfer:
                 with triton_launch_path():
                     res["ours-jit run"], res["ours-jit eager"] = per_call(run, 1000), eager_device(run)
+                with unbound_launch_path():
+                    res["ours-cached run"], res["ours-cached eager"] = per_call(run, 1000), eager_device(run)
             res[f"{name} plan"] = per_call(plan, 300)
             res[f"{name} run"], res[f"{name} eager"] = per_call(run, 1000), eager_device(run)
         print(f"batch {batch} kv {kv_len}: " + ", ".join(f"{k} {v:.1f}" for k, v in res.items()), flush=True)

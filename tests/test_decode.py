@@ -235,6 +235,35 @@ def test_forward_overwrites_planned_settings():
     wrapper.end_forward()
 
 
+def test_bound_launches_are_kept_per_plan_and_run_variant():
+    """run() reuses the launch bound on its plan (launch_attention's key): one per variant (LSE or
+    not, q_len_per_req), a new one when forward() replaces the parameters, none carried to a new plan;
+    every call still reads its own q."""
+    case = Case((9, 30), heads=(4, 2), tensor_cores=True)
+    kv, q = _make(case)
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(testing.make_workspace(1 << 20, DEVICE), use_tensor_cores=True)
+    _plan(wrapper, case, kv)
+    launches = wrapper._plan.launches
+    for seed in (1, 2):
+        q = testing.randn(q.shape, q.dtype, DEVICE, generator=torch.Generator().manual_seed(seed))
+        testing.assert_close(wrapper.run(q, kv.cache), _reference(case, kv, q)[0], torch.float16)
+    assert len(launches) == 1
+    wrapper.run(q, kv.cache, return_lse=True)
+    assert len(launches) == 2
+    q3 = testing.randn((2 * 3, 4, 32), torch.float16, DEVICE, generator=torch.Generator().manual_seed(3))
+    for _ in range(2):
+        testing.assert_close(wrapper.run(q3, kv.cache, q_len_per_req=3),
+                             _reference(case, kv, q3, q_len_per_req=3)[0], torch.float16)
+    assert len(launches) == 3
+    wrapper.forward(q, kv.cache, sm_scale=0.2)
+    assert len(launches) == 4
+    testing.assert_close(wrapper.run(q, kv.cache), _reference(dataclasses.replace(case, sm_scale=0.2), kv, q)[0],
+                         torch.float16)
+    assert len(launches) == 4
+    _plan(wrapper, case, kv)
+    assert wrapper._plan.launches is not launches and len(wrapper._plan.launches) == 0
+
+
 def test_fp8_close_to_unquantized_data():
     case = Case((40, 23), heads=(4, 1), kv_dtype=torch.float8_e4m3fn, page_size=8)
     g = torch.Generator().manual_seed(0)

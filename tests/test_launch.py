@@ -69,3 +69,20 @@ def test_cached_launches_follow_alignment_and_call_profiler_hooks():
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert calls.count("attention_fwd_kernel") == 4
+
+
+@pytest.mark.gpu
+def test_bound_launch_rejects_tensors_on_another_device():
+    """The bound launch passes addresses to Triton's launcher, which then cannot catch a CPU tensor:
+    the launch checks every tensor's device itself."""
+    import tritoninfer
+    from tritoninfer import testing
+
+    kv = testing.make_paged_kv([40, 7], 16, 2, 128, dtype=torch.bfloat16, device="cuda",
+                               generator=torch.Generator().manual_seed(0))
+    wrapper = tritoninfer.BatchDecodeWithPagedKVCacheWrapper(testing.make_workspace(32 << 20, "cuda"))
+    wrapper.plan(kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 8, 2, 128, 16, q_data_type=torch.bfloat16)
+    q = torch.randn(2, 8, 128, dtype=torch.bfloat16)
+    wrapper.run(q.cuda(), kv.cache)  # binds the launch
+    with pytest.raises(ValueError, match="device"):
+        wrapper.run(q, kv.cache.cpu())

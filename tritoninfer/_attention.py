@@ -113,6 +113,8 @@ class DevicePlan:
     state_capacity: int  # states the workspace layout reserves (with state_mult 1); fixed in CUDA-graph mode
     has_splits: bool
     always_merge: bool  # CUDA-graph mode: a later plan may split, so the merge is always launched
+    # launch_attention's bound launches for this plan (AttentionLaunch), by run variant
+    launches: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 
 class PlanUploader:
@@ -243,81 +245,116 @@ def launch_attention(
     ``head_scales`` = (scale_q [H_qo], scale_k [H_kv], scale_v [H_kv]) float32 per-head scales.
     ``packed_mask`` (uint8, little-endian bits) with ``mask_indptr`` (int32 byte offsets per
     request) is a custom mask.
+
+    The launch with everything but the per-call tensors and scales bound (``AttentionLaunch``) is
+    kept on the plan, so a wrapper's later ``run()`` calls skip rebuilding it. Its key holds the
+    identities of the objects it binds, which it keeps alive, so an identity is never reused.
     """
-    num_qo_heads = q.shape[1]
-    group = num_qo_heads // num_kv_heads
-    sm_scale = params.sm_scale * (1.0 if q_scale is None else float(q_scale)) * (1.0 if k_scale is None else float(k_scale))
-    v_scale = 1.0 if v_scale is None else float(v_scale)
-    device = q.device
-
-    # the layout depends only on state_capacity, so a captured graph keeps valid pointers
-    states = plan.state_capacity * state_mult
-    if plan.has_splits or plan.always_merge:
-        need = states * num_qo_heads * (head_dim_vo + 1)
-        if workspace is None or workspace.numel() // 4 < need:
-            have = 0 if workspace is None else workspace.numel()
-            raise ValueError(
-                f"float_workspace_buffer: the plan needs {need * 4} bytes for split-KV states, the buffer has {have}"
-            )
-        ws = workspace[: (workspace.numel() // 4) * 4].view(torch.float32)
-        part_o = ws[: states * num_qo_heads * head_dim_vo]
-        part_lse = ws[states * num_qo_heads * head_dim_vo: need]
-    else:
-        part_o = part_lse = out  # never touched: every item writes its final output
-
-    dummy = plan.kv_len  # any device tensor, for pointers a disabled feature never reads
-    alibi = alibi_tensor(num_qo_heads, device) if params.alibi else dummy
-    rope_rcp_scale = 1.0 / params.rope_scale
-    rope_log2_theta = math.log2(params.rope_theta)
-    block_dqk = max(16, 1 << (head_dim_qk - 1).bit_length())
-    block_dv = max(16, 1 << (head_dim_vo - 1).bit_length())
-
-    grid = (plan.capacity, num_kv_heads, tiles.row_tiles)
-    lse_arg = lse if lse is not None else dummy
-    _ATTENTION[grid](
-        q, q.stride(0), q.stride(1),
-        out, out.stride(0), out.stride(1),
-        lse_arg, lse.stride(0) if lse is not None else 0,
-        kv.k, *kv.k_strides,
-        kv.v, *kv.v_strides,
-        part_o, part_lse,
-        plan.work,
-        plan.qo_indptr if plan.qo_indptr is not None else dummy,
-        kv.kv_indptr,
-        kv.kv_indices if kv.kv_indices is not None else dummy,
-        plan.kv_len, plan.state_offset,
-        packed_mask if packed_mask is not None else dummy,
-        mask_indptr if mask_indptr is not None else dummy,
-        alibi,
-        sinks if sinks is not None else dummy,
-        *(head_scales if head_scales is not None else (dummy, dummy, dummy)),
-        q_len_per_req, tiles.tile_tokens, state_mult, num_qo_heads,
-        sm_scale * 1.4426950408889634, params.logits_soft_cap, v_scale,
-        rope_rcp_scale, rope_log2_theta, params.window_left,
-        GROUP=group, HEAD_DIM_QK=head_dim_qk, HEAD_DIM_VO=head_dim_vo,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_DQK=block_dqk, BLOCK_DV=block_dv,
-        IS_PAGED=kv.page_size > 0, PAGE_SIZE=max(kv.page_size, 1), IS_CAUSAL=params.causal, HAS_WINDOW=params.window_left >= 0,
-        HAS_SOFT_CAP=params.logits_soft_cap > 0, HAS_ALIBI=params.alibi, HAS_ROPE=params.rope,
-        HAS_CUSTOM_MASK=packed_mask is not None, HAS_SINKS=sinks is not None,
-        HAS_HEAD_SCALES=head_scales is not None, WRITE_LSE=lse is not None,
-        DOT_DTYPE=dot_dtype(q.dtype, kv.k.dtype), PREFETCH_PAGES=tiles.prefetch_pages,
-        KV_AS_M=tiles.kv_as_m, MASK_FREE_TILES=tiles.mask_free_tiles,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-    )
-    if plan.has_splits or plan.always_merge:
-        # a few rows per merge program: a request split many ways has many states per row
-        merge_m = min(tiles.block_m, MERGE_ROWS)
-        merge_grid = (plan.capacity, num_kv_heads, tiles.row_tiles * (tiles.block_m // merge_m))
-        _MERGE_SPLITS[merge_grid](
-            out, out.stride(0), out.stride(1), lse_arg, lse.stride(0) if lse is not None else 0,
-            part_o, part_lse, plan.work,
-            plan.qo_indptr if plan.qo_indptr is not None else dummy,
-            plan.state_offset,
-            sinks if sinks is not None else dummy,
-            head_scales[2] if head_scales is not None else dummy,
-            q_len_per_req, tiles.tile_tokens, state_mult, num_qo_heads, v_scale,
-            GROUP=group, HEAD_DIM_VO=head_dim_vo, BLOCK_M=tiles.block_m, MERGE_M=merge_m, BLOCK_DV=block_dv,
-            SPLIT_BLOCK=max(1, min(8, 1024 // (merge_m * block_dv // 16))),
-            HAS_SINKS=sinks is not None, HAS_HEAD_SCALES=head_scales is not None, WRITE_LSE=lse is not None,
-            num_warps=8 if merge_m * block_dv >= 2048 else 4,
+    key = (id(params), id(tiles), id(workspace), id(kv.kv_indptr), id(kv.kv_indices), id(packed_mask),
+           id(mask_indptr), kv.page_size, q_len_per_req, state_mult, num_kv_heads, head_dim_qk, head_dim_vo,
+           q.shape[1], q.dtype, kv.k.dtype, lse is None, sinks is None, head_scales is None)
+    bound = plan.launches.get(key)
+    if bound is None:
+        if len(plan.launches) >= 16:
+            plan.launches.clear()
+        bound = plan.launches[key] = AttentionLaunch(
+            plan=plan, kv=kv, tiles=tiles, num_qo_heads=q.shape[1], num_kv_heads=num_kv_heads,
+            head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, params=params, q_len_per_req=q_len_per_req,
+            state_mult=state_mult, workspace=workspace, dot=dot_dtype(q.dtype, kv.k.dtype), has_lse=lse is not None,
+            has_sinks=sinks is not None, has_head_scales=head_scales is not None, packed_mask=packed_mask,
+            mask_indptr=mask_indptr,
         )
+    bound(q, out, lse, kv, q_scale, k_scale, v_scale, sinks, head_scales)
+
+
+class AttentionLaunch:
+    """The attention kernel's launch, and the split merge's, with what one plan fixes bound: the
+    grid, the tiles, the plan's tensors, the workspace and the flags. A call passes the tensors
+    and scales that may change from call to call."""
+
+    def __init__(self, *, plan: DevicePlan, kv: KVSource, tiles: Tiles, num_qo_heads: int, num_kv_heads: int,
+                 head_dim_qk: int, head_dim_vo: int, params: ScoreParams, q_len_per_req: int, state_mult: int,
+                 workspace: Optional[torch.Tensor], dot, has_lse: bool, has_sinks: bool, has_head_scales: bool,
+                 packed_mask: Optional[torch.Tensor], mask_indptr: Optional[torch.Tensor]) -> None:
+        group = num_qo_heads // num_kv_heads
+        # the layout depends only on state_capacity, so a captured graph keeps valid pointers
+        states = plan.state_capacity * state_mult
+        merge = plan.has_splits or plan.always_merge
+        dummy = plan.kv_len  # any device tensor, for pointers a disabled feature never reads
+        if merge:
+            need = states * num_qo_heads * (head_dim_vo + 1)
+            if workspace is None or workspace.numel() // 4 < need:
+                have = 0 if workspace is None else workspace.numel()
+                raise ValueError(
+                    f"float_workspace_buffer: the plan needs {need * 4} bytes for split-KV states, the buffer has {have}"
+                )
+            ws = workspace[: (workspace.numel() // 4) * 4].view(torch.float32)
+            part_o = ws[: states * num_qo_heads * head_dim_vo]
+            part_lse = ws[states * num_qo_heads * head_dim_vo: need]
+        else:
+            part_o = part_lse = dummy  # never touched: every item writes its final output
+        self.device = plan.kv_len.device
+        self.dummy = dummy
+        self.sm_scale = params.sm_scale
+        # objects whose identities are in launch_attention's key: alive as long as this launch is
+        self.keep = (params, tiles, workspace, kv.kv_indptr, kv.kv_indices, packed_mask, mask_indptr)
+        block_dqk = max(16, 1 << (head_dim_qk - 1).bit_length())
+        block_dv = max(16, 1 << (head_dim_vo - 1).bit_length())
+        qo_indptr = plan.qo_indptr if plan.qo_indptr is not None else dummy
+        grid = (plan.capacity, num_kv_heads, tiles.row_tiles)
+        self.attention = _ATTENTION.bind(grid, (
+            part_o, part_lse, plan.work, qo_indptr, kv.kv_indptr,
+            kv.kv_indices if kv.kv_indices is not None else dummy,
+            plan.kv_len, plan.state_offset,
+            packed_mask if packed_mask is not None else dummy,
+            mask_indptr if mask_indptr is not None else dummy,
+            alibi_tensor(num_qo_heads, self.device) if params.alibi else dummy,
+            q_len_per_req, tiles.tile_tokens, state_mult, num_qo_heads,
+            params.logits_soft_cap, 1.0 / params.rope_scale, math.log2(params.rope_theta), params.window_left,
+        ), dict(
+            GROUP=group, HEAD_DIM_QK=head_dim_qk, HEAD_DIM_VO=head_dim_vo,
+            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_DQK=block_dqk, BLOCK_DV=block_dv,
+            IS_PAGED=kv.page_size > 0, PAGE_SIZE=max(kv.page_size, 1), IS_CAUSAL=params.causal,
+            HAS_WINDOW=params.window_left >= 0, HAS_SOFT_CAP=params.logits_soft_cap > 0, HAS_ALIBI=params.alibi,
+            HAS_ROPE=params.rope, HAS_CUSTOM_MASK=packed_mask is not None, HAS_SINKS=has_sinks,
+            HAS_HEAD_SCALES=has_head_scales, WRITE_LSE=has_lse, DOT_DTYPE=dot,
+            PREFETCH_PAGES=tiles.prefetch_pages, KV_AS_M=tiles.kv_as_m, MASK_FREE_TILES=tiles.mask_free_tiles,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        ))
+        self.merge = None
+        if merge:
+            # a few rows per merge program: a request split many ways has many states per row
+            merge_m = min(tiles.block_m, MERGE_ROWS)
+            merge_grid = (plan.capacity, num_kv_heads, tiles.row_tiles * (tiles.block_m // merge_m))
+            self.merge = _MERGE_SPLITS.bind(merge_grid, (
+                part_o, part_lse, plan.work, qo_indptr, plan.state_offset,
+                q_len_per_req, tiles.tile_tokens, state_mult, num_qo_heads,
+            ), dict(
+                GROUP=group, HEAD_DIM_VO=head_dim_vo, BLOCK_M=tiles.block_m, MERGE_M=merge_m, BLOCK_DV=block_dv,
+                SPLIT_BLOCK=max(1, min(8, 1024 // (merge_m * block_dv // 16))),
+                HAS_SINKS=has_sinks, HAS_HEAD_SCALES=has_head_scales, WRITE_LSE=has_lse,
+                num_warps=8 if merge_m * block_dv >= 2048 else 4,
+            ))
+
+    def __call__(self, q: torch.Tensor, out: torch.Tensor, lse: Optional[torch.Tensor], kv: KVSource,
+                 q_scale: Optional[float], k_scale: Optional[float], v_scale: Optional[float],
+                 sinks: Optional[torch.Tensor], head_scales: Optional[tuple]) -> None:
+        dev = self.device
+        # the bound launch passes addresses, so a tensor on another device must be caught here
+        if q.device != dev or out.device != dev or kv.k.device != dev or kv.v.device != dev or (
+                lse is not None and lse.device != dev) or (sinks is not None and sinks.device != dev) or (
+                head_scales is not None and any(t.device != dev for t in head_scales)):
+            raise ValueError(f"attention: every tensor must be on the plan's device {dev}")
+        sm_scale = self.sm_scale * (1.0 if q_scale is None else float(q_scale)) * (1.0 if k_scale is None else float(k_scale))
+        v_scale = 1.0 if v_scale is None else float(v_scale)
+        dummy = self.dummy
+        lse_arg, lse_stride = (lse, lse.stride(0)) if lse is not None else (dummy, 0)
+        sinks_arg = sinks if sinks is not None else dummy
+        scales = head_scales if head_scales is not None else (dummy, dummy, dummy)
+        self.attention(
+            q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), lse_arg, lse_stride,
+            kv.k, *kv.k_strides, kv.v, *kv.v_strides, sinks_arg, *scales,
+            sm_scale * 1.4426950408889634, v_scale,
+        )
+        if self.merge is not None:
+            self.merge(out, out.stride(0), out.stride(1), lse_arg, lse_stride, sinks_arg, scales[2], v_scale)

@@ -13,9 +13,10 @@ from ._options import TensorLayout, check_int_index_tensor, check_tensor, host_i
 PagedKVCache = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class PagedKV:
-    """K and V of a paged cache as element strides over (page, slot in page, head); dim is contiguous."""
+    """K and V of a paged cache as element strides over (page, slot in page, head); dim is contiguous.
+    (Not frozen: run() builds one per call, and a frozen dataclass costs microseconds to build.)"""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -68,7 +69,7 @@ def unpack_paged_kv_cache(paged_kv_cache: PagedKVCache, layout: TensorLayout) ->
         if known is not None:
             if paged_kv_cache.dim() == 4:
                 paged_kv_cache = paged_kv_cache.unsqueeze(2 if layout == TensorLayout.NHD else 3)
-            return PagedKV(paged_kv_cache[:, 0], paged_kv_cache[:, 1], *known)
+            return PagedKV(*paged_kv_cache.unbind(1), *known)  # one call for both views
         kv = _unpack(paged_kv_cache, layout)
     elif isinstance(paged_kv_cache, (tuple, list)) and len(paged_kv_cache) == 2 and \
             all(isinstance(t, torch.Tensor) for t in paged_kv_cache):

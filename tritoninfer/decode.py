@@ -50,6 +50,13 @@ __all__ = [
 DECODE_BACKENDS = ("auto", "fa2", "fa3", "trtllm-gen", "triton")
 
 
+@functools.lru_cache(maxsize=64)
+def _causal(params):
+    """The causal variant of a plan's score parameters, one object per plan's parameters (the
+    bound launches on a plan are keyed by the identity of their parameters)."""
+    return dataclasses.replace(params, causal=True)
+
+
 def single_decode_with_kv_cache(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -515,7 +522,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         else:
             lse = None
         sinks = check_sinks(sinks, self._num_qo_heads, q.device)
-        params = self._params if L == 1 else dataclasses.replace(self._params, causal=True)
+        params = self._params if L == 1 else _causal(self._params)
         launch_attention(
             q=q, out=out, lse=lse,
             kv=KVSource(kv.k, kv.v, kv.k_strides, kv.v_strides, kv.page_size, self._kv_indptr, self._kv_indices),

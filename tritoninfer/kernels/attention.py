@@ -241,6 +241,8 @@ def attend_range(
 
 @triton.jit
 def attention_fwd_kernel(
+    # The arguments that change from call to call come first, those fixed by the plan after them
+    # (``_attention.AttentionLaunch`` binds the second group once per plan).
     # q [tokens, H_qo, D_qk]; o [tokens, H_qo, D_vo]; lse [tokens, H_qo] float32
     q_ptr, stride_q_tok, stride_q_head,
     o_ptr, stride_o_tok, stride_o_head,
@@ -248,17 +250,18 @@ def attention_fwd_kernel(
     # paged: K/V element (page, slot, head, d); ragged: (token, -, head, d) with stride_*_slot unused
     k_ptr, stride_k_page, stride_k_slot, stride_k_head,
     v_ptr, stride_v_page, stride_v_slot, stride_v_head,
+    # sinks [H_qo]; per-head scales (single_prefill's scale_q [H_qo], scale_k [H_kv], scale_v [H_kv])
+    sinks_ptr, scale_q_ptr, scale_k_ptr, scale_v_ptr,
+    sm_scale_log2, v_scale,
     # split-KV partial states: o [states, H_qo, D_vo] fp32, lse [states, H_qo] fp32
     part_o_ptr, part_lse_ptr,
     # plan: work items int32 [capacity, 6] = (request, first query token, kv_start, kv_end,
     # split index, number of splits of the request); request < 0 marks an unused slot
     work_ptr,
     qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr, kv_len_ptr, state_offset_ptr,
-    mask_ptr, mask_indptr_ptr, alibi_ptr, sinks_ptr,
-    # per-head scales (single_prefill's scale_q [H_qo], scale_k [H_kv], scale_v [H_kv])
-    scale_q_ptr, scale_k_ptr, scale_v_ptr,
+    mask_ptr, mask_indptr_ptr, alibi_ptr,
     q_len_per_req, tile_tokens, state_mult, num_qo_heads,
-    sm_scale_log2, soft_cap, v_scale, rope_rcp_scale, rope_log2_theta, window_left,
+    soft_cap, rope_rcp_scale, rope_log2_theta, window_left,
     GROUP: tl.constexpr, HEAD_DIM_QK: tl.constexpr, HEAD_DIM_VO: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
@@ -391,9 +394,10 @@ def attention_fwd_kernel(
 
 @triton.jit
 def merge_split_states_kernel(
-    o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok,
-    part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, state_offset_ptr, sinks_ptr, scale_v_ptr,
-    q_len_per_req, tile_tokens, state_mult, num_qo_heads, v_scale,
+    # per call, then fixed by the plan (as attention_fwd_kernel)
+    o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, sinks_ptr, scale_v_ptr, v_scale,
+    part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, state_offset_ptr,
+    q_len_per_req, tile_tokens, state_mult, num_qo_heads,
     GROUP: tl.constexpr, HEAD_DIM_VO: tl.constexpr, BLOCK_M: tl.constexpr, MERGE_M: tl.constexpr,
     BLOCK_DV: tl.constexpr, SPLIT_BLOCK: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_HEAD_SCALES: tl.constexpr,
     WRITE_LSE: tl.constexpr,
