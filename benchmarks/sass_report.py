@@ -35,12 +35,12 @@ def compile_kernel(args):
     fn = attention_fwd_kernel
     names = [p.name for p in fn.params]
     const = dict(GROUP=args.group, HEAD_DIM_QK=args.head_dim, HEAD_DIM_VO=args.head_dim, BLOCK_M=args.block_m,
-                 BLOCK_N=args.block_n, BLOCK_DQK=args.head_dim, BLOCK_DV=args.head_dim, IS_PAGED=True,
+                 BLOCK_N=args.block_n, BLOCK_DQK=args.head_dim, BLOCK_DV=args.head_dim, IS_PAGED=not args.ragged,
                  PAGE_SIZE=args.page_size, HAS_WINDOW=False, HAS_SOFT_CAP=False, HAS_ALIBI=False,
                  HAS_ROPE=False, HAS_CUSTOM_MASK=False, HAS_SINKS=False, HAS_HEAD_SCALES=False, WRITE_LSE=False,
                  DOT_DTYPE=tl.float16 if args.kv_dtype.startswith("fp8") else tl.bfloat16,
                  PREFETCH_PAGES=args.prefetch, KV_AS_M=args.kv_as_m,
-                 MASK_FREE_TILES=args.mask_free, IS_CAUSAL=args.causal)
+                 MASK_FREE_TILES=args.mask_free, IS_CAUSAL=args.causal, FOLD_SCALE=args.fold)
     sig, attrs = {}, {}
     for i, name in enumerate(names):
         if name in const:
@@ -73,6 +73,8 @@ def main(argv=None):
     ap.add_argument("--prefetch", action="store_true")
     ap.add_argument("--mask-free", action="store_true", help="separate loop without score masks")
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--ragged", action="store_true", help="contiguous (ragged) K/V instead of pages")
+    ap.add_argument("--fold", action="store_true", help="softmax scale folded into exp2's argument (prefill tiles)")
     ap.add_argument("--kv-as-m", action="store_true", help="KV positions as the M dimension of the dots (wgmma)")
     ap.add_argument("--top", type=int, default=15)
     args = ap.parse_args(argv)

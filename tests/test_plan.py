@@ -95,3 +95,16 @@ def test_fit_work_coarsens_automatic_splits_and_rejects_fixed_ones():
     assert not _plan.fit_work(q_lens, kv_lens, 1, 8, 0, 8, 128, fixed=False).has_splits
     with pytest.raises(ValueError, match="fixed_split_size"):
         _plan.fit_work(q_lens, kv_lens, 1, 8, 8 * per_state, 8, 128, fixed=True)
+
+
+def test_heaviest_first_orders_items_by_the_kv_they_read():
+    """Causal: a query tile reads KV up to its last row's diagonal; the order keeps every item."""
+    q_lens, kv_lens = np.array([8, 2]), np.array([8, 10])
+    plan = _plan.build_work(q_lens, kv_lens, 4, None)  # request 0: tiles at 0 and 4; request 1: one tile
+    ordered = _plan.heaviest_first(plan, q_lens, kv_lens, 4, causal=True)
+    reads = {(0, 0): 4, (0, 4): 8, (1, 0): 10}
+    assert [reads[(r, t)] for r, t in ordered.work[:, :2]] == [10, 8, 4]
+    assert sorted(map(tuple, ordered.work)) == sorted(map(tuple, plan.work))
+    # not causal: every tile of a request reads all of it; ties keep their order
+    full = _plan.heaviest_first(plan, q_lens, kv_lens, 4, causal=False)
+    assert full.work[:, 0].tolist() == [1, 0, 0] and full.work[1:, 1].tolist() == [0, 4]

@@ -113,6 +113,28 @@ def test_paged_prefill_matches_reference(case, device=DEVICE):
     testing.assert_lse_close(lse, ref_lse, dtype=case.q_dtype)
 
 
+@pytest.mark.parametrize("sm_scale,k_scale", [(0.3, None), (-0.3, None), (0.25, -2.0), (0.0, None)])
+def test_folded_softmax_scale_of_any_sign(sm_scale, k_scale):
+    """Prefill tiles apply the softmax scale inside exp2 (``FOLD_SCALE``), with the row max taken on
+    raw scores, for positive scales; a scale <= 0 (from plan() or from run()'s k_scale) takes the
+    unfolded launch. Rows that see no key (causal, more queries than keys) stay 0 / -inf."""
+    case = Case((6, 3), (3, 20), heads=(4, 2), causal=True)
+    g, q, qo_indptr, _, _ = _inputs(case)
+    kv = testing.make_paged_kv(case.kv_lens, case.page_size, 2, 32, device=DEVICE, generator=g)
+    wrapper = BatchPrefillWithPagedKVCacheWrapper(testing.make_workspace(4 << 20, DEVICE))
+    wrapper.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 4, 2, 32, case.page_size,
+                 causal=True, sm_scale=sm_scale, q_data_type=case.q_dtype)
+    o, lse = wrapper.run(q, kv.cache, k_scale=k_scale, return_lse=True)
+    bound = next(iter(wrapper._plan.launches.values()))
+    assert bound.attention.kwargs["FOLD_SCALE"] and not bound.unfolded.kwargs["FOLD_SCALE"]
+    ref_o, ref_lse = reference.batch_prefill_with_paged_kv_cache(
+        q, qo_indptr.to(DEVICE), kv.cache, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, "NHD", causal=True,
+        sm_scale=sm_scale, k_scale=k_scale)
+    testing.assert_close(o, ref_o, case.q_dtype)
+    testing.assert_lse_close(lse, ref_lse, dtype=case.q_dtype)
+    assert torch.all(o[:3] == 0) and torch.all(lse[:3] == float("-inf"))  # rows before the first key
+
+
 # GPU tile choices run through the interpreter: decode-shaped tiles for short queries (FlashInfer's
 # small query tile), and 128-row tiles whose split states are merged 16 rows per program
 GPU_TILE_CASES = [

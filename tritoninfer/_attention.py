@@ -302,7 +302,7 @@ class AttentionLaunch:
         block_dv = max(16, 1 << (head_dim_vo - 1).bit_length())
         qo_indptr = plan.qo_indptr if plan.qo_indptr is not None else dummy
         grid = (plan.capacity, num_kv_heads, tiles.row_tiles)
-        self.attention = _ATTENTION.bind(grid, (
+        attention = _ATTENTION.bind(grid, (
             part_o, part_lse, plan.work, qo_indptr, kv.kv_indptr,
             kv.kv_indices if kv.kv_indices is not None else dummy,
             plan.kv_len, plan.state_offset,
@@ -319,8 +319,15 @@ class AttentionLaunch:
             HAS_ROPE=params.rope, HAS_CUSTOM_MASK=packed_mask is not None, HAS_SINKS=has_sinks,
             HAS_HEAD_SCALES=has_head_scales, WRITE_LSE=has_lse, DOT_DTYPE=dot,
             PREFETCH_PAGES=tiles.prefetch_pages, KV_AS_M=tiles.kv_as_m, MASK_FREE_TILES=tiles.mask_free_tiles,
+            FOLD_SCALE=tiles.fold_scale and not (params.logits_soft_cap > 0 or params.alibi or has_head_scales),
             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         ))
+        # the folded softmax needs a positive scale; a call with another one (sm_scale, q_scale or
+        # k_scale <= 0) takes the same launch unfolded
+        self.attention = attention
+        self.unfolded = attention
+        if attention.kwargs["FOLD_SCALE"]:
+            self.unfolded = _ATTENTION.bind(grid, attention.tail, {**attention.kwargs, "FOLD_SCALE": False})
         self.merge = None
         if merge:
             # a few rows per merge program: a request split many ways has many states per row
@@ -351,7 +358,7 @@ class AttentionLaunch:
         lse_arg, lse_stride = (lse, lse.stride(0)) if lse is not None else (dummy, 0)
         sinks_arg = sinks if sinks is not None else dummy
         scales = head_scales if head_scales is not None else (dummy, dummy, dummy)
-        self.attention(
+        (self.attention if sm_scale > 0 else self.unfolded)(
             q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), lse_arg, lse_stride,
             kv.k, *kv.k_strides, kv.v, *kv.v_strides, sinks_arg, *scales,
             sm_scale * 1.4426950408889634, v_scale,

@@ -42,6 +42,9 @@ class Tiles:
     kv_as_m: bool = False  # KV positions as the M of the dots, query rows as N (decode on Hopper)
     programs_per_sm: int = 2  # resident programs per SM (registers, shared memory) on the H200
     mask_free_tiles: bool = False  # a separate loop without score masks for tiles every row sees
+    # softmax scale applied inside exp2's argument (FFMA), the row max taken on raw scores; only
+    # where the scores need no other transform (no soft cap, ALiBi or per-head scales)
+    fold_scale: bool = False
 
 
 def decode_tiles(group: int, q_len_per_req: int, head_dim: int, kv_elem_bytes: int = 2) -> Tiles:
@@ -73,7 +76,7 @@ def prefill_tiles(group: int, head_dim: int, avg_packed_rows: Optional[float] = 
     """
     if _device.is_interpreter():
         block_m = max(16, next_pow2(group))
-        return Tiles(block_m, 16, 1, 1, block_m // group, 1, mask_free_tiles=True)
+        return Tiles(block_m, 16, 1, 1, block_m // group, 1, mask_free_tiles=True, fold_scale=True)
     if avg_packed_rows is not None and avg_packed_rows <= 64 and group <= 64:
         block_m = min(max(16, next_pow2(math.ceil(avg_packed_rows)), next_pow2(group)), 64)
         tokens = block_m // group
@@ -84,7 +87,7 @@ def prefill_tiles(group: int, head_dim: int, avg_packed_rows: Optional[float] = 
     # 128 x 64 tiles, 8 warps, 3 stages and a mask-free loop for the tiles every row sees in full:
     # the best of the sweep in benchmarks/NOTES.md (prefill, v1)
     return Tiles(block_m, block_n, 8 if block_m >= 128 else 4, 3 if head_dim <= 128 else 2, block_m // group, 1,
-                 mask_free_tiles=True)
+                 mask_free_tiles=True, fold_scale=True)
 
 
 @dataclasses.dataclass
@@ -232,6 +235,25 @@ def fit_work(
         chunk *= 2
         work = build_work(q_lens, kv_lens, tile_tokens, chunk if chunk < int(kv_lens.max()) else None, max_splits)
     return work
+
+
+def heaviest_first(plan: WorkPlan, q_lens: np.ndarray, kv_lens: np.ndarray, tile_tokens: int,
+                   causal: bool) -> WorkPlan:
+    """The work items ordered by the KV each reads, most first (stable): the GPU starts programs in
+    grid order, so the last wave holds the shortest ones instead of a causal prefill's longest
+    (FlashAttention schedules its query tiles the same way). Items are independent of their
+    position: partial states are addressed by request, token and split."""
+    w = plan.work
+    if w.shape[0] < 2:
+        return plan
+    req = w[:, 0].astype(np.int64)
+    reads = w[:, 3].astype(np.int64)
+    if causal:
+        q_len, kv_len = q_lens[req].astype(np.int64), kv_lens[req].astype(np.int64)
+        last_row = np.minimum(w[:, 1] + tile_tokens, q_len) - 1
+        reads = np.minimum(reads, last_row + kv_len - q_len + 1)
+    order = np.argsort(w[:, 2] - reads, kind="stable")
+    return dataclasses.replace(plan, work=w[order])
 
 
 def alibi_slopes(num_heads: int) -> np.ndarray:

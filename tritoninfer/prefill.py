@@ -215,6 +215,7 @@ class _BatchPrefillBase:
                 )
             work = _plan.fit_work(qo_lens, kv_lens, tiles.tile_tokens, chunk, self._float_workspace_buffer.numel(),
                                   num_qo_heads, head_dim_vo, fixed_split_size is not None, max_splits=self._max_splits)
+            work = _plan.heaviest_first(work, qo_lens, kv_lens, tiles.tile_tokens, params.causal)
             capacity = self._plan_capacity
             views = self._uploader.upload([pad_work(work, capacity), kv_lens, work.state_offset, qo] + kv_extra,
                                           non_blocking, out=self._plan_buf)
@@ -235,6 +236,7 @@ class _BatchPrefillBase:
         else:
             work = _plan.fit_work(qo_lens, kv_lens, tiles.tile_tokens, chunk, self._float_workspace_buffer.numel(),
                                   num_qo_heads, head_dim_vo, fixed_split_size is not None)
+            work = _plan.heaviest_first(work, qo_lens, kv_lens, tiles.tile_tokens, params.causal)
             views = self._uploader.upload([work.work, kv_lens, work.state_offset, qo] + mask_arrays + kv_extra,
                                           non_blocking)
             work_d, kv_len_d, state_offset_d, qo_indptr_d = views[:4]

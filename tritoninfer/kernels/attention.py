@@ -119,6 +119,22 @@ def softmax_update(m_i, l_i, acc, s, keep):
 
 
 @triton.jit
+def softmax_update_folded(m_i, l_i, acc, s, keep, scale):
+    """``softmax_update`` of raw scores ``s`` whose logits are ``s * scale`` (``scale > 0``, log2
+    units; the launcher never folds another scale): the row max is taken on the raw scores and the
+    scale applied inside the exponent's argument, one FFMA per score instead of a multiply and a
+    subtraction (as FlashAttention does)."""
+    s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(tl.fma(s, scale, -m_safe[:, None]))
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    return m_new, l_i, acc, p
+
+
+@triton.jit
 def finalize(m_i, l_i, acc, sink_log2, v_scale, HAS_SINKS: tl.constexpr):
     """Normalised output and base-2 LSE of a state. No key seen: output 0, LSE -inf.
 
@@ -174,6 +190,7 @@ def attend_range(
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_ROPE: tl.constexpr, HAS_CUSTOM_MASK: tl.constexpr, HAS_HEAD_SCALES: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PREFETCH_PAGES: tl.constexpr, KV_AS_M: tl.constexpr, MASKED: tl.constexpr,
+    FOLD_SCALE: tl.constexpr,
 ):
     """Online softmax over the KV tiles starting at lo, lo + BLOCK_N, ... below ``end``; positions
     at or past ``hi`` are not read. ``MASKED=False`` is for tiles that every row sees in full: no
@@ -215,18 +232,21 @@ def attend_range(
             s = tl.trans(tl.dot(k, tl.trans(q)))
         else:
             s = tl.dot(q, tl.trans(k))
-        if HAS_HEAD_SCALES:
-            s = s * row_scale[:, None]
-        s = transform_scores(s, sm_scale_log2, soft_cap, HAS_SOFT_CAP)
-        if HAS_ALIBI:
-            s += slope[:, None] * (offs_n[None, :] - tok[:, None]).to(tl.float32)
+        if not FOLD_SCALE:
+            if HAS_HEAD_SCALES:
+                s = s * row_scale[:, None]
+            s = transform_scores(s, sm_scale_log2, soft_cap, HAS_SOFT_CAP)
+            if HAS_ALIBI:
+                s += slope[:, None] * (offs_n[None, :] - tok[:, None]).to(tl.float32)
+        keep = True
         if MASKED:
             keep = visible_mask(offs_n, tok, kv_len, q_len, window_left, mask_ptr, mask_base,
                                 IS_CAUSAL, HAS_WINDOW, HAS_CUSTOM_MASK)
             keep = keep & n_ok[None, :]
-            m_i, l_i, acc, p = softmax_update(m_i, l_i, acc, s, keep)
+        if FOLD_SCALE:
+            m_i, l_i, acc, p = softmax_update_folded(m_i, l_i, acc, s, keep, sm_scale_log2)
         else:
-            m_i, l_i, acc, p = softmax_update(m_i, l_i, acc, s, True)
+            m_i, l_i, acc, p = softmax_update(m_i, l_i, acc, s, keep)
 
         # [BLOCK_N, BLOCK_DV]
         v = tl.load(v_ptr + v_rows[:, None] + offs_dv[None, :], mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
@@ -268,7 +288,7 @@ def attention_fwd_kernel(
     HAS_SOFT_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_ROPE: tl.constexpr,
     HAS_CUSTOM_MASK: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_HEAD_SCALES: tl.constexpr,
     WRITE_LSE: tl.constexpr, DOT_DTYPE: tl.constexpr, PREFETCH_PAGES: tl.constexpr, KV_AS_M: tl.constexpr,
-    MASK_FREE_TILES: tl.constexpr,
+    MASK_FREE_TILES: tl.constexpr, FOLD_SCALE: tl.constexpr,
 ):
     i_item = tl.program_id(0)
     i_kvh = tl.program_id(1)
@@ -373,7 +393,7 @@ def attention_fwd_kernel(
                 tok, kv_len, q_len, window_left, mask_ptr, mask_base, row_scale, slope,
                 sm_scale_log2, soft_cap, rope_rcp_scale, rope_log2_theta, tl.zeros([1], q_ptr.dtype.element_ty),
                 HEAD_DIM_QK, BLOCK_N, IS_PAGED, PAGE_SIZE, IS_CAUSAL, HAS_WINDOW, HAS_SOFT_CAP, HAS_ALIBI, HAS_ROPE,
-                HAS_CUSTOM_MASK, HAS_HEAD_SCALES, DOT_DTYPE, PREFETCH_PAGES, KV_AS_M, phase == 1)
+                HAS_CUSTOM_MASK, HAS_HEAD_SCALES, DOT_DTYPE, PREFETCH_PAGES, KV_AS_M, phase == 1, FOLD_SCALE)
 
     if num_splits == 1:
         sink_log2 = 0.0

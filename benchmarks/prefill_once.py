@@ -1,0 +1,56 @@
+"""Runs one prefill shape a few times, eagerly: a target for Nsight Compute (issue "Prefill, part 2":
+what paging and fp8 KV cost against ragged bf16 KV on the same shape).
+
+    ncu --clock-control none -k regex:attention_fwd --launch-skip 2 --launch-count 1 \
+        --section SpeedOfLight --section Occupancy --section WarpStateStats \
+        python benchmarks/prefill_once.py --kv paged --kv-dtype float8_e4m3fn
+"""
+
+import argparse
+import sys
+
+import torch
+
+import tritoninfer
+
+sys.path.insert(0, "benchmarks")
+from decode_sweep import gpu_paged_kv  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kv", choices=["paged", "ragged"], default="paged")
+    ap.add_argument("--kv-dtype", default="bfloat16")
+    ap.add_argument("--shape", default="32/8/4/4096", help="HQ/HK/BATCH/LEN")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--calls", type=int, default=3)
+    args = ap.parse_args(argv)
+    hq, hk, batch, n = map(int, args.shape.split("/"))
+    kv_dtype = getattr(torch, args.kv_dtype)
+    q = torch.randn((batch * n, hq, 128), device="cuda").to(torch.bfloat16)
+    qo_indptr = torch.arange(0, batch * n + 1, n, dtype=torch.int32, device="cuda")
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    if args.kv == "paged":
+        kv = gpu_paged_kv(batch, n, hk, 128, args.page_size, kv_dtype, "NHD")
+        w = tritoninfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+        w.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, hq, hk, 128, args.page_size,
+               causal=args.causal, q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
+
+        def run():
+            return w.run(q, kv.cache)
+    else:
+        k, v = (torch.randn((batch * n, hk, 128), device="cuda").to(kv_dtype) for _ in range(2))
+        w = tritoninfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
+        w.plan(qo_indptr, qo_indptr, hq, hk, 128, causal=args.causal, q_data_type=torch.bfloat16,
+               kv_data_type=kv_dtype)
+
+        def run():
+            return w.run(q, k, v)
+    for _ in range(args.calls):
+        run()
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
