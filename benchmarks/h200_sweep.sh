@@ -5,7 +5,9 @@
 #     bash benchmarks/h200_sweep.sh PART OUT_DIR      # PART: decode8 decode32 prefill cascade-append
 #
 # Wheels: `bash /work/shared/tools/peer-wheels.sh .peers` here first, and carry `.peers` to the device.
-# Then copy OUT_DIR/*/ into benchmarks/results/h200/ and update benchmarks/results/h200.md.
+# Then copy OUT_DIR/*/ into benchmarks/results/h200/ (the decode parts as decode-32-8.* and
+# decode-32-32.*) and update benchmarks/results/h200.md. On an nvidia-h200-x2 machine two parts run
+# at once, one per GPU (CUDA_VISIBLE_DEVICES=0 / 1): the whole sweep then takes about 10 minutes.
 set -euo pipefail
 part=${1:?part: decode8 | decode32 | prefill | cascade-append}
 out=${2:?output folder}
