@@ -69,7 +69,7 @@ def ragged_prefill_ws_kernel(
         keep = offs_n[None, :] < seq_len
         if IS_CAUSAL:
             keep = keep & (offs_n[None, :] <= tok[:, None])
-        m_i, l_i, acc, p = softmax_update(m_i, l_i, acc, s, keep)
+        m_i, l_i, acc, p = softmax_update(m_i, l_i, acc, s, keep, 1.0, False)
         v = v_desc.load([base + start, kv_col])
         acc += tl.dot(p.to(v.dtype), v)
 

@@ -102,32 +102,27 @@ def visible_mask(
 
 
 @triton.jit
-def softmax_update(m_i, l_i, acc, s, keep):
+def softmax_update(m_i, l_i, acc, s, keep, scale, FOLD_SCALE: tl.constexpr):
     """One online-softmax step in base 2. Returns (m, l, acc rescaled, p).
+
+    ``s`` are logits in log2 units; with ``FOLD_SCALE`` they are raw scores whose logits are
+    ``s * scale`` (``scale > 0``: the launcher never folds another): the row max is taken on the raw
+    scores and the scale applied inside exp2's argument, one FFMA per score instead of a multiply
+    and a subtraction (as FlashAttention does). Without it ``scale`` is unused.
 
     Rows that have seen no key keep m = -inf; the max is made finite before subtracting so such
     rows produce p = 0 and alpha = 0 instead of NaN.
     """
     s = tl.where(keep, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if FOLD_SCALE:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    return m_new, l_i, acc, p
-
-
-@triton.jit
-def softmax_update_folded(m_i, l_i, acc, s, keep, scale):
-    """``softmax_update`` of raw scores ``s`` whose logits are ``s * scale`` (``scale > 0``, log2
-    units; the launcher never folds another scale): the row max is taken on the raw scores and the
-    scale applied inside the exponent's argument, one FFMA per score instead of a multiply and a
-    subtraction (as FlashAttention does)."""
-    s = tl.where(keep, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(tl.fma(s, scale, -m_safe[:, None]))
+    if FOLD_SCALE:
+        p = tl.exp2(tl.fma(s, scale, -m_safe[:, None]))
+    else:
+        p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
@@ -243,10 +238,7 @@ def attend_range(
             keep = visible_mask(offs_n, tok, kv_len, q_len, window_left, mask_ptr, mask_base,
                                 IS_CAUSAL, HAS_WINDOW, HAS_CUSTOM_MASK)
             keep = keep & n_ok[None, :]
-        if FOLD_SCALE:
-            m_i, l_i, acc, p = softmax_update_folded(m_i, l_i, acc, s, keep, sm_scale_log2)
-        else:
-            m_i, l_i, acc, p = softmax_update(m_i, l_i, acc, s, keep)
+        m_i, l_i, acc, p = softmax_update(m_i, l_i, acc, s, keep, sm_scale_log2, FOLD_SCALE)
 
         # [BLOCK_N, BLOCK_DV]
         v = tl.load(v_ptr + v_rows[:, None] + offs_dv[None, :], mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
