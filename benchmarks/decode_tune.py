@@ -5,7 +5,8 @@ benchmarks/NOTES.md by hand.
     PYTHONPATH=. python benchmarks/decode_tune.py --configs std-128-4-2,kvm-128-4-3-p --out tune.md
 
 A config is ``ORIENT-BLOCK_N-WARPS-STAGES[-p][-sSLOTS]``: ORIENT ``std`` puts the query rows in the M
-of the dots (mma.sync, M padded to 16), ``kvm`` puts the KV positions there (wgmma); ``-p`` loads page
+of the dots (mma.sync, M padded to 16), ``kvm`` puts the KV positions there (wgmma), ``cc`` is the
+dot-free single-row path (group 1 only; 4 lanes per warp); ``-p`` loads page
 ids one tile ahead; ``-sN`` tells the split planner N programs fit on an SM. ``--programs-per-sm`` changes the resident slots the split planner assumes.
 """
 
@@ -25,13 +26,14 @@ SHAPES = [(32, 8, 1, 4096), (32, 8, 16, 4096), (32, 8, 64, 4096), (32, 8, 256, 4
 
 
 def parse_config(text):
-    """``ORIENT-BLOCK_N-WARPS-STAGES[-p][-sSLOTS]`` -> (kv_as_m, block_n, warps, stages, prefetch, slots)."""
+    """``ORIENT-BLOCK_N-WARPS-STAGES[-p][-sSLOTS]`` -> (kv_as_m, block_n, warps, stages, prefetch, slots, lanes)."""
     parts = text.split("-")
     orient, block_n, warps, stages = parts[0], int(parts[1]), int(parts[2]), int(parts[3])
-    if orient not in ("std", "kvm"):
-        raise ValueError(f"config {text!r}: orientation must be std or kvm")
+    if orient not in ("std", "kvm", "cc"):
+        raise ValueError(f"config {text!r}: orientation must be std, kvm or cc")
     slots = [int(p[1:]) for p in parts[4:] if p.startswith("s")]
-    return orient == "kvm", block_n, warps, stages, "p" in parts[4:], slots[0] if slots else 0
+    return (orient == "kvm", block_n, warps, stages, "p" in parts[4:], slots[0] if slots else 0,
+            4 * warps if orient == "cc" else 0)
 
 
 def main(argv=None):
@@ -59,12 +61,16 @@ def main(argv=None):
             q = torch.randn((batch, hq, 128), device="cuda").to(torch.bfloat16)
             nbytes = kv.cache.nbytes + 2 * q.nbytes
             reference_out = None
-            for (kv_as_m, block_n, warps, stages, prefetch, slots), name in zip(configs, args.configs.split(",")):
+            for (kv_as_m, block_n, warps, stages, prefetch, slots, lanes), name in zip(configs, args.configs.split(",")):
+                if lanes and hq != hk:
+                    continue
                 for pps in ([slots] if slots else map(int, args.programs_per_sm.split(","))):
-                    def tiles(*a, _c=(kv_as_m, block_n, warps, stages, prefetch), _pps=pps):
-                        t = original(*a)
+                    def tiles(*a, _c=(kv_as_m, block_n, warps, stages, prefetch, lanes), _pps=pps):
+                        # a dot config on a group of one takes the dot tiles, a cc config the lane tiles
+                        t = original(*a[:4], lanes_ok=bool(_c[5]) and a[4])
                         return dataclasses.replace(t, kv_as_m=_c[0], block_n=_c[1], num_warps=_c[2], num_stages=_c[3],
-                                                   prefetch_pages=_c[4], programs_per_sm=_pps or t.programs_per_sm)
+                                                   prefetch_pages=_c[4], programs_per_sm=_pps or t.programs_per_sm,
+                                                   lanes=_c[5] if t.lanes else 0)
 
                     decode._decode_tiles.cache_clear()
                     decode._plan.decode_tiles = tiles

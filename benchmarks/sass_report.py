@@ -40,7 +40,8 @@ def compile_kernel(args):
                  HAS_ROPE=False, HAS_CUSTOM_MASK=False, HAS_SINKS=False, HAS_HEAD_SCALES=False, WRITE_LSE=False,
                  DOT_DTYPE=tl.float16 if args.kv_dtype.startswith("fp8") else tl.bfloat16,
                  PREFETCH_PAGES=args.prefetch, KV_AS_M=args.kv_as_m,
-                 MASK_FREE_TILES=args.mask_free, IS_CAUSAL=args.causal, FOLD_SCALE=args.fold)
+                 MASK_FREE_TILES=args.mask_free, IS_CAUSAL=args.causal, FOLD_SCALE=args.fold,
+                 LANES=args.lanes, LANE_TOKENS=args.block_n // max(args.lanes, 1), NUM_STAGES=args.stages)
     sig, attrs = {}, {}
     for i, name in enumerate(names):
         if name in const:
@@ -76,6 +77,8 @@ def main(argv=None):
     ap.add_argument("--ragged", action="store_true", help="contiguous (ragged) K/V instead of pages")
     ap.add_argument("--fold", action="store_true", help="softmax scale folded into exp2's argument (prefill tiles)")
     ap.add_argument("--kv-as-m", action="store_true", help="KV positions as the M dimension of the dots (wgmma)")
+    ap.add_argument("--lanes", type=int, default=0, help="the dot-free single-row path with this many lanes "
+                    "(block-m 1, group 1)")
     ap.add_argument("--top", type=int, default=15)
     args = ap.parse_args(argv)
     kernel = compile_kernel(args)

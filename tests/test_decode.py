@@ -50,6 +50,10 @@ CASES = [
     Case((29,), page_size=1, form="4d", heads=(3, 3), q_dtype=torch.bfloat16, kv_dtype=torch.float8_e5m2, window=0),
     Case((12, 45), page_size=5, form="tuple", strided=True, pos="ROPE_LLAMA", window=7, soft_cap=2.0),
     Case((64, 0, 2), head_dim=56, heads=(5, 1), layout="HND", strided=True, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16),
+    # a GQA group of one: the dot-free single-row path (Tiles.lanes)
+    Case((70, 0, 33), heads=(2, 2), q_dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn, soft_cap=3.0,
+         split="fixed", strided=True, tensor_cores=True),
+    Case((90, 7), page_size=16, heads=(4, 4), head_dim=64, layout="HND", kv_dtype=torch.float8_e5m2, window=40),
 ]
 
 
@@ -355,6 +359,10 @@ GPU_CASES = [
     Case((1500, 900), page_size=16, heads=(16, 2), head_dim=256, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, pos="ROPE_LLAMA", soft_cap=30.0),
     Case((5000, 64), page_size=8, heads=(8, 8), head_dim=96, q_dtype=torch.float16, kv_dtype=torch.float16, pos="ALIBI", window=1000),
     Case((8192,), page_size=16, heads=(32, 8), head_dim=128, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, split="disable"),
+    Case((4096, 1000, 17, 8191), page_size=16, heads=(32, 32), head_dim=128, q_dtype=torch.bfloat16,
+         kv_dtype=torch.float8_e4m3fn, window=1000),
+    Case((4000, 1, 300), page_size=16, heads=(16, 16), head_dim=96, q_dtype=torch.float16, kv_dtype=torch.float8_e4m3fn,
+         soft_cap=30.0),
 ]
 
 

@@ -108,3 +108,16 @@ def test_heaviest_first_orders_items_by_the_kv_they_read():
     # not causal: every tile of a request reads all of it; ties keep their order
     full = _plan.heaviest_first(plan, q_lens, kv_lens, 4, causal=False)
     assert full.work[:, 0].tolist() == [1, 0, 0] and full.work[1:, 1].tolist() == [0, 4]
+
+
+def test_decode_tiles_take_the_lane_path_only_for_one_fp8_row(monkeypatch):
+    """The dot-free path is for one query row per item over fp8 KV, and never when the scores need
+    what it lacks (RoPE, ALiBi); every other decode keeps the dot tiles."""
+    monkeypatch.setattr(_plan._device, "is_interpreter", lambda: False)
+    lane = _plan.decode_tiles(1, 1, 128, 1, lanes_ok=True)
+    assert lane.lanes > 0 and lane.block_m == 1 and lane.block_n % lane.lanes == 0
+    assert _plan.decode_tiles(1, 1, 128, 1, lanes_ok=False).lanes == 0
+    assert _plan.decode_tiles(1, 1, 128, 2, lanes_ok=True).lanes == 0  # 16-bit KV: wgmma tiles
+    assert _plan.decode_tiles(4, 1, 128, 1, lanes_ok=True).lanes == 0  # a GQA group: dots
+    assert _plan.decode_tiles(1, 2, 128, 1, lanes_ok=True).lanes == 0  # two rows (speculative decode)
+    assert _plan.decode_tiles(1, 1, 256, 1, lanes_ok=True).lanes == 0

@@ -320,6 +320,7 @@ class AttentionLaunch:
             HAS_HEAD_SCALES=has_head_scales, WRITE_LSE=has_lse, DOT_DTYPE=dot,
             PREFETCH_PAGES=tiles.prefetch_pages, KV_AS_M=tiles.kv_as_m, MASK_FREE_TILES=tiles.mask_free_tiles,
             FOLD_SCALE=tiles.fold_scale and not (params.logits_soft_cap > 0 or params.alibi or has_head_scales),
+            LANES=tiles.lanes, LANE_TOKENS=tiles.block_n // max(tiles.lanes, 1), NUM_STAGES=tiles.num_stages,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         ))
         # the folded softmax needs a positive scale; a call with another one (sm_scale, q_scale or
@@ -330,17 +331,20 @@ class AttentionLaunch:
             self.unfolded = _ATTENTION.bind(grid, attention.tail, {**attention.kwargs, "FOLD_SCALE": False})
         self.merge = None
         if merge:
-            # a few rows per merge program: a request split many ways has many states per row
-            merge_m = min(tiles.block_m, MERGE_ROWS)
-            merge_grid = (plan.capacity, num_kv_heads, tiles.row_tiles * (tiles.block_m // merge_m))
+            # a few rows per merge program (no more than an item has), and the value columns
+            # shared among the split items: a request split many ways is merged in parallel
+            rows = tiles.tile_tokens * group
+            merge_m = min(tiles.block_m, MERGE_ROWS, max(1, 1 << (rows - 1).bit_length()))
+            merge_grid = (plan.capacity, num_kv_heads, -(-rows // merge_m))
+            dv_chunk = max(16, block_dv // 8)
             self.merge = _MERGE_SPLITS.bind(merge_grid, (
                 part_o, part_lse, plan.work, qo_indptr, plan.state_offset,
                 q_len_per_req, tiles.tile_tokens, state_mult, num_qo_heads,
             ), dict(
-                GROUP=group, HEAD_DIM_VO=head_dim_vo, BLOCK_M=tiles.block_m, MERGE_M=merge_m, BLOCK_DV=block_dv,
-                SPLIT_BLOCK=max(1, min(8, 1024 // (merge_m * block_dv // 16))),
+                GROUP=group, HEAD_DIM_VO=head_dim_vo, MERGE_M=merge_m, DV_CHUNK=dv_chunk,
+                NUM_DV_CHUNKS=block_dv // dv_chunk, SPLIT_BLOCK=max(1, min(32, 4096 // (merge_m * dv_chunk))),
                 HAS_SINKS=has_sinks, HAS_HEAD_SCALES=has_head_scales, WRITE_LSE=has_lse,
-                num_warps=8 if merge_m * block_dv >= 2048 else 4,
+                num_warps=4,
             ))
 
     def __call__(self, q: torch.Tensor, out: torch.Tensor, lse: Optional[torch.Tensor], kv: KVSource,

@@ -45,11 +45,33 @@ class Tiles:
     # softmax scale applied inside exp2's argument (FFMA), the row max taken on raw scores; only
     # where the scores need no other transform (no soft cap, ALiBi or per-head scales)
     fold_scale: bool = False
+    # > 0: one query row per program, no dots: the KV tile is LANES x (block_n // LANES) positions and
+    # every lane keeps its own softmax state (a GQA group of one; one lane per 8 threads)
+    lanes: int = 0
 
 
-def decode_tiles(group: int, q_len_per_req: int, head_dim: int, kv_elem_bytes: int = 2) -> Tiles:
-    """Tiles for decode: one work item covers all ``q_len_per_req`` tokens of a request."""
+# the dot-free single-row tiles per KV element size: (KV positions per lane and iteration, warps,
+# stages, programs per SM). Only fp8: for 16-bit KV the wgmma tiles (kv_as_m) stay faster
+# (benchmarks/NOTES.md, session 5)
+LANE_TILES = {1: (4, 4, 3, 4)}
+
+
+def decode_tiles(group: int, q_len_per_req: int, head_dim: int, kv_elem_bytes: int = 2,
+                 lanes_ok: bool = False) -> Tiles:
+    """Tiles for decode: one work item covers all ``q_len_per_req`` tokens of a request.
+
+    ``lanes_ok``: the scores need nothing the dot-free single-row path lacks (RoPE on the fly,
+    ALiBi, a custom mask, per-head scales), so a single row (a GQA group of one) may take it."""
     rows = group * q_len_per_req
+    if rows == 1 and lanes_ok and head_dim <= 128 and kv_elem_bytes in LANE_TILES:
+        if _device.is_interpreter():
+            return Tiles(1, 16, 1, 1, 1, 1, prefetch_pages=False, lanes=4)
+        lane_tokens, warps, stages, programs = LANE_TILES[kv_elem_bytes]
+        # a row of head_dim is loaded in 16-byte pieces by neighbouring threads; the rest of a
+        # warp's 32 threads are lanes, so each lane's reductions stay within its warp
+        lanes = warps * max(1, 32 * 16 // (next_pow2(head_dim) * kv_elem_bytes))
+        return Tiles(1, lanes * lane_tokens, warps, stages, 1, 1, prefetch_pages=False, programs_per_sm=programs,
+                     lanes=lanes)
     block_m = min(max(16, next_pow2(rows)), 64)
     if _device.is_interpreter():
         return Tiles(block_m, 16, 1, 1, q_len_per_req, math.ceil(rows / block_m))

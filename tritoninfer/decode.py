@@ -124,7 +124,7 @@ def single_decode_with_kv_cache(
 
     device = q.device
     num_sms = _device.num_sms(device)
-    tiles = _decode_tiles(num_qo_heads // num_kv_heads, 1, head_dim, k.element_size())
+    tiles = _decode_tiles(num_qo_heads // num_kv_heads, 1, head_dim, k.element_size(), _lanes_ok(params))
     kv_lens = np.array([kv_len], np.int64)
     chunk = kv_split_chunk(kv_lens, np.ones(1, np.int64), num_kv_heads, num_sms, tiles.block_n, 1, None, False,
                            tiles.programs_per_sm)
@@ -369,7 +369,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                     f"{len(self._paged_kv_indices_buf)}"
                 )
 
-        tiles = _decode_tiles(group, 1, head_dim, kv_dtype.itemsize)
+        tiles = _decode_tiles(group, 1, head_dim, kv_dtype.itemsize, _lanes_ok(params))
         num_sms = self._num_sms
         ones = np.ones(batch, np.int64)
         chunk = kv_split_chunk(kv_lens, ones, num_kv_heads, num_sms, tiles.block_n, page_size,
@@ -527,7 +527,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             q=q, out=out, lse=lse,
             kv=KVSource(kv.k, kv.v, kv.k_strides, kv.v_strides, kv.page_size, self._kv_indptr, self._kv_indices),
             plan=self._plan, tiles=_decode_tiles(self._num_qo_heads // self._num_kv_heads, L, self._head_dim,
-                               self._cached_kv_data_type.itemsize),
+                               self._cached_kv_data_type.itemsize, _lanes_ok(params)),
             num_kv_heads=self._num_kv_heads, head_dim_qk=self._head_dim, head_dim_vo=kv.head_dim_vo,
             params=params, q_len_per_req=L, state_mult=L, workspace=self._float_workspace_buffer,
             q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
@@ -678,8 +678,13 @@ def fast_decode_plan(
 
 
 @functools.lru_cache(maxsize=None)
-def _decode_tiles(group: int, q_len_per_req: int, head_dim: int, kv_elem_bytes: int = 2):
-    return _plan.decode_tiles(group, q_len_per_req, head_dim, kv_elem_bytes)
+def _decode_tiles(group: int, q_len_per_req: int, head_dim: int, kv_elem_bytes: int, lanes_ok: bool):
+    return _plan.decode_tiles(group, q_len_per_req, head_dim, kv_elem_bytes, lanes_ok)
+
+
+def _lanes_ok(params) -> bool:
+    """Whether the dot-free single-row path computes these scores (it has no RoPE or ALiBi)."""
+    return not (params.rope or params.alibi)
 
 
 _uploaders: dict = {}

@@ -252,6 +252,56 @@ def attend_range(
 
 
 @triton.jit
+def attend_lanes(
+    q, lo, hi, k_ptr, stride_k_page, stride_k_slot, k_head, v_ptr, stride_v_page, stride_v_slot, v_head,
+    kv_indices_ptr, page_base, token_base, offs_dqk, dqk_ok, offs_dv, dv_ok, sm_scale_log2, soft_cap,
+    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, IS_PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    HAS_SOFT_CAP: tl.constexpr, LANES: tl.constexpr, LANE_TOKENS: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """The KV range [lo, hi) for one query row (q [1, BLOCK_DQK]) without ``tl.dot``: a GQA group of
+    one would fill 1 of the 16 rows of an mma. Each iteration reads LANES x LANE_TOKENS positions;
+    every lane keeps its own online-softmax state, so the only reductions in the loop are over a
+    lane's own tokens and over head_dim (within a warp), and the lanes are combined once at the end.
+    The caller has already narrowed [lo, hi) to the row's causal and window limits. Returns the
+    row's (m [1], l [1], acc [1, BLOCK_DV])."""
+    # [BLOCK_DQK]
+    q_row = tl.sum(q.to(tl.float32), 0)
+    lane = tl.arange(0, LANES)
+    offs_t = tl.arange(0, LANE_TOKENS)
+    m_i = tl.full([LANES], float("-inf"), tl.float32)
+    l_i = tl.zeros([LANES], tl.float32)
+    acc = tl.zeros([LANES, BLOCK_DV], tl.float32)
+    for start in tl.range(lo, hi, LANES * LANE_TOKENS, num_stages=NUM_STAGES):
+        # [LANES, LANE_TOKENS]
+        offs_n = start + lane[:, None] * LANE_TOKENS + offs_t[None, :]
+        n_ok = offs_n < hi
+        if IS_PAGED:
+            page = tl.load(kv_indices_ptr + page_base + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+            slot = offs_n % PAGE_SIZE
+            k_rows = page * stride_k_page + (slot * stride_k_slot + k_head)
+            v_rows = page * stride_v_page + (slot * stride_v_slot + v_head)
+        else:
+            t = token_base + offs_n
+            k_rows = t * stride_k_page + k_head
+            v_rows = t * stride_v_page + v_head
+        # [LANES, LANE_TOKENS, BLOCK_DQK]
+        k = tl.load(k_ptr + k_rows[:, :, None] + offs_dqk[None, None, :],
+                    mask=n_ok[:, :, None] & dqk_ok[None, None, :], other=0.0)
+        s = transform_scores(tl.sum(k.to(tl.float32) * q_row[None, None, :], 2), sm_scale_log2, soft_cap,
+                             HAS_SOFT_CAP)
+        m_i, l_i, acc, p = softmax_update(m_i, l_i, acc, s, n_ok, 1.0, False)
+        # [LANES, LANE_TOKENS, BLOCK_DV]
+        v = tl.load(v_ptr + v_rows[:, :, None] + offs_dv[None, None, :],
+                    mask=n_ok[:, :, None] & dv_ok[None, None, :], other=0.0)
+        acc += tl.sum(v.to(tl.float32) * p[:, :, None], 1)
+    m_row = tl.max(m_i, 0)
+    m_safe = tl.where(m_row == float("-inf"), 0.0, m_row)
+    w = tl.exp2(m_i - m_safe)
+    zero = tl.zeros([1], tl.float32)
+    return zero + m_row, zero + tl.sum(l_i * w, 0), tl.sum(acc * w[:, None], 0)[None, :]
+
+
+@triton.jit
 def attention_fwd_kernel(
     # The arguments that change from call to call come first, those fixed by the plan after them
     # (``_attention.AttentionLaunch`` binds the second group once per plan).
@@ -280,7 +330,8 @@ def attention_fwd_kernel(
     HAS_SOFT_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_ROPE: tl.constexpr,
     HAS_CUSTOM_MASK: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_HEAD_SCALES: tl.constexpr,
     WRITE_LSE: tl.constexpr, DOT_DTYPE: tl.constexpr, PREFETCH_PAGES: tl.constexpr, KV_AS_M: tl.constexpr,
-    MASK_FREE_TILES: tl.constexpr, FOLD_SCALE: tl.constexpr,
+    MASK_FREE_TILES: tl.constexpr, FOLD_SCALE: tl.constexpr, LANES: tl.constexpr, LANE_TOKENS: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     i_item = tl.program_id(0)
     i_kvh = tl.program_id(1)
@@ -375,9 +426,16 @@ def attention_fwd_kernel(
         if IS_CAUSAL:
             full_hi = tl.minimum(full_hi, q_tile_start + kv_len - q_len + 1)
         full_end = lo + tl.maximum(full_hi - lo, 0) // BLOCK_N * BLOCK_N
+    if LANES > 0:
+        # one query row per program (a GQA group of one): no dots; the window and causal limits
+        # are all in [lo, hi)
+        m_i, l_i, acc = attend_lanes(
+            q, lo, hi, k_ptr, stride_k_page, stride_k_slot, k_head, v_ptr, stride_v_page, stride_v_slot, v_head,
+            kv_indices_ptr, page_base, token_base, offs_dqk, dqk_ok, offs_dv, dv_ok, sm_scale_log2, soft_cap,
+            BLOCK_DQK, BLOCK_DV, IS_PAGED, PAGE_SIZE, HAS_SOFT_CAP, LANES, LANE_TOKENS, NUM_STAGES)
     # phase 0: the mask-free tiles [lo, full_end); phase 1: the rest, masked
     for phase in tl.static_range(2):
-        if phase == 1 or SPLIT_LOOP:
+        if LANES == 0 and (phase == 1 or SPLIT_LOOP):
             m_i, l_i, acc, next_page = attend_range(
                 m_i, l_i, acc, next_page, q, lo if phase == 0 else full_end, full_end if phase == 0 else hi, hi,
                 k_ptr, stride_k_page, stride_k_slot, k_head, v_ptr, stride_v_page, stride_v_slot, v_head,
@@ -410,14 +468,17 @@ def merge_split_states_kernel(
     o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, sinks_ptr, scale_v_ptr, v_scale,
     part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, state_offset_ptr,
     q_len_per_req, tile_tokens, state_mult, num_qo_heads,
-    GROUP: tl.constexpr, HEAD_DIM_VO: tl.constexpr, BLOCK_M: tl.constexpr, MERGE_M: tl.constexpr,
-    BLOCK_DV: tl.constexpr, SPLIT_BLOCK: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_HEAD_SCALES: tl.constexpr,
-    WRITE_LSE: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM_VO: tl.constexpr, MERGE_M: tl.constexpr, DV_CHUNK: tl.constexpr,
+    NUM_DV_CHUNKS: tl.constexpr, SPLIT_BLOCK: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_HEAD_SCALES: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
-    """Merges the split-KV partial states of ``MERGE_M`` rows of one work item (the item with
-    split 0 of a split request does it; every other item returns). Grid: the attention kernel's,
-    with axis 2 multiplied by ``BLOCK_M // MERGE_M``: a prefill tile of 128 rows is merged by 8
-    programs, not one, so a request split many ways (a shared prefix) is merged in parallel."""
+    """Merges the split-KV partial states of ``MERGE_M`` rows of one work item's query tile.
+
+    Grid: (work items, KV heads, row blocks of ``MERGE_M``). Every item of a split request takes
+    part: the item with split index ``j`` merges the value columns of chunks ``j, j + num_splits,
+    ...`` (``DV_CHUNK`` columns each), so a request split 32 ways is merged by 8 programs per row
+    block instead of one that walks all columns (batch-1 decode: the merge was a third of the
+    step). Each chunk's program recomputes the LSE weights, which are a few floats per state."""
     i_item = tl.program_id(0)
     i_kvh = tl.program_id(1)
     i_rows = tl.program_id(2)
@@ -427,45 +488,47 @@ def merge_split_states_kernel(
         return
     split = tl.load(w + 4)
     num_splits = tl.load(w + 5)
-    if (split != 0) | (num_splits == 1):
+    if (split >= NUM_DV_CHUNKS) | (num_splits == 1):
         return
     q_tile_start = tl.load(w + 1)
     q_start, q_len, tok, qo_head, row_ok = item_rows(req, q_tile_start, i_kvh, i_rows * MERGE_M, qo_indptr_ptr,
                                                      q_len_per_req, tile_tokens, GROUP, MERGE_M)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    dv_ok = offs_dv < HEAD_DIM_VO
-
     first = tl.load(state_offset_ptr + req) * state_mult + tok * num_splits
     offs_s = tl.arange(0, SPLIT_BLOCK)
-    m_i = tl.full([MERGE_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([MERGE_M], tl.float32)
-    acc = tl.zeros([MERGE_M, BLOCK_DV], tl.float32)
-    # SPLIT_BLOCK states per iteration, loaded together: a loop of one state per iteration waits
-    # one memory latency per split
-    for s0 in range(0, num_splits, SPLIT_BLOCK):
-        split_ok = row_ok[:, None] & ((s0 + offs_s) < num_splits)[None, :]
-        # [MERGE_M, SPLIT_BLOCK]
-        st_row = (first[:, None] + s0 + offs_s[None, :]).to(tl.int64) * num_qo_heads + qo_head[:, None]
-        lse = tl.load(part_lse_ptr + st_row, mask=split_ok, other=float("-inf"))
-        # [MERGE_M, SPLIT_BLOCK, BLOCK_DV]
-        v = tl.load(part_o_ptr + st_row[:, :, None] * HEAD_DIM_VO + offs_dv[None, None, :],
-                    mask=split_ok[:, :, None] & dv_ok[None, None, :], other=0.0)
-        m_new = tl.maximum(m_i, tl.max(lse, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        beta = tl.exp2(lse - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(beta, 1)
-        acc = acc * alpha[:, None] + tl.sum(v * beta[:, :, None], 1)
-        m_i = m_new
-
     sink_log2 = 0.0
     if HAS_SINKS:
         sink_log2 = tl.load(sinks_ptr + qo_head, mask=row_ok, other=0.0) * LOG2E
     if HAS_HEAD_SCALES:
         v_scale = v_scale * tl.load(scale_v_ptr + i_kvh)
-    o, lse = finalize(m_i, l_i, acc, sink_log2, v_scale, HAS_SINKS)
-    store_rows(o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, o, lse, q_start, tok, qo_head,
-               row_ok, offs_dv, dv_ok, WRITE_LSE)
+    for chunk in range(split, NUM_DV_CHUNKS, num_splits):
+        offs_dv = chunk * DV_CHUNK + tl.arange(0, DV_CHUNK)
+        dv_ok = offs_dv < HEAD_DIM_VO
+        m_i = tl.full([MERGE_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([MERGE_M], tl.float32)
+        acc = tl.zeros([MERGE_M, DV_CHUNK], tl.float32)
+        # SPLIT_BLOCK states per iteration, loaded together: a loop of one state per iteration
+        # waits one memory latency per split
+        for s0 in range(0, num_splits, SPLIT_BLOCK):
+            split_ok = row_ok[:, None] & ((s0 + offs_s) < num_splits)[None, :]
+            # [MERGE_M, SPLIT_BLOCK]
+            st_row = (first[:, None] + s0 + offs_s[None, :]).to(tl.int64) * num_qo_heads + qo_head[:, None]
+            lse = tl.load(part_lse_ptr + st_row, mask=split_ok, other=float("-inf"))
+            # [MERGE_M, SPLIT_BLOCK, DV_CHUNK]
+            v = tl.load(part_o_ptr + st_row[:, :, None] * HEAD_DIM_VO + offs_dv[None, None, :],
+                        mask=split_ok[:, :, None] & dv_ok[None, None, :], other=0.0)
+            m_new = tl.maximum(m_i, tl.max(lse, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            beta = tl.exp2(lse - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(beta, 1)
+            acc = acc * alpha[:, None] + tl.sum(v * beta[:, :, None], 1)
+            m_i = m_new
+        o, lse = finalize(m_i, l_i, acc, sink_log2, v_scale, HAS_SINKS)
+        store_rows(o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, o, lse, q_start, tok, qo_head,
+                   row_ok, offs_dv, dv_ok, False)
+        if WRITE_LSE:
+            if chunk == 0:  # once per row
+                tl.store(lse_ptr + (q_start + tok).to(tl.int64) * stride_lse_tok + qo_head, lse, mask=row_ok)
 
 
 @triton.jit
