@@ -9,7 +9,7 @@ import torch
 from conftest import DEVICE
 
 import tritoninfer
-from tritoninfer import reference, testing
+from tritoninfer import prefill, reference, testing
 from tritoninfer.prefill import BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper
 from tritoninfer.quantization import segment_packbits
 
@@ -175,22 +175,42 @@ def test_gpu_tile_choices_match_reference(case, block_m, monkeypatch):
 
 
 @pytest.mark.parametrize("case", RAGGED_CASES, ids=Case.id)
-def test_ragged_prefill_matches_reference(case):
-    g, q, qo_indptr, mask, _ = _inputs(case)
+def test_ragged_prefill_matches_reference(case, device=DEVICE, hopper=False):
+    g, q, qo_indptr, mask, _ = _inputs(case, device=device)
     hk, d, dvo = case.heads[1], case.head_dim, case.head_dim_vo or case.head_dim
-    k, kv_indptr = testing.make_ragged(case.kv_lens, hk, d, dtype=case.kv_dtype, device=DEVICE, generator=g)
-    v, _ = testing.make_ragged(case.kv_lens, hk, dvo, dtype=case.kv_dtype, device=DEVICE, generator=g)
+    k, kv_indptr = testing.make_ragged(case.kv_lens, hk, d, dtype=case.kv_dtype, device=device, generator=g)
+    v, _ = testing.make_ragged(case.kv_lens, hk, dvo, dtype=case.kv_dtype, device=device, generator=g)
     if case.layout == "HND":
         k, v = k.transpose(0, 1), v.transpose(0, 1)  # strided [H, nnz, D] views
-    wrapper = BatchPrefillWithRaggedKVCacheWrapper(testing.make_workspace(4 << 20, DEVICE), case.layout)
+    wrapper = BatchPrefillWithRaggedKVCacheWrapper(testing.make_workspace(4 << 20, device), case.layout)
     wrapper.plan(qo_indptr, kv_indptr, case.heads[0], hk, d, head_dim_vo=case.head_dim_vo, q_data_type=case.q_dtype,
                  kv_data_type=case.kv_dtype, **_opts(case), **_mask_args(case, mask))
+    assert (wrapper._hopper_tiles is not None) == hopper
     o, lse = wrapper.run_return_lse(q, k, v)
     ref_o, ref_lse = reference.batch_prefill_with_ragged_kv_cache(
         q, k, v, qo_indptr, kv_indptr, kv_layout=case.layout, custom_mask=mask if case.mask != "none" else None,
         **_opts(case))
     testing.assert_close(o, ref_o, case.q_dtype)
     testing.assert_lse_close(lse, ref_lse, dtype=case.q_dtype)
+
+
+def test_hopper_tiles_cover_every_query_tile_heaviest_first():
+    """The Gluon kernel's work list: every 128-token query tile once, the tiles that read the most
+    KV first (causal: up to their last row's diagonal, bottom-right aligned)."""
+    tiles = prefill._hopper_tiles(np.array([300, 0, 100]), np.array([300, 5, 1000]), causal=True)
+    # request 0: tiles at 0, 128, 256 read 128, 256, 300 keys; request 2's one tile reads 1000
+    assert tiles.tolist() == [[2, 0, 0, 0], [0, 256, 128, 0]]
+    full = prefill._hopper_tiles(np.array([300, 0, 100]), np.array([300, 5, 1000]), causal=False)
+    assert full.tolist() == [[2, 0, 0, 0], [0, 0, 128, 256]]
+
+
+def test_hopper_kernel_is_not_planned_off_hopper():
+    """On this machine (no Hopper GPU) every ragged plan stays on the attention core."""
+    case = RAGGED_CASES[0]
+    g, q, qo_indptr, _, _ = _inputs(case)
+    wrapper = BatchPrefillWithRaggedKVCacheWrapper(testing.make_workspace(4 << 20, DEVICE))
+    wrapper.plan(qo_indptr, qo_indptr, 4, 2, 64, q_data_type=torch.bfloat16)
+    assert wrapper._hopper_tiles is None or torch.cuda.get_device_capability() == (9, 0)
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
@@ -365,6 +385,59 @@ GPU_CASES = [
 @pytest.mark.parametrize("case", GPU_CASES, ids=Case.id)
 def test_gpu_paged_prefill(case):
     test_paged_prefill_matches_reference(case, device="cuda")
+
+
+# ragged plans that the Gluon Hopper kernel takes: uneven lengths, empty requests, rows with no key
+# (causal, kv shorter than q), GQA groups of 1, 4 and 7, fp16 and bf16, head_dim 64 and 128
+HOPPER_CASES = [
+    Case((1000, 0, 77, 300), (1000, 5, 0, 2100), heads=(32, 8), head_dim=128, q_dtype=torch.bfloat16,
+         kv_dtype=torch.bfloat16, causal=True),
+    Case((513, 129), (513, 1000), heads=(28, 4), head_dim=128, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16),
+    Case((300, 64), (200, 64), heads=(8, 8), head_dim=64, q_dtype=torch.float16, kv_dtype=torch.float16, causal=True),
+    Case((4096,), (4096,), heads=(16, 4), head_dim=64, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16),
+]
+
+
+def _needs_hopper():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon prefill kernel is for sm_90")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", HOPPER_CASES, ids=Case.id)
+def test_gpu_hopper_ragged_prefill(case, monkeypatch):
+    _needs_hopper()
+    calls = []
+    launch = prefill._launch_hopper
+    monkeypatch.setattr(prefill, "_launch_hopper", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
+    test_ragged_prefill_matches_reference(case, device="cuda", hopper=True)
+    assert calls
+
+
+@pytest.mark.gpu
+def test_gpu_hopper_single_prefill_and_fallbacks(monkeypatch):
+    """single_prefill takes the Gluon kernel; a soft cap (which it lacks) and a non-TMA-ready q
+    (heads not contiguous) fall back to the attention core, with the same results as the reference."""
+    _needs_hopper()
+    calls = []
+    launch = prefill._launch_hopper
+    monkeypatch.setattr(prefill, "_launch_hopper", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
+    g = torch.Generator().manual_seed(3)
+    q = testing.randn((700, 16, 128), torch.bfloat16, "cuda", generator=g)
+    k = testing.randn((900, 4, 128), torch.bfloat16, "cuda", generator=g)
+    v = testing.randn((900, 4, 128), torch.bfloat16, "cuda", generator=g)
+    for kw in ({"causal": True}, {"logits_soft_cap": 20.0}):
+        calls.clear()
+        o, lse = tritoninfer.single_prefill_with_kv_cache_return_lse(q, k, v, **kw)
+        ref_o, ref_lse = reference.single_prefill_with_kv_cache(q, k, v, return_lse=True, **kw)
+        testing.assert_close(o, ref_o, torch.bfloat16)
+        testing.assert_lse_close(lse, ref_lse, dtype=torch.bfloat16)
+        assert bool(calls) == ("logits_soft_cap" not in kw)
+    calls.clear()
+    q_strided = testing.randn((16, 700, 128), torch.bfloat16, "cuda", generator=g).transpose(0, 1)
+    o = tritoninfer.single_prefill_with_kv_cache(q_strided, k, v, causal=True)
+    testing.assert_close(o, reference.single_prefill_with_kv_cache(q_strided, k, v, causal=True), torch.bfloat16)
+    assert not calls
 
 
 @pytest.mark.gpu

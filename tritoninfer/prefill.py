@@ -9,6 +9,8 @@ Query tokens of a request are cut into tiles of ``block_m // group`` tokens; eac
 from __future__ import annotations
 
 import functools
+import math
+import os
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
@@ -80,6 +82,77 @@ def _pack_mask(custom_mask: torch.Tensor, bit_indptr: np.ndarray) -> torch.Tenso
     return packed
 
 
+# The Gluon ragged prefill for Hopper (kernels/prefill_hopper.py): on by default where it applies;
+# TRITONINFER_HOPPER_PREFILL=0 keeps every prefill on the attention core (A/B measurements).
+HOPPER_PREFILL = os.environ.get("TRITONINFER_HOPPER_PREFILL", "1") != "0"
+HOPPER_TILE = 128  # query tokens per program: two consumer warpgroups of 64
+HOPPER_STAGES = 3  # K/V ring depth: 3 x 64 KB at head_dim 128, with Q 224 KB of the H200's 227
+HOPPER_CONSUMER_REGS = 240  # per consumer thread; the producer warpgroup keeps 24
+
+
+def _hopper_capable(device: torch.device, q_dtype, kv_dtype, head_dim_qk, head_dim_vo, layout, use_cuda_graph,
+                    has_mask) -> bool:
+    """Whether a ragged plan may take the Gluon Hopper kernel (the run checks the rest)."""
+    return (HOPPER_PREFILL and not use_cuda_graph and not has_mask and layout == TensorLayout.NHD
+            and q_dtype in (torch.float16, torch.bfloat16) and kv_dtype == q_dtype
+            and head_dim_qk == head_dim_vo and head_dim_qk in (64, 128)
+            and device.type == "cuda" and _device.has_gpu() and _device.capability(device) == (9, 0))
+
+
+def _hopper_tiles(qo_lens: np.ndarray, kv_lens: np.ndarray, causal: bool) -> np.ndarray:
+    """int32 [2, tiles]: request and first query token of every 128-token query tile, the tiles that
+    read the most KV first (causal: up to their last row's diagonal)."""
+    q_tiles = -(-qo_lens // HOPPER_TILE)
+    total = int(q_tiles.sum())
+    req = np.repeat(np.arange(qo_lens.size, dtype=np.int64), q_tiles)
+    start = (np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(q_tiles) - q_tiles, q_tiles)) * HOPPER_TILE
+    reads = kv_lens[req]
+    if causal:
+        reads = np.minimum(reads, start + HOPPER_TILE + kv_lens[req] - qo_lens[req])
+    order = np.argsort(-reads, kind="stable")
+    return np.stack([req[order], start[order]]).astype(np.int32)
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    """A [tokens, H, D] tensor that a 2-D TMA box can read as [tokens, H * D]."""
+    elem = t.element_size()
+    return (t.stride(2) == 1 and t.stride(1) == t.shape[2] and (t.stride(0) * elem) % 16 == 0
+            and t.data_ptr() % 16 == 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_layout(rows: int, head_dim: int, dtype: torch.dtype):
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], {torch.float16: gl.float16,
+                                                                   torch.bfloat16: gl.bfloat16}[dtype])
+
+
+def _launch_hopper(q, k, v, out, lse, qo_indptr, kv_indptr, tiles: torch.Tensor, num_kv_heads: int,
+                   sm_scale: float, causal: bool) -> None:
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .kernels.prefill_hopper import ragged_prefill_hopper_kernel
+
+    tokens, hq, d = q.shape
+    n_kv = k.shape[0]
+    q_desc = TensorDescriptor(q, [tokens, hq * d], [q.stride(0), 1], [64, d], _smem_layout(64, d, q.dtype))
+    kv_box = [128, d]
+    kv_layout = _smem_layout(128, d, k.dtype)
+    k_desc = TensorDescriptor(k, [n_kv, num_kv_heads * d], [k.stride(0), 1], kv_box, kv_layout)
+    v_desc = TensorDescriptor(v, [n_kv, num_kv_heads * d], [v.stride(0), 1], kv_box, kv_layout)
+    num_tiles = tiles.shape[1]
+    ragged_prefill_hopper_kernel[(num_tiles * hq,)](
+        q_desc, k_desc, v_desc, out, out.stride(0), out.stride(1),
+        lse if lse is not None else out, lse.stride(0) if lse is not None else 0,
+        qo_indptr, kv_indptr, tiles[0], tiles[1], hq, sm_scale * math.log2(math.e),
+        GROUP=hq // num_kv_heads, STAGES=HOPPER_STAGES, IS_CAUSAL=causal, WRITE_LSE=lse is not None,
+        CONSUMER_REGS=HOPPER_CONSUMER_REGS, num_warps=4,
+        # registers are handed out per warpgroup: 2 consumers and the producer's, 12 warps in all
+        maxnreg=(2 * 4 * HOPPER_CONSUMER_REGS + 4 * 24) // 12 // 8 * 8,
+    )
+
+
 class _BatchPrefillBase:
     """Plan and run shared by the paged and the ragged prefill wrappers."""
 
@@ -118,6 +191,8 @@ class _BatchPrefillBase:
         self._plan_capacity = 0
         self._max_total_rows = 0
         self._plan: Optional[DevicePlan] = None
+        # ragged plans on Hopper: the Gluon kernel's query tiles (int32 [2, tiles]), else None
+        self._hopper_tiles: Optional[torch.Tensor] = None
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -274,7 +349,7 @@ class _BatchPrefillBase:
 
     def _run_common(self, q, kv: KVSource, kv_dtype, head_dim_qk, head_dim_vo, out, lse, return_lse, *,
                     q_scale=None, k_scale=None, v_scale=None, sinks=None, window_left=None, head_scales=None,
-                    out_dtype=None):
+                    out_dtype=None, ragged_kv=None):
         if self._plan is None:
             raise ValueError("run() was called before plan()")
         if window_left is not None and window_left != self._window_left:
@@ -308,6 +383,13 @@ class _BatchPrefillBase:
         out = check_out(out, shape, out_dtype, q.device, "out")
         lse = check_out(lse, shape[:2], torch.float32, q.device, "lse") if return_lse else None
         sinks = check_sinks(sinks, self._num_qo_heads, q.device)
+        p = self._params
+        if (ragged_kv is not None and self._hopper_tiles is not None and sinks is None and head_scales is None
+                and not (p.rope or p.alibi or p.logits_soft_cap > 0 or p.window_left >= 0) and p.sm_scale > 0
+                and all(_tma_ready(t) for t in (q, *ragged_kv))):
+            _launch_hopper(q, *ragged_kv, out, lse, self._plan.qo_indptr, kv.kv_indptr, self._hopper_tiles,
+                           self._num_kv_heads, p.sm_scale, p.causal)
+            return (out, lse) if return_lse else out
         launch_attention(
             q=q, out=out, lse=lse, kv=kv, plan=self._plan, tiles=self._tiles, num_kv_heads=self._num_kv_heads,
             head_dim_qk=self._head_dim_qk, head_dim_vo=self._head_dim_vo, params=self._params, q_len_per_req=0,
@@ -704,8 +786,19 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         kv_indptr_host = host_index(kv_indptr, "kv_indptr")
         check_indptr_host(kv_indptr_host, "kv_indptr")
         kv = kv_indptr_host.numpy().astype(np.int64)
+        q_dtype = canonicalize_dtype(q_data_type, "q_data_type")
+        hopper = _hopper_capable(self.device, q_dtype,
+                                 q_dtype if kv_data_type is None else canonicalize_dtype(kv_data_type, "kv_data_type"),
+                                 head_dim_qk, head_dim_qk if head_dim_vo is None else head_dim_vo, self._kv_layout,
+                                 self._use_cuda_graph, custom_mask is not None or packed_custom_mask is not None)
+        kv_extra = [kv]
+        if hopper:
+            check_indptr_host(qo_indptr_host, "qo_indptr")
+            qo = qo_indptr_host.numpy().astype(np.int64)
+            if qo.size == kv.size:  # a mismatch is reported by _plan_common
+                kv_extra.append(_hopper_tiles(qo[1:] - qo[:-1], kv[1:] - kv[:-1], bool(causal)))
         views = self._plan_common(
-            qo_indptr_host=qo_indptr_host, qo_indptr=qo_indptr, kv_lens=kv[1:] - kv[:-1], kv_extra=[kv],
+            qo_indptr_host=qo_indptr_host, qo_indptr=qo_indptr, kv_lens=kv[1:] - kv[:-1], kv_extra=kv_extra,
             num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
             page_size=0, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, causal=causal,
             pos_encoding_mode=pos_encoding_mode, sm_scale=sm_scale, window_left=window_left,
@@ -719,6 +812,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         else:
             self._kv_indptr = views[0]
         self._total_kv = int(kv[-1])
+        self._hopper_tiles = views[1].view(2, -1) if len(views) > 1 else None
 
     begin_forward = plan
 
@@ -752,7 +846,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         source, heads, dqk, dvo, nnz = _ragged_kv(k, v, self._kv_layout, self._kv_indptr)
         if heads != self._num_kv_heads or (nnz < self._total_kv if self._use_cuda_graph else nnz != self._total_kv):
             raise ValueError(f"k: expected {self._total_kv} rows (kv_indptr[-1]) of {self._num_kv_heads} heads, got {tuple(k.shape)}")
-        return self._run_common(q, source, k.dtype, dqk, dvo, out, lse, return_lse)
+        return self._run_common(q, source, k.dtype, dqk, dvo, out, lse, return_lse, ragged_kv=(k, v))
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
 
@@ -874,7 +968,7 @@ def single_prefill_with_kv_cache(
                              (scale_v, num_kv_heads, "scale_v")))
     source, _, dqk, dvo, _ = _ragged_kv(k, v, layout, wrapper._kv_indptr)
     return wrapper._run_common(q, source, k.dtype, dqk, dvo, None, None, return_lse, head_scales=head_scales,
-                               out_dtype=o_dtype)
+                               out_dtype=o_dtype, ragged_kv=(k, v))
 
 
 def _head_scale(s: Optional[torch.Tensor], n: int, name: str, device) -> torch.Tensor:

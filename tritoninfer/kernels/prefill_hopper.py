@@ -1,0 +1,205 @@
+"""Ragged prefill for Hopper (sm_90) in Gluon, Triton's explicit-layout dialect: FlashAttention-3's
+schedule, written out. Used by ``BatchPrefillWithRaggedKVCacheWrapper`` (and so
+``single_prefill_with_kv_cache``) when the attention is plain: 16-bit Q/K/V of one dtype, head_dim
+64 or 128, causal or not, no mask/window/soft cap/ALiBi/RoPE/sinks/scales (``prefill._hopper_ok``).
+Everything else, and every other GPU, runs the shared attention core.
+
+One program: 128 query tokens of one query head, as three partitions (``gl.warp_specialize``):
+- a producer warp that brings K/V tiles by TMA into a ring of ``STAGES`` shared-memory stages, each
+  with a ``ready`` mbarrier (TMA byte count) and an ``empty`` one (both consumers released it);
+- two consumer warpgroups of 64 query rows each. A consumer issues the wgmma of S_j = Q K_j^T before
+  the wgmma of O += P_{j-1} V_{j-1} and runs the softmax of S_j while the second one works; P goes
+  from the S accumulator's registers into the PV wgmma's A operand. The two consumers are tied only
+  by the ring, so one's softmax overlaps the other's wgmma.
+Scores stay raw; the softmax scale (log2 units) is applied inside exp2's argument.
+
+Gluon code does not run in the Triton interpreter: the CPU test suite covers the selection logic and
+the fallback, the ``gpu`` tests this kernel (tests/test_prefill.py).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (the wgmma M of one warpgroup)
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, scale, cols, kv_hi, rows_diag, masked, is_causal):
+    """Online softmax on raw scores s [ROWS, BLOCK_N] (logits = s * scale, log2 units). ``masked``
+    (run time): the tile holds the KV end or the causal diagonal. Returns (p, m, l, alpha)."""
+    if masked:
+        keep = (cols[None, :] < kv_hi) & ((cols[None, :] <= rows_diag[:, None]) | (is_causal == 0))
+        s = gl.where(keep, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * scale)
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s * scale - m_safe[:, None])
+    alpha = gl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, m_new, l_i, alpha
+
+
+@gluon.jit
+def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_start, m0, q_len,
+                    kv_start, kv_len, n_tiles, head, kv_col, o_ptr, stride_o_tok, stride_o_head, lse_ptr,
+                    stride_lse_tok, sm_scale_log2, is_causal, write_lse):
+    """Producer warp: K/V tile j into stage j % STAGES once both consumers released its last use.
+    (Constants come from the descriptors: a constexpr passed through ``warp_specialize``'s argument
+    tuple arrives as a run-time value.)"""
+    stages: gl.constexpr = k_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    kv_bytes: gl.constexpr = 2 * k_desc.block_type.nbytes
+    for j in range(n_tiles):
+        stage = j % stages
+        # empty barriers start "released": the first pass over the ring waits on the other phase
+        mbarrier.wait(empty.index(stage), ((j // stages) & 1) ^ 1)
+        mbarrier.expect(ready.index(stage), kv_bytes)
+        tma.async_copy_global_to_shared(k_desc, [kv_start + j * BLOCK_N, kv_col], ready.index(stage),
+                                        k_smem.index(stage))
+        tma.async_copy_global_to_shared(v_desc, [kv_start + j * BLOCK_N, kv_col], ready.index(stage),
+                                        v_smem.index(stage))
+
+
+@gluon.jit
+def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_start, m0, q_len,
+             kv_start, kv_len, n_tiles, head, kv_col, o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok,
+             sm_scale_log2, is_causal, write_lse, WG: gl.constexpr):
+    """Consumer warpgroup ``WG``: query rows m0 + 64 WG ... + 63 against every KV tile of the program."""
+    stages: gl.constexpr = k_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    my_q = q_smem.index(WG)
+    my_bar = q_bar.index(WG)
+    mbarrier.expect(my_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_start + m0 + WG * ROWS, head * HEAD_DIM], my_bar, my_q)
+
+    r0 = m0 + WG * ROWS
+    # this warpgroup's KV limit (causal: bottom-right aligned) and its first tile that needs a mask
+    kv_hi = kv_len
+    if is_causal:
+        kv_hi = gl.minimum(kv_len, r0 + ROWS + kv_len - q_len)
+    first_masked = kv_hi // BLOCK_N
+    if is_causal:
+        first_masked = gl.minimum(first_masked, gl.maximum(r0 + kv_len - q_len + 1, 0) // BLOCK_N)
+    rows_diag = r0 + gl.arange(0, ROWS, layout=row_s) + kv_len - q_len
+    cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    mbarrier.wait(my_bar, 0)
+
+    if n_tiles > 0:
+        mbarrier.wait(ready.index(0), 0)
+        s_tok = warpgroup_mma(my_q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, sm_scale_log2, cols0, kv_hi, rows_diag, 0 >= first_masked,
+                                           is_causal)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        for j in range(1, n_tiles):
+            stage = j % stages
+            prev = (j - 1) % stages
+            mbarrier.wait(ready.index(stage), (j // stages) & 1)
+            # S_j first, then O += P_{j-1} V_{j-1}; the softmax of S_j runs under the second
+            s_tok = warpgroup_mma(my_q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, sm_scale_log2, cols0 + j * BLOCK_N, kv_hi, rows_diag,
+                                               j >= first_masked, is_causal)
+            acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_op))
+            mbarrier.arrive(empty.index(prev), count=1)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        last = (n_tiles - 1) % stages
+        o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
+        mbarrier.arrive(empty.index(last), count=1)
+
+    # rows that saw no key: output 0, LSE -inf (as the attention core)
+    l_o = gl.convert_layout(l_i, row_o)
+    o = acc / gl.where(l_o > 0, l_o, 1.0)[:, None]
+    rows_o = r0 + gl.arange(0, ROWS, layout=row_o)
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    ptrs = (o_ptr + (q_start + rows_o).to(gl.int64)[:, None] * stride_o_tok + head * stride_o_head
+            + offs_d[None, :])
+    gl.store(ptrs, o.to(o_ptr.dtype.element_ty), mask=(rows_o < q_len)[:, None])
+    if write_lse:
+        rows_s = r0 + gl.arange(0, ROWS, layout=row_s)
+        lse = gl.where(l_i > 0, m_i + gl.log2(l_i), float("-inf"))
+        gl.store(lse_ptr + (q_start + rows_s).to(gl.int64) * stride_lse_tok + head, lse, mask=rows_s < q_len)
+
+
+@gluon.jit
+def _consume0(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_start, m0, q_len,
+              kv_start, kv_len, n_tiles, head, kv_col, o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok,
+              sm_scale_log2, is_causal, write_lse):
+    _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_start, m0, q_len,
+             kv_start, kv_len, n_tiles, head, kv_col, o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok,
+             sm_scale_log2, is_causal, write_lse, 0)
+
+
+@gluon.jit
+def _consume1(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_start, m0, q_len,
+              kv_start, kv_len, n_tiles, head, kv_col, o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok,
+              sm_scale_log2, is_causal, write_lse):
+    _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_start, m0, q_len,
+             kv_start, kv_len, n_tiles, head, kv_col, o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok,
+             sm_scale_log2, is_causal, write_lse, 1)
+
+
+@gluon.jit
+def ragged_prefill_hopper_kernel(
+    q_desc, k_desc, v_desc, o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok,
+    qo_indptr_ptr, kv_indptr_ptr, tile_req_ptr, tile_start_ptr, num_qo_heads, sm_scale_log2,
+    GROUP: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
+):
+    """q_desc: [tokens, H_qo * D] box [64, D]; k_desc / v_desc: [kv tokens, H_kv * D] box [BLOCK_N, D];
+    o: [tokens, H_qo, D] (any row and head strides); lse: [tokens, H_qo] float32 base 2.
+    ``tile_req`` / ``tile_start`` int32 [tiles]: the request and first query token of each 128-token
+    tile (heaviest first). Grid: tiles * H_qo, heads fastest, so the heads of a KV group run side by
+    side and share K/V in L2. ``num_warps`` is 4: the first consumer is the default partition."""
+    pid = gl.program_id(0)
+    head = pid % num_qo_heads
+    item = pid // num_qo_heads
+    req = gl.load(tile_req_ptr + item)
+    m0 = gl.load(tile_start_ptr + item)
+    q_start = gl.load(qo_indptr_ptr + req)
+    q_len = gl.load(qo_indptr_ptr + req + 1) - q_start
+    kv_start = gl.load(kv_indptr_ptr + req)
+    kv_len = gl.load(kv_indptr_ptr + req + 1) - kv_start
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
+    kv_col = (head // GROUP) * HEAD_DIM
+    kv_hi = kv_len
+    if IS_CAUSAL:
+        kv_hi = gl.minimum(kv_len, m0 + 2 * ROWS + kv_len - q_len)
+    n_tiles = gl.cdiv(gl.maximum(kv_hi, 0), BLOCK_N)
+
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bar.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+
+    args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_start, m0, q_len, kv_start,
+            kv_len, n_tiles, head, kv_col, o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok,
+            sm_scale_log2, IS_CAUSAL, WRITE_LSE)
+    gl.warp_specialize([(_consume0, args), (_consume1, args), (_load_partition, args)], [4, 1],
+                       [CONSUMER_REGS, 24])
