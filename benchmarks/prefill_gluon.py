@@ -46,9 +46,12 @@ def compile_only(configs):
                        "stride_o_tok": "i32", "stride_o_head": "i32", "lse_ptr": "*fp32", "stride_lse_tok": "i32",
                        "qo_indptr_ptr": "*i32", "kv_indptr_ptr": "*i32", "tile_req_ptr": "*i32",
                        "tile_start_ptr": "*i32", "num_qo_heads": "i32", "sm_scale_log2": "fp32"}
-                const = dict(GROUP=4, STAGES=stages, IS_CAUSAL=causal, WRITE_LSE=True, CONSUMER_REGS=regs, num_warps=4)
+                const = dict(GROUP=4, STAGES=stages, IS_CAUSAL=causal, CONSUMER_REGS=regs, num_warps=4)
+                # what a launch specialises: pointers and these integers divisible by 16
+                attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if name.endswith("_ptr") or
+                         name in ("stride_o_tok", "stride_o_head", "stride_lse_tok", "num_qo_heads")}
                 sig.update({name: "constexpr" for name in const})
-                k = triton.compile(GluonASTSource(ragged_prefill_hopper_kernel, sig, const),
+                k = triton.compile(GluonASTSource(ragged_prefill_hopper_kernel, sig, const, attrs),
                                    target=GPUTarget("cuda", 90, 32),
                                    options=dict(num_warps=4, maxnreg=(8 * regs + 4 * 24) // 12 // 8 * 8))
                 with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -61,6 +64,14 @@ def compile_only(configs):
                 reg = next((line.strip() for line in usage.splitlines() if "REG:" in line), usage.strip())
                 print(f"d{d} causal={causal} stages={stages} regs={regs}: {reg}; shared {k.metadata.shared} B; "
                       f"HGMMA {len(re.findall('HGMMA', sass))}")
+
+
+def _run_with(cfg, wrapper, q, k, v):
+    """Runs with the Hopper kernel's (stages, consumer registers) set to ``cfg`` (module settings
+    read at launch)."""
+    if cfg:
+        prefill.HOPPER_STAGES, prefill.HOPPER_CONSUMER_REGS = cfg
+    return wrapper.run(q, k, v)
 
 
 def main(argv=None):
@@ -92,12 +103,10 @@ def main(argv=None):
             rows = []
             for name, on, cfg in [("core", False, None)] + [(f"gluon {s}-{r}", True, (s, r)) for s, r in configs]:
                 prefill.HOPPER_PREFILL = on
-                if cfg:
-                    prefill.HOPPER_STAGES, prefill.HOPPER_CONSUMER_REGS = cfg
                 w = tritoninfer.BatchPrefillWithRaggedKVCacheWrapper(ws_buf)
                 w.plan(indptr, indptr, hq, hk, d, causal=causal, q_data_type=torch.bfloat16)
                 assert (w._hopper_tiles is not None) == on
-                rows.append((name, lambda w=w: w.run(q, k, v), None))
+                rows.append((name, lambda w=w, cfg=cfg: _run_with(cfg, w, q, k, v), None))
             # SDPA on [B, H, N, D] copies; its output is brought back to tokens-major outside the timing
             q4, k4, v4 = (x.view(batch, n, -1, d).transpose(1, 2).contiguous() for x in (q, k, v))
             rows.append(("sdpa", lambda: torch.nn.functional.scaled_dot_product_attention(

@@ -434,6 +434,10 @@ def test_gpu_hopper_single_prefill_and_fallbacks(monkeypatch):
         testing.assert_lse_close(lse, ref_lse, dtype=torch.bfloat16)
         assert bool(calls) == ("logits_soft_cap" not in kw)
     calls.clear()
+    o = tritoninfer.single_prefill_with_kv_cache(q, k, v)  # no LSE asked for
+    testing.assert_close(o, reference.single_prefill_with_kv_cache(q, k, v), torch.bfloat16)
+    assert calls
+    calls.clear()
     q_strided = testing.randn((16, 700, 128), torch.bfloat16, "cuda", generator=g).transpose(0, 1)
     o = tritoninfer.single_prefill_with_kv_cache(q_strided, k, v, causal=True)
     testing.assert_close(o, reference.single_prefill_with_kv_cache(q_strided, k, v, causal=True), torch.bfloat16)

@@ -142,12 +142,13 @@ def _launch_hopper(q, k, v, out, lse, qo_indptr, kv_indptr, tiles: torch.Tensor,
     k_desc = TensorDescriptor(k, [n_kv, num_kv_heads * d], [k.stride(0), 1], kv_box, kv_layout)
     v_desc = TensorDescriptor(v, [n_kv, num_kv_heads * d], [v.stride(0), 1], kv_box, kv_layout)
     num_tiles = tiles.shape[1]
+    if lse is None:  # the kernel always writes one (see kernels/prefill_hopper.py)
+        lse = torch.empty((tokens, hq), dtype=torch.float32, device=q.device)
     ragged_prefill_hopper_kernel[(num_tiles * hq,)](
-        q_desc, k_desc, v_desc, out, out.stride(0), out.stride(1),
-        lse if lse is not None else out, lse.stride(0) if lse is not None else 0,
+        q_desc, k_desc, v_desc, out, out.stride(0), out.stride(1), lse, lse.stride(0),
         qo_indptr, kv_indptr, tiles[0], tiles[1], hq, sm_scale * math.log2(math.e),
-        GROUP=hq // num_kv_heads, STAGES=HOPPER_STAGES, IS_CAUSAL=causal, WRITE_LSE=lse is not None,
-        CONSUMER_REGS=HOPPER_CONSUMER_REGS, num_warps=4,
+        GROUP=hq // num_kv_heads, STAGES=HOPPER_STAGES, IS_CAUSAL=causal, CONSUMER_REGS=HOPPER_CONSUMER_REGS,
+        num_warps=4,
         # registers are handed out per warpgroup: 2 consumers and the producer's, 12 warps in all
         maxnreg=(2 * 4 * HOPPER_CONSUMER_REGS + 4 * 24) // 12 // 8 * 8,
     )

@@ -42,7 +42,7 @@ def _softmax_step(s, m_i, l_i, scale, cols, kv_hi, rows_diag, masked, is_causal)
 @gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_start, m0, q_len,
                     kv_start, kv_len, n_tiles, head, kv_col, o_ptr, stride_o_tok, stride_o_head, lse_ptr,
-                    stride_lse_tok, sm_scale_log2, is_causal, write_lse):
+                    stride_lse_tok, sm_scale_log2, is_causal):
     """Producer warp: K/V tile j into stage j % STAGES once both consumers released its last use.
     (Constants come from the descriptors: a constexpr passed through ``warp_specialize``'s argument
     tuple arrives as a run-time value.)"""
@@ -63,7 +63,7 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready
 @gluon.jit
 def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_start, m0, q_len,
              kv_start, kv_len, n_tiles, head, kv_col, o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok,
-             sm_scale_log2, is_causal, write_lse, WG: gl.constexpr):
+             sm_scale_log2, is_causal, WG: gl.constexpr):
     """Consumer warpgroup ``WG``: query rows m0 + 64 WG ... + 63 against every KV tile of the program."""
     stages: gl.constexpr = k_smem.type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -132,36 +132,37 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
     ptrs = (o_ptr + (q_start + rows_o).to(gl.int64)[:, None] * stride_o_tok + head * stride_o_head
             + offs_d[None, :])
     gl.store(ptrs, o.to(o_ptr.dtype.element_ty), mask=(rows_o < q_len)[:, None])
-    if write_lse:
-        rows_s = r0 + gl.arange(0, ROWS, layout=row_s)
-        lse = gl.where(l_i > 0, m_i + gl.log2(l_i), float("-inf"))
-        gl.store(lse_ptr + (q_start + rows_s).to(gl.int64) * stride_lse_tok + head, lse, mask=rows_s < q_len)
+    # always written (the launcher passes scratch when the caller wants none): Triton 3.6 fails to
+    # lower a warp-specialised region whose store sits under a constant-false condition
+    rows_s = r0 + gl.arange(0, ROWS, layout=row_s)
+    lse = gl.where(l_i > 0, m_i + gl.log2(l_i), float("-inf"))
+    gl.store(lse_ptr + (q_start + rows_s).to(gl.int64) * stride_lse_tok + head, lse, mask=rows_s < q_len)
 
 
 @gluon.jit
 def _consume0(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_start, m0, q_len,
               kv_start, kv_len, n_tiles, head, kv_col, o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok,
-              sm_scale_log2, is_causal, write_lse):
+              sm_scale_log2, is_causal):
     _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_start, m0, q_len,
              kv_start, kv_len, n_tiles, head, kv_col, o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok,
-             sm_scale_log2, is_causal, write_lse, 0)
+             sm_scale_log2, is_causal, 0)
 
 
 @gluon.jit
 def _consume1(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_start, m0, q_len,
               kv_start, kv_len, n_tiles, head, kv_col, o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok,
-              sm_scale_log2, is_causal, write_lse):
+              sm_scale_log2, is_causal):
     _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_start, m0, q_len,
              kv_start, kv_len, n_tiles, head, kv_col, o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok,
-             sm_scale_log2, is_causal, write_lse, 1)
+             sm_scale_log2, is_causal, 1)
 
 
 @gluon.jit
 def ragged_prefill_hopper_kernel(
     q_desc, k_desc, v_desc, o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok,
     qo_indptr_ptr, kv_indptr_ptr, tile_req_ptr, tile_start_ptr, num_qo_heads, sm_scale_log2,
-    GROUP: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    GROUP: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """q_desc: [tokens, H_qo * D] box [64, D]; k_desc / v_desc: [kv tokens, H_kv * D] box [BLOCK_N, D];
     o: [tokens, H_qo, D] (any row and head strides); lse: [tokens, H_qo] float32 base 2.
@@ -200,6 +201,6 @@ def ragged_prefill_hopper_kernel(
 
     args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_start, m0, q_len, kv_start,
             kv_len, n_tiles, head, kv_col, o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok,
-            sm_scale_log2, IS_CAUSAL, WRITE_LSE)
+            sm_scale_log2, IS_CAUSAL)
     gl.warp_specialize([(_consume0, args), (_consume1, args), (_load_partition, args)], [4, 1],
                        [CONSUMER_REGS, 24])
