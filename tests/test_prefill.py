@@ -204,6 +204,25 @@ def test_hopper_tiles_cover_every_query_tile_heaviest_first():
     assert full.tolist() == [[2, 0, 0, 0], [0, 0, 128, 256]]
 
 
+def test_hopper_kernel_selection(monkeypatch):
+    """The Gluon kernel only where it was measured faster and GPU-tested: sm_90, bf16, head_dim 128,
+    NHD, no mask, no CUDA graph, causal only for long requests."""
+    monkeypatch.setattr(prefill._device, "has_gpu", lambda: True)
+    monkeypatch.setattr(prefill._device, "capability", lambda device=None: (9, 0))
+    cuda, bf16, nhd = torch.device("cuda", 0), torch.bfloat16, prefill.TensorLayout.NHD
+    base = dict(device=cuda, q_dtype=bf16, kv_dtype=bf16, head_dim_qk=128, head_dim_vo=128, layout=nhd,
+                use_cuda_graph=False, has_mask=False, causal=False, mean_qo_len=1000.0)
+    assert prefill._hopper_capable(**base)
+    assert prefill._hopper_capable(**{**base, "causal": True, "mean_qo_len": 4096.0})
+    for change in ({"causal": True}, {"q_dtype": torch.float16, "kv_dtype": torch.float16},
+                   {"kv_dtype": torch.float8_e4m3fn}, {"head_dim_qk": 64, "head_dim_vo": 64}, {"head_dim_vo": 64},
+                   {"layout": prefill.TensorLayout.HND}, {"use_cuda_graph": True}, {"has_mask": True},
+                   {"device": torch.device("cpu")}):
+        assert not prefill._hopper_capable(**{**base, **change}), change
+    monkeypatch.setattr(prefill._device, "capability", lambda device=None: (10, 0))
+    assert not prefill._hopper_capable(**base)
+
+
 def test_hopper_kernel_is_not_planned_off_hopper():
     """On this machine (no Hopper GPU) every ragged plan stays on the attention core."""
     case = RAGGED_CASES[0]
@@ -387,14 +406,19 @@ def test_gpu_paged_prefill(case):
     test_paged_prefill_matches_reference(case, device="cuda")
 
 
-# ragged plans that the Gluon Hopper kernel takes: uneven lengths, empty requests, rows with no key
-# (causal, kv shorter than q), GQA groups of 1, 4 and 7, fp16 and bf16, head_dim 64 and 128
+# ragged plans on the H200: those the Gluon Hopper kernel takes (bf16, head_dim 128: uneven lengths,
+# empty requests, GQA groups of 4 and 7, causal with long requests) and neighbours that keep the
+# attention core (head_dim 64, fp16, causal with short requests); (case, takes the Gluon kernel)
 HOPPER_CASES = [
-    Case((1000, 0, 77, 300), (1000, 5, 0, 2100), heads=(32, 8), head_dim=128, q_dtype=torch.bfloat16,
-         kv_dtype=torch.bfloat16, causal=True),
-    Case((513, 129), (513, 1000), heads=(28, 4), head_dim=128, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16),
-    Case((300, 64), (200, 64), heads=(8, 8), head_dim=64, q_dtype=torch.float16, kv_dtype=torch.float16, causal=True),
-    Case((4096,), (4096,), heads=(16, 4), head_dim=64, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16),
+    (Case((6000, 0, 77, 3000), (6000, 5, 0, 6100), heads=(32, 8), head_dim=128, q_dtype=torch.bfloat16,
+          kv_dtype=torch.bfloat16, causal=True), True),
+    (Case((1000, 0, 77, 300), (1000, 5, 0, 2100), heads=(32, 8), head_dim=128, q_dtype=torch.bfloat16,
+          kv_dtype=torch.bfloat16, causal=True), False),
+    (Case((513, 129), (513, 1000), heads=(28, 4), head_dim=128, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16),
+     True),
+    (Case((300, 64), (200, 64), heads=(8, 8), head_dim=64, q_dtype=torch.float16, kv_dtype=torch.float16,
+          causal=True), False),
+    (Case((4096,), (4096,), heads=(16, 4), head_dim=64, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16), False),
 ]
 
 
@@ -404,20 +428,20 @@ def _needs_hopper():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", HOPPER_CASES, ids=Case.id)
-def test_gpu_hopper_ragged_prefill(case, monkeypatch):
+@pytest.mark.parametrize("case,gluon", HOPPER_CASES, ids=lambda c: c.id() if isinstance(c, Case) else str(c))
+def test_gpu_hopper_ragged_prefill(case, gluon, monkeypatch):
     _needs_hopper()
     calls = []
     launch = prefill._launch_hopper
     monkeypatch.setattr(prefill, "_launch_hopper", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
-    test_ragged_prefill_matches_reference(case, device="cuda", hopper=True)
-    assert calls
+    test_ragged_prefill_matches_reference(case, device="cuda", hopper=gluon)
+    assert bool(calls) == gluon
 
 
 @pytest.mark.gpu
 def test_gpu_hopper_single_prefill_and_fallbacks(monkeypatch):
-    """single_prefill takes the Gluon kernel; a soft cap (which it lacks) and a non-TMA-ready q
-    (heads not contiguous) fall back to the attention core, with the same results as the reference."""
+    """single_prefill takes the Gluon kernel; a soft cap (which it lacks), a short causal request and
+    a non-TMA-ready q (heads not contiguous) keep the attention core; all match the reference."""
     _needs_hopper()
     calls = []
     launch = prefill._launch_hopper
@@ -426,21 +450,22 @@ def test_gpu_hopper_single_prefill_and_fallbacks(monkeypatch):
     q = testing.randn((700, 16, 128), torch.bfloat16, "cuda", generator=g)
     k = testing.randn((900, 4, 128), torch.bfloat16, "cuda", generator=g)
     v = testing.randn((900, 4, 128), torch.bfloat16, "cuda", generator=g)
-    for kw in ({"causal": True}, {"logits_soft_cap": 20.0}):
+    # the Gluon kernel for the plain call; the core for a soft cap and for causal 700 tokens
+    for kw in ({}, {"causal": True}, {"logits_soft_cap": 20.0}):
         calls.clear()
         o, lse = tritoninfer.single_prefill_with_kv_cache_return_lse(q, k, v, **kw)
         ref_o, ref_lse = reference.single_prefill_with_kv_cache(q, k, v, return_lse=True, **kw)
         testing.assert_close(o, ref_o, torch.bfloat16)
         testing.assert_lse_close(lse, ref_lse, dtype=torch.bfloat16)
-        assert bool(calls) == ("logits_soft_cap" not in kw)
+        assert bool(calls) == (not kw)
     calls.clear()
     o = tritoninfer.single_prefill_with_kv_cache(q, k, v)  # no LSE asked for
     testing.assert_close(o, reference.single_prefill_with_kv_cache(q, k, v), torch.bfloat16)
     assert calls
     calls.clear()
     q_strided = testing.randn((16, 700, 128), torch.bfloat16, "cuda", generator=g).transpose(0, 1)
-    o = tritoninfer.single_prefill_with_kv_cache(q_strided, k, v, causal=True)
-    testing.assert_close(o, reference.single_prefill_with_kv_cache(q_strided, k, v, causal=True), torch.bfloat16)
+    o = tritoninfer.single_prefill_with_kv_cache(q_strided, k, v)
+    testing.assert_close(o, reference.single_prefill_with_kv_cache(q_strided, k, v), torch.bfloat16)
     assert not calls
 
 

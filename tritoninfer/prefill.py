@@ -82,7 +82,8 @@ def _pack_mask(custom_mask: torch.Tensor, bit_indptr: np.ndarray) -> torch.Tenso
     return packed
 
 
-# The Gluon ragged prefill for Hopper (kernels/prefill_hopper.py): on by default where it applies;
+# The Gluon ragged prefill for Hopper (kernels/prefill_hopper.py): on by default where it applies
+# (_hopper_capable);
 # TRITONINFER_HOPPER_PREFILL=0 keeps every prefill on the attention core (A/B measurements).
 HOPPER_PREFILL = os.environ.get("TRITONINFER_HOPPER_PREFILL", "1") != "0"
 HOPPER_TILE = 128  # query tokens per program: two consumer warpgroups of 64
@@ -90,12 +91,18 @@ HOPPER_STAGES = 3  # K/V ring depth: 3 x 64 KB at head_dim 128, with Q 224 KB of
 HOPPER_CONSUMER_REGS = 240  # per consumer thread; the producer warpgroup keeps 24
 
 
+HOPPER_CAUSAL_MIN_LEN = 2048  # mean query tokens per request below which a causal plan keeps the core
+
+
 def _hopper_capable(device: torch.device, q_dtype, kv_dtype, head_dim_qk, head_dim_vo, layout, use_cuda_graph,
-                    has_mask) -> bool:
-    """Whether a ragged plan may take the Gluon Hopper kernel (the run checks the rest)."""
+                    has_mask, causal: bool, mean_qo_len: float) -> bool:
+    """Whether a ragged plan takes the Gluon Hopper kernel (the run checks the rest). Only where it
+    was measured faster than the core and tested on the H200 (benchmarks/NOTES.md, session 5): bf16,
+    head_dim 128 (at 64 it is 7-12 % slower), and causal only for long requests (16 x 1024 causal:
+    10-25 % slower; 4 x 4096: 14-20 % faster; the threshold between is not measured)."""
     return (HOPPER_PREFILL and not use_cuda_graph and not has_mask and layout == TensorLayout.NHD
-            and q_dtype in (torch.float16, torch.bfloat16) and kv_dtype == q_dtype
-            and head_dim_qk == head_dim_vo and head_dim_qk in (64, 128)
+            and q_dtype == torch.bfloat16 and kv_dtype == q_dtype and head_dim_qk == head_dim_vo == 128
+            and (not causal or mean_qo_len >= HOPPER_CAUSAL_MIN_LEN)
             and device.type == "cuda" and _device.has_gpu() and _device.capability(device) == (9, 0))
 
 
@@ -788,16 +795,15 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         check_indptr_host(kv_indptr_host, "kv_indptr")
         kv = kv_indptr_host.numpy().astype(np.int64)
         q_dtype = canonicalize_dtype(q_data_type, "q_data_type")
-        hopper = _hopper_capable(self.device, q_dtype,
-                                 q_dtype if kv_data_type is None else canonicalize_dtype(kv_data_type, "kv_data_type"),
-                                 head_dim_qk, head_dim_qk if head_dim_vo is None else head_dim_vo, self._kv_layout,
-                                 self._use_cuda_graph, custom_mask is not None or packed_custom_mask is not None)
+        check_indptr_host(qo_indptr_host, "qo_indptr")
+        qo = qo_indptr_host.numpy().astype(np.int64)
+        hopper = qo.size == kv.size and _hopper_capable(  # a size mismatch is reported by _plan_common
+            self.device, q_dtype, q_dtype if kv_data_type is None else canonicalize_dtype(kv_data_type, "kv_data_type"),
+            head_dim_qk, head_dim_qk if head_dim_vo is None else head_dim_vo, self._kv_layout, self._use_cuda_graph,
+            custom_mask is not None or packed_custom_mask is not None, bool(causal), qo[-1] / max(qo.size - 1, 1))
         kv_extra = [kv]
         if hopper:
-            check_indptr_host(qo_indptr_host, "qo_indptr")
-            qo = qo_indptr_host.numpy().astype(np.int64)
-            if qo.size == kv.size:  # a mismatch is reported by _plan_common
-                kv_extra.append(_hopper_tiles(qo[1:] - qo[:-1], kv[1:] - kv[:-1], bool(causal)))
+            kv_extra.append(_hopper_tiles(qo[1:] - qo[:-1], kv[1:] - kv[:-1], bool(causal)))
         views = self._plan_common(
             qo_indptr_host=qo_indptr_host, qo_indptr=qo_indptr, kv_lens=kv[1:] - kv[:-1], kv_extra=kv_extra,
             num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
