@@ -206,15 +206,16 @@ def test_hopper_tiles_cover_every_query_tile_heaviest_first():
 
 def test_hopper_kernel_selection(monkeypatch):
     """The Gluon kernel only where it was measured faster and GPU-tested: sm_90, bf16, head_dim 128,
-    NHD, no mask, no CUDA graph, causal only for long requests."""
+    NHD, no mask, no CUDA graph, requests of 1024 query tokens on average (causal: 2048)."""
     monkeypatch.setattr(prefill._device, "has_gpu", lambda: True)
     monkeypatch.setattr(prefill._device, "capability", lambda device=None: (9, 0))
     cuda, bf16, nhd = torch.device("cuda", 0), torch.bfloat16, prefill.TensorLayout.NHD
     base = dict(device=cuda, q_dtype=bf16, kv_dtype=bf16, head_dim_qk=128, head_dim_vo=128, layout=nhd,
-                use_cuda_graph=False, has_mask=False, causal=False, mean_qo_len=1000.0)
+                use_cuda_graph=False, has_mask=False, causal=False, mean_qo_len=1024.0, total_kv=4096)
     assert prefill._hopper_capable(**base)
-    assert prefill._hopper_capable(**{**base, "causal": True, "mean_qo_len": 4096.0})
-    for change in ({"causal": True}, {"q_dtype": torch.float16, "kv_dtype": torch.float16},
+    assert prefill._hopper_capable(**{**base, "causal": True, "mean_qo_len": 2048.0})
+    for change in ({"causal": True}, {"mean_qo_len": 1000.0}, {"total_kv": 100},
+                   {"q_dtype": torch.float16, "kv_dtype": torch.float16},
                    {"kv_dtype": torch.float8_e4m3fn}, {"head_dim_qk": 64, "head_dim_vo": 64}, {"head_dim_vo": 64},
                    {"layout": prefill.TensorLayout.HND}, {"use_cuda_graph": True}, {"has_mask": True},
                    {"device": torch.device("cpu")}):
@@ -414,8 +415,10 @@ HOPPER_CASES = [
           kv_dtype=torch.bfloat16, causal=True), True),
     (Case((1000, 0, 77, 300), (1000, 5, 0, 2100), heads=(32, 8), head_dim=128, q_dtype=torch.bfloat16,
           kv_dtype=torch.bfloat16, causal=True), False),
-    (Case((513, 129), (513, 1000), heads=(28, 4), head_dim=128, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16),
+    (Case((1500, 700), (1500, 1000), heads=(28, 4), head_dim=128, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16),
      True),
+    (Case((513, 129), (513, 1000), heads=(28, 4), head_dim=128, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16),
+     False),
     (Case((300, 64), (200, 64), heads=(8, 8), head_dim=64, q_dtype=torch.float16, kv_dtype=torch.float16,
           causal=True), False),
     (Case((4096,), (4096,), heads=(16, 4), head_dim=64, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16), False),
@@ -447,10 +450,10 @@ def test_gpu_hopper_single_prefill_and_fallbacks(monkeypatch):
     launch = prefill._launch_hopper
     monkeypatch.setattr(prefill, "_launch_hopper", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
     g = torch.Generator().manual_seed(3)
-    q = testing.randn((700, 16, 128), torch.bfloat16, "cuda", generator=g)
+    q = testing.randn((1100, 16, 128), torch.bfloat16, "cuda", generator=g)
     k = testing.randn((900, 4, 128), torch.bfloat16, "cuda", generator=g)
     v = testing.randn((900, 4, 128), torch.bfloat16, "cuda", generator=g)
-    # the Gluon kernel for the plain call; the core for a soft cap and for causal 700 tokens
+    # the Gluon kernel for the plain call; the core for a soft cap and for causal 1100 tokens
     for kw in ({}, {"causal": True}, {"logits_soft_cap": 20.0}):
         calls.clear()
         o, lse = tritoninfer.single_prefill_with_kv_cache_return_lse(q, k, v, **kw)
@@ -463,7 +466,7 @@ def test_gpu_hopper_single_prefill_and_fallbacks(monkeypatch):
     testing.assert_close(o, reference.single_prefill_with_kv_cache(q, k, v), torch.bfloat16)
     assert calls
     calls.clear()
-    q_strided = testing.randn((16, 700, 128), torch.bfloat16, "cuda", generator=g).transpose(0, 1)
+    q_strided = testing.randn((16, 1100, 128), torch.bfloat16, "cuda", generator=g).transpose(0, 1)
     o = tritoninfer.single_prefill_with_kv_cache(q_strided, k, v)
     testing.assert_close(o, reference.single_prefill_with_kv_cache(q_strided, k, v), torch.bfloat16)
     assert not calls

@@ -5,7 +5,7 @@ decode uses.
 Query tokens of a request are cut into tiles of ``block_m // group`` tokens; each tile's rows are
 (token, query head of the GQA group) pairs, so every KV byte is read once per group.
 
-On Hopper, ragged plans of plain bf16 attention at head_dim 128 (``_hopper_capable``) run a
+On Hopper, ragged plans of plain bf16 attention at head_dim 128 with long requests (``_hopper_capable``) run a
 warp-specialised Gluon kernel instead (``kernels/prefill_hopper.py``, FlashAttention-3's schedule:
 1.25-1.39x the attention core at 4K-16K tokens); everything else runs the attention core.
 """
@@ -95,18 +95,22 @@ HOPPER_STAGES = 3  # K/V ring depth: 3 x 64 KB at head_dim 128, with Q 224 KB of
 HOPPER_CONSUMER_REGS = 240  # per consumer thread; the producer warpgroup keeps 24
 
 
-HOPPER_CAUSAL_MIN_LEN = 2048  # mean query tokens per request below which a causal plan keeps the core
+# mean query tokens per request from which a plan takes the Gluon kernel: the shortest measured faster
+# than the core (the core's short-query tiles serve shorter requests; the crossovers are not measured)
+HOPPER_MIN_LEN = 1024
+HOPPER_CAUSAL_MIN_LEN = 2048
 
 
 def _hopper_capable(device: torch.device, q_dtype, kv_dtype, head_dim_qk, head_dim_vo, layout, use_cuda_graph,
-                    has_mask, causal: bool, mean_qo_len: float) -> bool:
+                    has_mask, causal: bool, mean_qo_len: float, total_kv: int) -> bool:
     """Whether a ragged plan takes the Gluon Hopper kernel (the run checks the rest). Only where it
     was measured faster than the core and tested on the H200 (benchmarks/NOTES.md, session 5): bf16,
-    head_dim 128 (at 64 it is 7-12 % slower), and causal only for long requests (16 x 1024 causal:
-    10-25 % slower; 4 x 4096: 14-20 % faster; the threshold between is not measured)."""
+    head_dim 128 (at 64 it is 7-12 % slower), requests of 1024 query tokens or more on average, and
+    causal only from 2048 (16 x 1024 causal: 10-25 % slower; 4 x 4096: 14-20 % faster); K/V of at
+    least one 128-row TMA box."""
     return (HOPPER_PREFILL and not use_cuda_graph and not has_mask and layout == TensorLayout.NHD
             and q_dtype == torch.bfloat16 and kv_dtype == q_dtype and head_dim_qk == head_dim_vo == 128
-            and (not causal or mean_qo_len >= HOPPER_CAUSAL_MIN_LEN)
+            and mean_qo_len >= (HOPPER_CAUSAL_MIN_LEN if causal else HOPPER_MIN_LEN) and total_kv >= 128
             and device.type == "cuda" and _device.has_gpu() and _device.capability(device) == (9, 0))
 
 
@@ -804,7 +808,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         hopper = qo.size == kv.size and _hopper_capable(  # a size mismatch is reported by _plan_common
             self.device, q_dtype, q_dtype if kv_data_type is None else canonicalize_dtype(kv_data_type, "kv_data_type"),
             head_dim_qk, head_dim_qk if head_dim_vo is None else head_dim_vo, self._kv_layout, self._use_cuda_graph,
-            custom_mask is not None or packed_custom_mask is not None, bool(causal), qo[-1] / max(qo.size - 1, 1))
+            custom_mask is not None or packed_custom_mask is not None, bool(causal), qo[-1] / max(qo.size - 1, 1),
+            int(kv[-1]))
         kv_extra = [kv]
         if hopper:
             kv_extra.append(_hopper_tiles(qo[1:] - qo[:-1], kv[1:] - kv[:-1], bool(causal)))
