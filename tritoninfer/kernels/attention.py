@@ -175,6 +175,23 @@ def store_rows(o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, o, l
 
 
 @triton.jit
+def kv_row_offsets(offs_n, page, token_base, stride_k_page, stride_k_slot, k_head, stride_v_page, stride_v_slot,
+                   v_head, IS_PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Element offsets of the K and V rows of KV positions ``offs_n`` (any shape): paged (``page``:
+    their page ids, int64) or ragged (``token_base``: the request's first KV row; ``page`` unused)."""
+    if IS_PAGED:
+        # int64 only where it is needed: page * page stride can pass 2^31 elements
+        slot = offs_n % PAGE_SIZE
+        k_rows = page * stride_k_page + (slot * stride_k_slot + k_head)
+        v_rows = page * stride_v_page + (slot * stride_v_slot + v_head)
+    else:
+        t = token_base + offs_n
+        k_rows = t * stride_k_page + k_head
+        v_rows = t * stride_v_page + v_head
+    return k_rows, v_rows
+
+
+@triton.jit
 def attend_range(
     m_i, l_i, acc, next_page, q, lo, end, hi,
     k_ptr, stride_k_page, stride_k_slot, k_head, v_ptr, stride_v_page, stride_v_slot, v_head,
@@ -194,6 +211,7 @@ def attend_range(
     for start in range(lo, end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
+        page = 0
         if IS_PAGED:
             if PREFETCH_PAGES:
                 page = next_page.to(tl.int64)
@@ -201,14 +219,8 @@ def attend_range(
                 next_page = tl.load(kv_indices_ptr + page_base + offs_next // PAGE_SIZE, mask=offs_next < hi, other=0)
             else:
                 page = tl.load(kv_indices_ptr + page_base + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-            # int64 only where it is needed: page * page stride can pass 2^31 elements
-            slot = offs_n % PAGE_SIZE
-            k_rows = page * stride_k_page + (slot * stride_k_slot + k_head)
-            v_rows = page * stride_v_page + (slot * stride_v_slot + v_head)
-        else:
-            t = token_base + offs_n
-            k_rows = t * stride_k_page + k_head
-            v_rows = t * stride_v_page + v_head
+        k_rows, v_rows = kv_row_offsets(offs_n, page, token_base, stride_k_page, stride_k_slot, k_head, stride_v_page,
+                                        stride_v_slot, v_head, IS_PAGED, PAGE_SIZE)
 
         # [BLOCK_N, BLOCK_DQK]
         k = tl.load(k_ptr + k_rows[:, None] + offs_dqk[None, :], mask=n_ok[:, None] & dqk_ok[None, :], other=0.0)
@@ -275,15 +287,11 @@ def attend_lanes(
         # [LANES, LANE_TOKENS]
         offs_n = start + lane[:, None] * LANE_TOKENS + offs_t[None, :]
         n_ok = offs_n < hi
+        page = 0
         if IS_PAGED:
             page = tl.load(kv_indices_ptr + page_base + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-            slot = offs_n % PAGE_SIZE
-            k_rows = page * stride_k_page + (slot * stride_k_slot + k_head)
-            v_rows = page * stride_v_page + (slot * stride_v_slot + v_head)
-        else:
-            t = token_base + offs_n
-            k_rows = t * stride_k_page + k_head
-            v_rows = t * stride_v_page + v_head
+        k_rows, v_rows = kv_row_offsets(offs_n, page, token_base, stride_k_page, stride_k_slot, k_head, stride_v_page,
+                                        stride_v_slot, v_head, IS_PAGED, PAGE_SIZE)
         # [LANES, LANE_TOKENS, BLOCK_DQK]
         k = tl.load(k_ptr + k_rows[:, :, None] + offs_dqk[None, None, :],
                     mask=n_ok[:, :, None] & dqk_ok[None, None, :], other=0.0)
