@@ -4,6 +4,9 @@ what paging and fp8 KV cost against ragged bf16 KV on the same shape).
     ncu --clock-control none -k regex:attention_fwd --launch-skip 2 --launch-count 1 \
         --section SpeedOfLight --section Occupancy --section WarpStateStats \
         python benchmarks/prefill_once.py --kv paged --kv-dtype float8_e4m3fn
+
+Ragged bf16 on an H200 runs the Gluon kernel (``-k regex:ragged_prefill_hopper``); set
+TRITONINFER_HOPPER_PREFILL=0 for the attention core on the same shape.
 """
 
 import argparse
