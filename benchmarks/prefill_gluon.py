@@ -5,9 +5,12 @@ steps that led to it (a single-partition version with a CTA barrier per tile, th
 warp-specialised one).
 
     PYTHONPATH=. python benchmarks/prefill_gluon.py [--fa3] [--configs 3-240,2-240]   # GPU
+    PYTHONPATH=. python benchmarks/prefill_gluon.py --paged [--fa3]                  # GPU: paged mode
     PYTHONPATH=. python benchmarks/prefill_gluon.py --compile                        # no GPU
 
-A config is ``STAGES-CONSUMER_REGS``.
+A config is ``STAGES-CONSUMER_REGS``. ``--paged`` runs the kernel's paged mode (a TMA box per page,
+not yet selected by ``BatchPrefillWithPagedKVCacheWrapper``) against the wrapper's attention core
+on the same page table, and the ragged kernel on contiguous copies of the same K/V (paging's cost).
 """
 
 import argparse
@@ -17,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 
+import numpy as np
 import torch
 import triton
 
@@ -45,8 +49,9 @@ def compile_only(configs):
                 sig = {"q_desc": desc(64), "k_desc": desc(128), "v_desc": desc(128), "o_ptr": "*bf16",
                        "stride_o_tok": "i32", "stride_o_head": "i32", "lse_ptr": "*fp32", "stride_lse_tok": "i32",
                        "qo_indptr_ptr": "*i32", "kv_indptr_ptr": "*i32", "tile_req_ptr": "*i32",
-                       "tile_start_ptr": "*i32", "num_qo_heads": "i32", "sm_scale_log2": "fp32"}
-                const = dict(GROUP=4, STAGES=stages, IS_CAUSAL=causal, CONSUMER_REGS=regs, num_warps=4)
+                       "tile_start_ptr": "*i32", "num_qo_heads": "i32", "sm_scale_log2": "fp32",
+                       "kv_len_ptr": "*i32", "kv_indices_ptr": "*i32", "rows_per_page": "i32"}
+                const = dict(GROUP=4, STAGES=stages, IS_CAUSAL=causal, CONSUMER_REGS=regs, PAGE_SIZE=0, num_warps=4)
                 # what a launch specialises: pointers and these integers divisible by 16
                 attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if name.endswith("_ptr") or
                          name in ("stride_o_tok", "stride_o_head", "stride_lse_tok", "num_qo_heads")}
@@ -66,6 +71,90 @@ def compile_only(configs):
                       f"HGMMA {len(re.findall('HGMMA', sass))}")
 
 
+def launch_paged(q, cache, wrapper, qo_lens, kv_lens, causal, sm_scale, out):
+    """The Gluon kernel's paged mode over a 5-D NHD cache [pages, 2, page, H_kv, D] and the page
+    table planned by ``wrapper`` (a tritoninfer paged prefill wrapper)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from tritoninfer.kernels.prefill_hopper import ragged_prefill_hopper_kernel
+
+    tokens, hq, d = q.shape
+    num_pages, _, page, hk, _ = cache.shape
+    row = hk * d
+    rows_per_page = cache.stride(0) // row  # 2 * page: K and V pages alternate
+    layout = prefill._smem_layout(page, d, q.dtype)
+    rows = (num_pages - 1) * rows_per_page + page
+    k_desc = TensorDescriptor(cache[:, 0], [rows, row], [row, 1], [page, d], layout)
+    v_desc = TensorDescriptor(cache[:, 1], [rows, row], [row, 1], [page, d], layout)
+    q_desc = TensorDescriptor(q, [tokens, hq * d], [q.stride(0), 1], [64, d], prefill._smem_layout(64, d, q.dtype))
+    tiles = torch.from_numpy(prefill._hopper_tiles(qo_lens, kv_lens, causal)).to(q.device)
+    lse = torch.empty((tokens, hq), dtype=torch.float32, device=q.device)
+    plan = wrapper._plan
+
+    def run():
+        ragged_prefill_hopper_kernel[(tiles.shape[1] * hq,)](
+            q_desc, k_desc, v_desc, out, out.stride(0), out.stride(1), lse, lse.stride(0),
+            plan.qo_indptr, wrapper._kv_indptr, tiles[0], tiles[1], hq, sm_scale * 1.4426950408889634,
+            plan.kv_len, wrapper._kv_indices, rows_per_page,
+            GROUP=hq // hk, STAGES=prefill.HOPPER_STAGES, IS_CAUSAL=causal, CONSUMER_REGS=prefill.HOPPER_CONSUMER_REGS,
+            PAGE_SIZE=page, num_warps=4, maxnreg=(8 * prefill.HOPPER_CONSUMER_REGS + 4 * 24) // 12 // 8 * 8)
+        return out
+
+    return run
+
+
+def main_paged(args):
+    """Paged mode: the Gluon kernel against the core on one page table, and the ragged kernel on
+    contiguous copies of the same K/V."""
+    import tritoninfer
+    from tritoninfer import testing
+
+    sys.path.insert(0, "benchmarks")
+    from decode_sweep import eager_time, gpu_paged_kv
+
+    ws_buf = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    print("| shape | causal | kernel | µs | TFLOP/s | rel err vs the core |")
+    print("|---|---|---|---|---|---|")
+    for batch, n, hq, hk, d, page in [(16, 1024, 32, 8, 128, 16), (4, 4096, 32, 8, 128, 16), (1, 16384, 32, 8, 128, 16),
+                                      (4, 4096, 32, 8, 128, 64)]:
+        torch.manual_seed(0)
+        kv = gpu_paged_kv(batch, n, hk, d, page, torch.bfloat16, "NHD")
+        q = torch.randn((batch * n, hq, d), device="cuda").to(torch.bfloat16)
+        qo_indptr = torch.arange(0, batch * n + 1, n, dtype=torch.int32, device="cuda")
+        lens = np.full(batch, n, dtype=np.int64)
+        # the same K/V, contiguous per request, for the ragged kernel
+        pages = kv.kv_indices.long().view(batch, -1)
+        k = kv.cache[pages, 0].reshape(batch * n, hk, d)
+        v = kv.cache[pages, 1].reshape(batch * n, hk, d)
+        for causal in (False, True):
+            flops = testing.prefill_flops([n] * batch, [n] * batch, hq, d, d, causal)
+            w = tritoninfer.BatchPrefillWithPagedKVCacheWrapper(ws_buf)
+            w.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, hq, hk, d, page, causal=causal,
+                   q_data_type=torch.bfloat16)
+            rows = [("core, paged", lambda w=w: w.run(q, kv.cache))]
+            rows.append((f"gluon paged (page {page})",
+                         launch_paged(q, kv.cache, w, lens, lens, causal, d ** -0.5, torch.empty_like(q))))
+            prefill.HOPPER_PREFILL = True
+            rw = tritoninfer.BatchPrefillWithRaggedKVCacheWrapper(ws_buf)
+            rw.plan(qo_indptr, qo_indptr, hq, hk, d, causal=causal, q_data_type=torch.bfloat16)
+            rows.append((f"{'gluon' if rw._hopper_tiles is not None else 'core'} ragged", lambda rw=rw: rw.run(q, k, v)))
+            if args.fa3:
+                import flashinfer
+
+                fw = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws_buf, backend="fa3")
+                fw.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, hq, hk, d, page, causal=causal,
+                        q_data_type=torch.bfloat16)
+                rows.append(("flashinfer-fa3, paged", lambda fw=fw: fw.run(q, kv.cache)))
+            ref = rows[0][1]().float()
+            for name, fn in rows:
+                err = testing.rel_error(fn().float(), ref)
+                us = eager_time(fn, reps=10)
+                print(f"| {batch}x{n} p{page} | {causal} | {name} | {us:.0f} | {flops / us / 1e6:.0f} | {err:.2e} |",
+                      flush=True)
+                if err > 2e-2:
+                    print(f"MISMATCH: {name} differs from the core by {err:.3g}", flush=True)
+
+
 def _run_with(cfg, wrapper, q, k, v):
     """Runs with the Hopper kernel's (stages, consumer registers) set to ``cfg`` (module settings
     read at launch)."""
@@ -79,7 +168,11 @@ def main(argv=None):
     ap.add_argument("--compile", action="store_true", help="compile for sm_90 only (no GPU)")
     ap.add_argument("--configs", default="3-240", help="STAGES-CONSUMER_REGS, comma-separated")
     ap.add_argument("--fa3", action="store_true", help="also FlashInfer's fa3 backend (JIT-compiles)")
+    ap.add_argument("--paged", action="store_true", help="the kernel's paged mode (see the module docstring)")
     args = ap.parse_args(argv)
+    if args.paged:
+        main_paged(args)
+        return
     configs = [tuple(map(int, c.split("-"))) for c in args.configs.split(",")]
     if args.compile:
         compile_only(configs)

@@ -162,8 +162,9 @@ def _launch_hopper(q, k, v, out, lse, qo_indptr, kv_indptr, tiles: torch.Tensor,
     ragged_prefill_hopper_kernel[(num_tiles * hq,)](
         q_desc, k_desc, v_desc, out, out.stride(0), out.stride(1), lse, lse.stride(0),
         qo_indptr, kv_indptr, tiles[0], tiles[1], hq, sm_scale * math.log2(math.e),
+        kv_indptr, kv_indptr, 0,  # the paged mode's kv_len, kv_indices and page stride: unused here
         GROUP=hq // num_kv_heads, STAGES=HOPPER_STAGES, IS_CAUSAL=causal, CONSUMER_REGS=HOPPER_CONSUMER_REGS,
-        num_warps=4,
+        PAGE_SIZE=0, num_warps=4,
         # registers are handed out per warpgroup: 2 consumers and the producer's, 12 warps in all
         maxnreg=(2 * 4 * HOPPER_CONSUMER_REGS + 4 * 24) // 12 // 8 * 8,
     )

@@ -42,12 +42,12 @@ def _softmax_step(s, m_i, l_i, scale, cols, kv_hi, rows_diag, masked, is_causal)
 @gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_start, m0, q_len,
                     kv_start, kv_len, n_tiles, head, kv_col, o_ptr, stride_o_tok, stride_o_head, lse_ptr,
-                    stride_lse_tok, sm_scale_log2, is_causal):
-    """Producer warp: K/V tile j into stage j % STAGES once both consumers released its last use.
-    (Constants come from the descriptors: a constexpr passed through ``warp_specialize``'s argument
-    tuple arrives as a run-time value.)"""
+                    stride_lse_tok, sm_scale_log2, is_causal, kv_indices_ptr, rows_per_page):
+    """Producer warp, contiguous K/V: tile j (rows kv_start + j * BLOCK_N ...) into stage j % STAGES
+    once both consumers released its last use. (Constants come from the shared-memory and descriptor
+    types: a constexpr passed through ``warp_specialize``'s argument tuple arrives as a value.)"""
     stages: gl.constexpr = k_smem.type.shape[0]
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
     kv_bytes: gl.constexpr = 2 * k_desc.block_type.nbytes
     for j in range(n_tiles):
         stage = j % stages
@@ -61,13 +61,41 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready
 
 
 @gluon.jit
+def _load_paged_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_start, m0, q_len,
+                          kv_start, kv_len, n_tiles, head, kv_col, o_ptr, stride_o_tok, stride_o_head, lse_ptr,
+                          stride_lse_tok, sm_scale_log2, is_causal, kv_indices_ptr, rows_per_page):
+    """Producer warp, paged K/V: tile j is BLOCK_N / PAGE pages, one TMA box [PAGE, D] each into its
+    rows of the stage. ``kv_start`` is the request's first entry in ``kv_indices``; page p's rows
+    start at row p * rows_per_page of the K and V descriptors. Boxes of pages past the request's
+    end read page 0 (their positions are masked by the consumers), so every stage gets the bytes
+    its barrier expects."""
+    stages: gl.constexpr = k_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    PAGE: gl.constexpr = k_desc.block_type.shape[0]
+    kv_bytes: gl.constexpr = 2 * BLOCK_N * k_desc.block_type.nbytes // PAGE
+    n_pages = gl.cdiv(kv_len, PAGE)
+    for j in range(n_tiles):
+        stage = j % stages
+        mbarrier.wait(empty.index(stage), ((j // stages) & 1) ^ 1)
+        mbarrier.expect(ready.index(stage), kv_bytes)
+        for i in gl.static_range(BLOCK_N // PAGE):
+            idx = j * (BLOCK_N // PAGE) + i
+            page = gl.load(kv_indices_ptr + kv_start + idx, mask=idx < n_pages, other=0)
+            row = page * rows_per_page
+            tma.async_copy_global_to_shared(k_desc, [row, kv_col], ready.index(stage),
+                                            k_smem.index(stage).slice(i * PAGE, PAGE))
+            tma.async_copy_global_to_shared(v_desc, [row, kv_col], ready.index(stage),
+                                            v_smem.index(stage).slice(i * PAGE, PAGE))
+
+
+@gluon.jit
 def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_start, m0, q_len,
              kv_start, kv_len, n_tiles, head, kv_col, o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok,
-             sm_scale_log2, is_causal, WG: gl.constexpr):
+             sm_scale_log2, is_causal, kv_indices_ptr, rows_per_page, WG: gl.constexpr):
     """Consumer warpgroup ``WG``: query rows m0 + 64 WG ... + 63 against every KV tile of the program."""
     stages: gl.constexpr = k_smem.type.shape[0]
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -142,33 +170,41 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
 @gluon.jit
 def _consume0(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_start, m0, q_len,
               kv_start, kv_len, n_tiles, head, kv_col, o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok,
-              sm_scale_log2, is_causal):
+              sm_scale_log2, is_causal, kv_indices_ptr, rows_per_page):
     _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_start, m0, q_len,
              kv_start, kv_len, n_tiles, head, kv_col, o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok,
-             sm_scale_log2, is_causal, 0)
+             sm_scale_log2, is_causal, kv_indices_ptr, rows_per_page, 0)
 
 
 @gluon.jit
 def _consume1(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_start, m0, q_len,
               kv_start, kv_len, n_tiles, head, kv_col, o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok,
-              sm_scale_log2, is_causal):
+              sm_scale_log2, is_causal, kv_indices_ptr, rows_per_page):
     _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_start, m0, q_len,
              kv_start, kv_len, n_tiles, head, kv_col, o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok,
-             sm_scale_log2, is_causal, 1)
+             sm_scale_log2, is_causal, kv_indices_ptr, rows_per_page, 1)
 
 
 @gluon.jit
 def ragged_prefill_hopper_kernel(
     q_desc, k_desc, v_desc, o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok,
     qo_indptr_ptr, kv_indptr_ptr, tile_req_ptr, tile_start_ptr, num_qo_heads, sm_scale_log2,
+    kv_len_ptr, kv_indices_ptr, rows_per_page,
     GROUP: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    num_warps: gl.constexpr,
+    PAGE_SIZE: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """q_desc: [tokens, H_qo * D] box [64, D]; k_desc / v_desc: [kv tokens, H_kv * D] box [BLOCK_N, D];
-    o: [tokens, H_qo, D] (any row and head strides); lse: [tokens, H_qo] float32 base 2.
-    ``tile_req`` / ``tile_start`` int32 [tiles]: the request and first query token of each 128-token
-    tile (heaviest first). Grid: tiles * H_qo, heads fastest, so the heads of a KV group run side by
-    side and share K/V in L2. ``num_warps`` is 4: the first consumer is the default partition."""
+    """q_desc: [tokens, H_qo * D] box [64, D]; o: [tokens, H_qo, D] (any row and head strides); lse:
+    [tokens, H_qo] float32 base 2. ``tile_req`` / ``tile_start`` int32 [tiles]: the request and first
+    query token of each 128-token tile (heaviest first). Grid: tiles * H_qo, heads fastest, so the
+    heads of a KV group run side by side and share K/V in L2. ``num_warps`` is 4: the first consumer
+    is the default partition.
+
+    ``PAGE_SIZE == 0``: contiguous K/V, k_desc / v_desc [kv tokens, H_kv * D] box [128, D],
+    ``kv_indptr`` token offsets (``kv_len_ptr``, ``kv_indices_ptr``, ``rows_per_page`` unused).
+    ``PAGE_SIZE > 0`` (dividing 128; an experiment, benchmarks/prefill_gluon.py ``--paged``, not yet
+    selected by any wrapper): k_desc / v_desc are 2-D views [rows, H_kv * D] of the K and V pages,
+    box [PAGE_SIZE, D], page p starting at row p * rows_per_page; ``kv_indptr`` / ``kv_indices``
+    the page table and ``kv_len`` the KV length of each request."""
     pid = gl.program_id(0)
     head = pid % num_qo_heads
     item = pid // num_qo_heads
@@ -177,8 +213,11 @@ def ragged_prefill_hopper_kernel(
     q_start = gl.load(qo_indptr_ptr + req)
     q_len = gl.load(qo_indptr_ptr + req + 1) - q_start
     kv_start = gl.load(kv_indptr_ptr + req)
-    kv_len = gl.load(kv_indptr_ptr + req + 1) - kv_start
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    if PAGE_SIZE > 0:
+        kv_len = gl.load(kv_len_ptr + req)
+    else:
+        kv_len = gl.load(kv_indptr_ptr + req + 1) - kv_start
+    BLOCK_N: gl.constexpr = 128
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
     kv_col = (head // GROUP) * HEAD_DIM
     kv_hi = kv_len
@@ -201,6 +240,10 @@ def ragged_prefill_hopper_kernel(
 
     args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_start, m0, q_len, kv_start,
             kv_len, n_tiles, head, kv_col, o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok,
-            sm_scale_log2, IS_CAUSAL)
-    gl.warp_specialize([(_consume0, args), (_consume1, args), (_load_partition, args)], [4, 1],
-                       [CONSUMER_REGS, 24])
+            sm_scale_log2, IS_CAUSAL, kv_indices_ptr, rows_per_page)
+    if PAGE_SIZE > 0:
+        gl.warp_specialize([(_consume0, args), (_consume1, args), (_load_paged_partition, args)], [4, 1],
+                           [CONSUMER_REGS, 24])
+    else:
+        gl.warp_specialize([(_consume0, args), (_consume1, args), (_load_partition, args)], [4, 1],
+                           [CONSUMER_REGS, 24])
