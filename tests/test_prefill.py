@@ -205,10 +205,11 @@ def test_hopper_tiles_cover_every_query_tile_heaviest_first():
 
 
 def test_hopper_kernel_selection(monkeypatch):
-    """The Gluon kernel only where it was measured faster and GPU-tested: sm_90, bf16, head_dim 128,
+    """The Gluon kernel only where it was measured faster and GPU-tested: sm_90, Triton 3.6, bf16, head_dim 128,
     NHD, no mask, no CUDA graph, requests of 1024 query tokens on average (causal: 2048)."""
     monkeypatch.setattr(prefill._device, "has_gpu", lambda: True)
     monkeypatch.setattr(prefill._device, "capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(prefill, "_gluon_hopper_available", lambda: True)
     cuda, bf16, nhd = torch.device("cuda", 0), torch.bfloat16, prefill.TensorLayout.NHD
     base = dict(device=cuda, q_dtype=bf16, kv_dtype=bf16, head_dim_qk=128, head_dim_vo=128, layout=nhd,
                 use_cuda_graph=False, has_mask=False, causal=False, mean_qo_len=1024.0, total_kv=4096)
@@ -220,6 +221,9 @@ def test_hopper_kernel_selection(monkeypatch):
                    {"layout": prefill.TensorLayout.HND}, {"use_cuda_graph": True}, {"has_mask": True},
                    {"device": torch.device("cpu")}):
         assert not prefill._hopper_capable(**{**base, **change}), change
+    monkeypatch.setattr(prefill, "_gluon_hopper_available", lambda: False)  # another Triton
+    assert not prefill._hopper_capable(**base)
+    monkeypatch.setattr(prefill, "_gluon_hopper_available", lambda: True)
     monkeypatch.setattr(prefill._device, "capability", lambda device=None: (10, 0))
     assert not prefill._hopper_capable(**base)
 

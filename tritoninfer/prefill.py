@@ -101,6 +101,22 @@ HOPPER_MIN_LEN = 1024
 HOPPER_CAUSAL_MIN_LEN = 2048
 
 
+@functools.lru_cache(maxsize=None)
+def _gluon_hopper_available() -> bool:
+    """Gluon's Hopper API as the kernel uses it: Triton 3.6 (the version it was written and measured
+    with; Gluon is experimental and its API moves between releases)."""
+    import triton
+
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) != (3, 6):
+        return False
+    try:
+        from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma  # noqa: F401
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _hopper_capable(device: torch.device, q_dtype, kv_dtype, head_dim_qk, head_dim_vo, layout, use_cuda_graph,
                     has_mask, causal: bool, mean_qo_len: float, total_kv: int) -> bool:
     """Whether a ragged plan takes the Gluon Hopper kernel (the run checks the rest). Only where it
@@ -111,7 +127,8 @@ def _hopper_capable(device: torch.device, q_dtype, kv_dtype, head_dim_qk, head_d
     return (HOPPER_PREFILL and not use_cuda_graph and not has_mask and layout == TensorLayout.NHD
             and q_dtype == torch.bfloat16 and kv_dtype == q_dtype and head_dim_qk == head_dim_vo == 128
             and mean_qo_len >= (HOPPER_CAUSAL_MIN_LEN if causal else HOPPER_MIN_LEN) and total_kv >= 128
-            and device.type == "cuda" and _device.has_gpu() and _device.capability(device) == (9, 0))
+            and device.type == "cuda" and _device.has_gpu() and _device.capability(device) == (9, 0)
+            and _gluon_hopper_available())
 
 
 def _hopper_tiles(qo_lens: np.ndarray, kv_lens: np.ndarray, causal: bool) -> np.ndarray:
