@@ -205,8 +205,8 @@ def test_hopper_tiles_cover_every_query_tile_heaviest_first():
 
 
 def test_hopper_kernel_selection(monkeypatch):
-    """The Gluon kernel only where it was measured faster and GPU-tested: sm_90, Triton 3.6, bf16, head_dim 128,
-    NHD, no mask, no CUDA graph, requests of 1024 query tokens on average (causal: 2048)."""
+    """The Gluon kernel only where it was measured faster and GPU-tested: sm_90, Triton 3.6, bf16,
+    head_dim 128, NHD, no mask, no CUDA graph, requests of 1024 query tokens on average (causal: 2048)."""
     monkeypatch.setattr(prefill._device, "has_gpu", lambda: True)
     monkeypatch.setattr(prefill._device, "capability", lambda device=None: (9, 0))
     monkeypatch.setattr(prefill, "_gluon_hopper_available", lambda: True)
