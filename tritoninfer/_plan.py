@@ -46,7 +46,8 @@ class Tiles:
     # where the scores need no other transform (no soft cap, ALiBi or per-head scales)
     fold_scale: bool = False
     # > 0: one query row per program, no dots: the KV tile is LANES x (block_n // LANES) positions and
-    # every lane keeps its own softmax state (a GQA group of one; one lane per 8 threads)
+    # every lane keeps its own softmax state (a GQA group of one; decode_tiles sizes the lanes so that
+    # a lane's reductions stay within its warp)
     lanes: int = 0
 
 
