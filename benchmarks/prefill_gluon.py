@@ -14,6 +14,7 @@ on the same page table, and the ragged kernel on contiguous copies of the same K
 """
 
 import argparse
+import math
 import os
 import re
 import subprocess
@@ -58,7 +59,7 @@ def compile_only(configs):
                 sig.update({name: "constexpr" for name in const})
                 k = triton.compile(GluonASTSource(ragged_prefill_hopper_kernel, sig, const, attrs),
                                    target=GPUTarget("cuda", 90, 32),
-                                   options=dict(num_warps=4, maxnreg=(8 * regs + 4 * 24) // 12 // 8 * 8))
+                                   options=dict(num_warps=4, maxnreg=prefill.hopper_maxnreg(regs)))
                 with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
                     f.write(k.asm["cubin"])
                     f.flush()
@@ -94,10 +95,10 @@ def launch_paged(q, cache, wrapper, qo_lens, kv_lens, causal, sm_scale, out):
     def run():
         ragged_prefill_hopper_kernel[(tiles.shape[1] * hq,)](
             q_desc, k_desc, v_desc, out, out.stride(0), out.stride(1), lse, lse.stride(0),
-            plan.qo_indptr, wrapper._kv_indptr, tiles[0], tiles[1], hq, sm_scale * 1.4426950408889634,
+            plan.qo_indptr, wrapper._kv_indptr, tiles[0], tiles[1], hq, sm_scale * math.log2(math.e),
             plan.kv_len, wrapper._kv_indices, rows_per_page,
             GROUP=hq // hk, STAGES=prefill.HOPPER_STAGES, IS_CAUSAL=causal, CONSUMER_REGS=prefill.HOPPER_CONSUMER_REGS,
-            PAGE_SIZE=page, num_warps=4, maxnreg=(8 * prefill.HOPPER_CONSUMER_REGS + 4 * 24) // 12 // 8 * 8)
+            PAGE_SIZE=page, num_warps=4, maxnreg=prefill.hopper_maxnreg(prefill.HOPPER_CONSUMER_REGS))
         return out
 
     return run

@@ -228,6 +228,23 @@ def test_hopper_kernel_selection(monkeypatch):
     assert not prefill._hopper_capable(**base)
 
 
+def test_hopper_kernel_needs_plain_scores(monkeypatch):
+    """Past the device checks (forced here), a plan takes the Gluon kernel only for scores it computes
+    (no soft cap, window, RoPE, ALiBi; a positive scale); forward()'s replaced settings take the core."""
+    monkeypatch.setattr(prefill, "_hopper_capable", lambda *a, **kw: True)
+    case = RAGGED_CASES[0]
+    _, _, qo_indptr, _, _ = _inputs(case)
+    wrapper = BatchPrefillWithRaggedKVCacheWrapper(testing.make_workspace(4 << 20, DEVICE))
+    for kw, gluon in (({}, True), ({"causal": True}, True), ({"logits_soft_cap": 5.0}, False),
+                      ({"window_left": 3}, False), ({"pos_encoding_mode": "ROPE_LLAMA"}, False),
+                      ({"pos_encoding_mode": "ALIBI"}, False), ({"sm_scale": -0.1}, False)):
+        wrapper.plan(qo_indptr, qo_indptr, 4, 2, 64, q_data_type=torch.bfloat16, **kw)
+        assert (wrapper._hopper_tiles is not None) == gluon, kw
+    wrapper.plan(qo_indptr, qo_indptr, 4, 2, 64, q_data_type=torch.bfloat16)
+    wrapper._override(True, "NONE", False, -1, None, None, None, None)
+    assert wrapper._hopper_tiles is None
+
+
 def test_hopper_kernel_is_not_planned_off_hopper():
     """On this machine (no Hopper GPU) every ragged plan stays on the attention core."""
     case = RAGGED_CASES[0]

@@ -87,12 +87,17 @@ def _pack_mask(custom_mask: torch.Tensor, bit_indptr: np.ndarray) -> torch.Tenso
 
 
 # The Gluon ragged prefill for Hopper (kernels/prefill_hopper.py): on by default where it applies
-# (_hopper_capable);
-# TRITONINFER_HOPPER_PREFILL=0 keeps every prefill on the attention core (A/B measurements).
+# (_hopper_capable); TRITONINFER_HOPPER_PREFILL=0 keeps every prefill on the attention core.
 HOPPER_PREFILL = os.environ.get("TRITONINFER_HOPPER_PREFILL", "1") != "0"
 HOPPER_TILE = 128  # query tokens per program: two consumer warpgroups of 64
 HOPPER_STAGES = 3  # K/V ring depth: 3 x 64 KB at head_dim 128, with Q 224 KB of the H200's 227
 HOPPER_CONSUMER_REGS = 240  # per consumer thread; the producer warpgroup keeps 24
+
+
+def hopper_maxnreg(consumer_regs: int) -> int:
+    """The kernel-wide register limit that leaves ``consumer_regs`` to each consumer thread:
+    registers are handed out per warpgroup, two consumers and the producer's, 12 warps in all."""
+    return (2 * 4 * consumer_regs + 4 * 24) // 12 // 8 * 8
 
 
 # mean query tokens per request from which a plan takes the Gluon kernel: the shortest measured faster
@@ -119,7 +124,8 @@ def _gluon_hopper_available() -> bool:
 
 def _hopper_capable(device: torch.device, q_dtype, kv_dtype, head_dim_qk, head_dim_vo, layout, use_cuda_graph,
                     has_mask, causal: bool, mean_qo_len: float, total_kv: int) -> bool:
-    """Whether a ragged plan takes the Gluon Hopper kernel (the run checks the rest). Only where it
+    """Whether a ragged plan may take the Gluon Hopper kernel (the plan then checks the scores, the
+    run its tensors). Only where it
     was measured faster than the core and tested on the H200 (benchmarks/NOTES.md, session 5): bf16,
     head_dim 128 (at 64 it is 7-12 % slower), requests of 1024 query tokens or more on average, and
     causal only from 2048 (16 x 1024 causal: 10-25 % slower; 4 x 4096: 14-20 % faster); K/V of at
@@ -133,16 +139,10 @@ def _hopper_capable(device: torch.device, q_dtype, kv_dtype, head_dim_qk, head_d
 
 def _hopper_tiles(qo_lens: np.ndarray, kv_lens: np.ndarray, causal: bool) -> np.ndarray:
     """int32 [2, tiles]: request and first query token of every 128-token query tile, the tiles that
-    read the most KV first (causal: up to their last row's diagonal)."""
-    q_tiles = -(-qo_lens // HOPPER_TILE)
-    total = int(q_tiles.sum())
-    req = np.repeat(np.arange(qo_lens.size, dtype=np.int64), q_tiles)
-    start = (np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(q_tiles) - q_tiles, q_tiles)) * HOPPER_TILE
-    reads = kv_lens[req]
-    if causal:
-        reads = np.minimum(reads, start + HOPPER_TILE + kv_lens[req] - qo_lens[req])
-    order = np.argsort(-reads, kind="stable")
-    return np.stack([req[order], start[order]]).astype(np.int32)
+    read the most KV first: the attention core's work list (no splits), heaviest first."""
+    plan = _plan.heaviest_first(_plan.build_work(qo_lens, kv_lens, HOPPER_TILE, None), qo_lens, kv_lens,
+                                HOPPER_TILE, causal)
+    return np.ascontiguousarray(plan.work[:, :2].T)
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
@@ -182,8 +182,7 @@ def _launch_hopper(q, k, v, out, lse, qo_indptr, kv_indptr, tiles: torch.Tensor,
         kv_indptr, kv_indptr, 0,  # the paged mode's kv_len, kv_indices and page stride: unused here
         GROUP=hq // num_kv_heads, STAGES=HOPPER_STAGES, IS_CAUSAL=causal, CONSUMER_REGS=HOPPER_CONSUMER_REGS,
         PAGE_SIZE=0, num_warps=4,
-        # registers are handed out per warpgroup: 2 consumers and the producer's, 12 warps in all
-        maxnreg=(2 * 4 * HOPPER_CONSUMER_REGS + 4 * 24) // 12 // 8 * 8,
+        maxnreg=hopper_maxnreg(HOPPER_CONSUMER_REGS),
     )
 
 
@@ -377,6 +376,7 @@ class _BatchPrefillBase:
         _reject_unsupported(use_fp16_qk_reduction)
         self._params = score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
                                     rope_theta, self._head_dim_qk, causal=bool(causal))
+        self._hopper_tiles = None  # chosen for the planned settings: the replaced ones take the core
         self._causal = bool(causal)
         self._pos_encoding_mode, self._window_left, self._logits_soft_cap = pos_encoding_mode, window_left, logits_soft_cap
         self._sm_scale, self._rope_scale, self._rope_theta = sm_scale, rope_scale, rope_theta
@@ -417,12 +417,10 @@ class _BatchPrefillBase:
         out = check_out(out, shape, out_dtype, q.device, "out")
         lse = check_out(lse, shape[:2], torch.float32, q.device, "lse") if return_lse else None
         sinks = check_sinks(sinks, self._num_qo_heads, q.device)
-        p = self._params
         if (ragged_kv is not None and self._hopper_tiles is not None and sinks is None and head_scales is None
-                and not (p.rope or p.alibi or p.logits_soft_cap > 0 or p.window_left >= 0) and p.sm_scale > 0
                 and all(_tma_ready(t) for t in (q, *ragged_kv))):
             _launch_hopper(q, *ragged_kv, out, lse, self._plan.qo_indptr, kv.kv_indptr, self._hopper_tiles,
-                           self._num_kv_heads, p.sm_scale, p.causal)
+                           self._num_kv_heads, self._params.sm_scale, self._params.causal)
             return (out, lse) if return_lse else out
         launch_attention(
             q=q, out=out, lse=lse, kv=kv, plan=self._plan, tiles=self._tiles, num_kv_heads=self._num_kv_heads,
@@ -846,7 +844,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         else:
             self._kv_indptr = views[0]
         self._total_kv = int(kv[-1])
-        self._hopper_tiles = views[1].view(2, -1) if len(views) > 1 else None
+        p = self._params  # the kernel has no RoPE, ALiBi, soft cap or window, and folds a positive scale
+        plain = not (p.rope or p.alibi or p.logits_soft_cap > 0 or p.window_left >= 0) and p.sm_scale > 0
+        self._hopper_tiles = views[1].view(2, -1) if len(views) > 1 and plain else None
 
     begin_forward = plan
 
