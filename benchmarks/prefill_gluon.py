@@ -8,20 +8,19 @@ warp-specialised one).
     PYTHONPATH=. python benchmarks/prefill_gluon.py --paged [--fa3]                  # GPU: paged mode
     PYTHONPATH=. python benchmarks/prefill_gluon.py --compile                        # no GPU
 
-A config is ``STAGES-CONSUMER_REGS``. ``--paged`` runs the kernel's paged mode (a TMA box per page,
-not yet selected by ``BatchPrefillWithPagedKVCacheWrapper``) against the wrapper's attention core
-on the same page table, and the ragged kernel on contiguous copies of the same K/V (paging's cost).
+A config is ``STAGES-CONSUMER_REGS``. Both modes force the Gluon kernel for every length (past
+``prefill.HOPPER_MIN_LEN``, to place the thresholds). ``--paged`` runs the paged wrapper on the
+kernel's paged mode (a TMA box per page) against the same wrapper on the attention core over one page
+table, and the ragged kernel on contiguous copies of the same K/V (paging's cost).
 """
 
 import argparse
-import math
 import os
 import re
 import subprocess
 import sys
 import tempfile
 
-import numpy as np
 import torch
 import triton
 
@@ -72,41 +71,18 @@ def compile_only(configs):
                       f"HGMMA {len(re.findall('HGMMA', sass))}")
 
 
-def launch_paged(q, cache, wrapper, qo_lens, kv_lens, causal, sm_scale, out):
-    """The Gluon kernel's paged mode over a 5-D NHD cache [pages, 2, page, H_kv, D] and the page
-    table planned by ``wrapper`` (a tritoninfer paged prefill wrapper)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+DEFAULT_MIN_LENS = (prefill.HOPPER_MIN_LEN, prefill.HOPPER_CAUSAL_MIN_LEN)
 
-    from tritoninfer.kernels.prefill_hopper import ragged_prefill_hopper_kernel
 
-    tokens, hq, d = q.shape
-    num_pages, _, page, hk, _ = cache.shape
-    row = hk * d
-    rows_per_page = cache.stride(0) // row  # 2 * page: K and V pages alternate
-    layout = prefill._smem_layout(page, d, q.dtype)
-    rows = (num_pages - 1) * rows_per_page + page
-    k_desc = TensorDescriptor(cache[:, 0], [rows, row], [row, 1], [page, d], layout)
-    v_desc = TensorDescriptor(cache[:, 1], [rows, row], [row, 1], [page, d], layout)
-    q_desc = TensorDescriptor(q, [tokens, hq * d], [q.stride(0), 1], [64, d], prefill._smem_layout(64, d, q.dtype))
-    tiles = torch.from_numpy(prefill._hopper_tiles(qo_lens, kv_lens, causal)).to(q.device)
-    lse = torch.empty((tokens, hq), dtype=torch.float32, device=q.device)
-    plan = wrapper._plan
-
-    def run():
-        ragged_prefill_hopper_kernel[(tiles.shape[1] * hq,)](
-            q_desc, k_desc, v_desc, out, out.stride(0), out.stride(1), lse, lse.stride(0),
-            plan.qo_indptr, wrapper._kv_indptr, tiles[0], tiles[1], hq, sm_scale * math.log2(math.e),
-            plan.kv_len, wrapper._kv_indices, rows_per_page,
-            GROUP=hq // hk, STAGES=prefill.HOPPER_STAGES, IS_CAUSAL=causal, CONSUMER_REGS=prefill.HOPPER_CONSUMER_REGS,
-            PAGE_SIZE=page, num_warps=4, maxnreg=prefill.hopper_maxnreg(prefill.HOPPER_CONSUMER_REGS))
-        return out
-
-    return run
+def _forced(on: bool) -> None:
+    """The Gluon kernel on for every length (past the measured thresholds), or off, for the next plans."""
+    prefill.HOPPER_PREFILL = on
+    prefill.HOPPER_MIN_LEN, prefill.HOPPER_CAUSAL_MIN_LEN = (0, 0) if on else DEFAULT_MIN_LENS
 
 
 def main_paged(args):
-    """Paged mode: the Gluon kernel against the core on one page table, and the ragged kernel on
-    contiguous copies of the same K/V."""
+    """Paged mode: the wrapper on the Gluon kernel against the wrapper on the core over one page
+    table, the ragged Gluon kernel on contiguous copies of the same K/V (paging's cost), and fa3."""
     import tritoninfer
     from tritoninfer import testing
 
@@ -116,29 +92,32 @@ def main_paged(args):
     ws_buf = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     print("| shape | causal | kernel | µs | TFLOP/s | rel err vs the core |")
     print("|---|---|---|---|---|---|")
-    for batch, n, hq, hk, d, page in [(16, 1024, 32, 8, 128, 16), (4, 4096, 32, 8, 128, 16), (1, 16384, 32, 8, 128, 16),
-                                      (4, 4096, 32, 8, 128, 64)]:
+    shapes = [(32, 512, 16), (16, 1024, 16), (8, 2048, 16), (4, 4096, 16), (1, 16384, 16), (4, 4096, 1),
+              (4, 4096, 4), (4, 4096, 64)]
+    hq, hk, d = 32, 8, 128
+    for batch, n, page in shapes:
         torch.manual_seed(0)
         kv = gpu_paged_kv(batch, n, hk, d, page, torch.bfloat16, "NHD")
         q = torch.randn((batch * n, hq, d), device="cuda").to(torch.bfloat16)
         qo_indptr = torch.arange(0, batch * n + 1, n, dtype=torch.int32, device="cuda")
-        lens = np.full(batch, n, dtype=np.int64)
         # the same K/V, contiguous per request, for the ragged kernel
         pages = kv.kv_indices.long().view(batch, -1)
         k = kv.cache[pages, 0].reshape(batch * n, hk, d)
         v = kv.cache[pages, 1].reshape(batch * n, hk, d)
         for causal in (False, True):
             flops = testing.prefill_flops([n] * batch, [n] * batch, hq, d, d, causal)
-            w = tritoninfer.BatchPrefillWithPagedKVCacheWrapper(ws_buf)
-            w.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, hq, hk, d, page, causal=causal,
-                   q_data_type=torch.bfloat16)
-            rows = [("core, paged", lambda w=w: w.run(q, kv.cache))]
-            rows.append((f"gluon paged (page {page})",
-                         launch_paged(q, kv.cache, w, lens, lens, causal, d ** -0.5, torch.empty_like(q))))
-            prefill.HOPPER_PREFILL = True
+            rows = []
+            for name, on in (("core, paged", False), (f"gluon, paged (page {page})", True)):
+                _forced(on)
+                w = tritoninfer.BatchPrefillWithPagedKVCacheWrapper(ws_buf)
+                w.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, hq, hk, d, page, causal=causal,
+                       q_data_type=torch.bfloat16)
+                assert (w._hopper_tiles is not None) == on
+                rows.append((name, lambda w=w: w.run(q, kv.cache)))
+            _forced(True)
             rw = tritoninfer.BatchPrefillWithRaggedKVCacheWrapper(ws_buf)
             rw.plan(qo_indptr, qo_indptr, hq, hk, d, causal=causal, q_data_type=torch.bfloat16)
-            rows.append((f"{'gluon' if rw._hopper_tiles is not None else 'core'} ragged", lambda rw=rw: rw.run(q, k, v)))
+            rows.append(("gluon, ragged", lambda rw=rw: rw.run(q, k, v)))
             if args.fa3:
                 import flashinfer
 
@@ -154,6 +133,7 @@ def main_paged(args):
                       flush=True)
                 if err > 2e-2:
                     print(f"MISMATCH: {name} differs from the core by {err:.3g}", flush=True)
+    _forced(False)
 
 
 def _run_with(cfg, wrapper, q, k, v):
@@ -184,7 +164,8 @@ def main(argv=None):
     sys.path.insert(0, "benchmarks")
     from decode_sweep import eager_time
 
-    shapes = [(16, 1024, 32, 8, 128), (4, 4096, 32, 8, 128), (1, 16384, 32, 8, 128), (4, 4096, 32, 8, 64)]
+    shapes = [(32, 512, 32, 8, 128), (16, 1024, 32, 8, 128), (8, 2048, 32, 8, 128), (4, 4096, 32, 8, 128),
+              (1, 16384, 32, 8, 128)]
     ws_buf = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     print("| shape | causal | kernel | µs | TFLOP/s | rel err vs the core |")
     print("|---|---|---|---|---|---|")
@@ -196,7 +177,7 @@ def main(argv=None):
             flops = testing.prefill_flops([n] * batch, [n] * batch, hq, d, d, causal)
             rows = []
             for name, on, cfg in [("core", False, None)] + [(f"gluon {s}-{r}", True, (s, r)) for s, r in configs]:
-                prefill.HOPPER_PREFILL = on
+                _forced(on)
                 w = tritoninfer.BatchPrefillWithRaggedKVCacheWrapper(ws_buf)
                 w.plan(indptr, indptr, hq, hk, d, causal=causal, q_data_type=torch.bfloat16)
                 assert (w._hopper_tiles is not None) == on

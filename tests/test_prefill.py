@@ -212,10 +212,10 @@ def test_hopper_kernel_selection(monkeypatch):
     monkeypatch.setattr(prefill, "_gluon_hopper_available", lambda: True)
     cuda, bf16, nhd = torch.device("cuda", 0), torch.bfloat16, prefill.TensorLayout.NHD
     base = dict(device=cuda, q_dtype=bf16, kv_dtype=bf16, head_dim_qk=128, head_dim_vo=128, layout=nhd,
-                use_cuda_graph=False, has_mask=False, causal=False, mean_qo_len=1024.0, total_kv=4096)
+                use_cuda_graph=False, has_mask=False, causal=False, mean_qo_len=1024.0)
     assert prefill._hopper_capable(**base)
     assert prefill._hopper_capable(**{**base, "causal": True, "mean_qo_len": 2048.0})
-    for change in ({"causal": True}, {"mean_qo_len": 1000.0}, {"total_kv": 100},
+    for change in ({"causal": True}, {"mean_qo_len": 1000.0},
                    {"q_dtype": torch.float16, "kv_dtype": torch.float16},
                    {"kv_dtype": torch.float8_e4m3fn}, {"head_dim_qk": 64, "head_dim_vo": 64}, {"head_dim_vo": 64},
                    {"layout": prefill.TensorLayout.HND}, {"use_cuda_graph": True}, {"has_mask": True},
@@ -232,8 +232,7 @@ def test_hopper_kernel_needs_plain_scores(monkeypatch):
     """Past the device checks (forced here), a plan takes the Gluon kernel only for scores it computes
     (no soft cap, window, RoPE, ALiBi; a positive scale); forward()'s replaced settings take the core."""
     monkeypatch.setattr(prefill, "_hopper_capable", lambda *a, **kw: True)
-    case = RAGGED_CASES[0]
-    _, _, qo_indptr, _, _ = _inputs(case)
+    qo_indptr = torch.tensor([0, 100, 230], dtype=torch.int32)  # K/V of at least one 128-row TMA box
     wrapper = BatchPrefillWithRaggedKVCacheWrapper(testing.make_workspace(4 << 20, DEVICE))
     for kw, gluon in (({}, True), ({"causal": True}, True), ({"logits_soft_cap": 5.0}, False),
                       ({"window_left": 3}, False), ({"pos_encoding_mode": "ROPE_LLAMA"}, False),
@@ -243,6 +242,54 @@ def test_hopper_kernel_needs_plain_scores(monkeypatch):
     wrapper.plan(qo_indptr, qo_indptr, 4, 2, 64, q_data_type=torch.bfloat16)
     wrapper._override(True, "NONE", False, -1, None, None, None, None)
     assert wrapper._hopper_tiles is None
+    short = torch.tensor([0, 100, 127], dtype=torch.int32)  # less K/V than one TMA box
+    wrapper.plan(short, short, 4, 2, 64, q_data_type=torch.bfloat16)
+    assert wrapper._hopper_tiles is None
+
+
+@pytest.mark.parametrize("page_size,gluon", [(1, True), (16, True), (128, True), (48, False), (256, False)])
+def test_hopper_paged_plan(page_size, gluon, monkeypatch):
+    """Past the device checks (forced here), a paged plan takes the Gluon kernel's paged mode for
+    pages that tile its 128-token KV tiles, with the same work list as a ragged plan; the page
+    table it reads is the plan's (uploaded or the caller's)."""
+    monkeypatch.setattr(prefill, "_hopper_capable", lambda *a, **kw: True)
+    qo_lens, kv_lens = (300, 0, 100), (300, 5, 1000)
+    qo_indptr = torch.tensor(np.concatenate([[0], np.cumsum(qo_lens)]), dtype=torch.int32)
+    kv = testing.make_paged_kv(kv_lens, page_size, 2, 64, device=DEVICE, generator=torch.Generator().manual_seed(0))
+    wrapper = BatchPrefillWithPagedKVCacheWrapper(testing.make_workspace(4 << 20, DEVICE))
+    for causal in (False, True):
+        wrapper.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 4, 2, 64, page_size,
+                     causal=causal, q_data_type=torch.bfloat16)
+        assert (wrapper._hopper_tiles is not None) == gluon
+        if gluon:
+            expected = prefill._hopper_tiles(np.array(qo_lens), np.array(kv_lens), causal)
+            assert wrapper._hopper_tiles.cpu().tolist() == expected.tolist()
+            assert torch.equal(wrapper._kv_indptr.cpu(), kv.kv_indptr.cpu().int())
+    wrapper.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 4, 2, 64, page_size,
+                 logits_soft_cap=5.0, q_data_type=torch.bfloat16)
+    assert wrapper._hopper_tiles is None
+
+
+def test_hopper_paged_descriptors():
+    """The paged mode's TMA view of a cache: K and V pages as rows of [rows, H * D], page p from row
+    p * rows_per_page (5-D: K and V pages alternate); caches that do not fit it (heads not packed,
+    page strides that are not whole rows, K and V laid out differently) get None: the core."""
+    from tritoninfer._kvcache import unpack_paged_kv_cache
+
+    nhd = prefill.TensorLayout.NHD
+    cache = torch.randn(5, 2, 16, 4, 64).to(torch.bfloat16)
+    (k_desc, v_desc), rows_per_page = prefill._paged_descriptors(unpack_paged_kv_cache(cache, nhd))
+    assert rows_per_page == 32 and k_desc.shape == [4 * 32 + 16, 256] and k_desc.block_shape == [16, 64]
+    assert k_desc.base.data_ptr() == cache.data_ptr() and v_desc.base.data_ptr() == cache[:, 1].data_ptr()
+    k, v = torch.randn(2, 7, 8, 4, 64).to(torch.bfloat16).unbind(0)
+    assert prefill._paged_descriptors(unpack_paged_kv_cache((k, v), nhd))[1] == 8
+    tokens = torch.randn(2, 30, 4, 64).to(torch.bfloat16)
+    assert prefill._paged_descriptors(unpack_paged_kv_cache((tokens[0], tokens[1]), nhd))[1] == 1  # page size 1
+    padded = torch.randn(5, 2, 16, 4, 72).to(torch.bfloat16)[..., :64]
+    heads_apart = torch.randn(5, 2, 4, 16, 64).to(torch.bfloat16).transpose(2, 3)
+    mixed = (k, torch.randn(7, 8, 4, 64).to(torch.bfloat16).transpose(0, 1).contiguous().transpose(0, 1))
+    for bad in (padded, heads_apart, mixed):
+        assert prefill._paged_descriptors(unpack_paged_kv_cache(bad, nhd)) is None
 
 
 def test_hopper_kernel_is_not_planned_off_hopper():
@@ -446,6 +493,27 @@ HOPPER_CASES = [
 ]
 
 
+# paged plans the Gluon kernel's paged mode takes (page sizes 1 to 64, 5-D and tuple caches, shuffled
+# pages, empty requests, causal with long requests) and neighbours that keep the core (HND, a page
+# size that does not divide 128, short causal requests); (case, takes the Gluon kernel)
+HOPPER_PAGED_CASES = [
+    (Case((6000, 0, 77, 3000), (6000, 5, 0, 6100), page_size=16, heads=(32, 8), head_dim=128,
+          q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, causal=True), True),
+    (Case((1500, 700), (1500, 1000), page_size=64, form="tuple", heads=(28, 4), head_dim=128,
+          q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16), True),
+    (Case((1100, 1000), (1300, 1000), page_size=1, form="tuple3d", heads=(16, 2), head_dim=128,
+          q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16), True),
+    (Case((2048, 2100), (2100, 4000), page_size=8, heads=(32, 8), head_dim=128, q_dtype=torch.bfloat16,
+          kv_dtype=torch.bfloat16, causal=True), True),
+    (Case((1024, 1024), (1100, 1024), page_size=32, layout="HND", heads=(32, 8), head_dim=128,
+          q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16), False),
+    (Case((1024, 1024), (1100, 1024), page_size=48, heads=(32, 8), head_dim=128, q_dtype=torch.bfloat16,
+          kv_dtype=torch.bfloat16), False),
+    (Case((1000, 0, 77, 300), (1000, 5, 0, 2100), page_size=16, heads=(32, 8), head_dim=128,
+          q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, causal=True), False),
+]
+
+
 def _needs_hopper():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon prefill kernel is for sm_90")
@@ -460,6 +528,46 @@ def test_gpu_hopper_ragged_prefill(case, gluon, monkeypatch):
     monkeypatch.setattr(prefill, "_launch_hopper", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
     test_ragged_prefill_matches_reference(case, device="cuda", hopper=gluon)
     assert bool(calls) == gluon
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,gluon", HOPPER_PAGED_CASES, ids=lambda c: c.id() if isinstance(c, Case) else str(c))
+def test_gpu_hopper_paged_prefill(case, gluon, monkeypatch):
+    _needs_hopper()
+    calls = []
+    launch = prefill._launch_hopper
+    monkeypatch.setattr(prefill, "_launch_hopper", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
+    test_paged_prefill_matches_reference(case, device="cuda")
+    assert bool(calls) == gluon
+
+
+@pytest.mark.gpu
+def test_gpu_hopper_paged_fallbacks(monkeypatch):
+    """A paged plan in the Gluon kernel's range still takes the core for a run with fp8 scales or sinks
+    (which the kernel lacks); the kernel's own run matches the reference with and without an LSE."""
+    _needs_hopper()
+    calls = []
+    launch = prefill._launch_hopper
+    monkeypatch.setattr(prefill, "_launch_hopper", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
+    g = torch.Generator().manual_seed(5)
+    q, qo_indptr = testing.random_qo((1200, 900), 16, 128, dtype=torch.bfloat16, generator=g)
+    q = q.cuda()
+    kv = testing.make_paged_kv((1300, 900), 16, 4, 128, dtype=torch.bfloat16, device="cuda", generator=g)
+    sinks = torch.randn(16, generator=g).cuda()
+    w = BatchPrefillWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8, device="cuda"))
+    w.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 16, 4, 128, 16, q_data_type=torch.bfloat16)
+    assert w._hopper_tiles is not None
+    args = (q, qo_indptr.cuda(), kv.cache, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, "NHD")
+    for kw, gluon in (({}, True), ({"k_scale": 0.5, "v_scale": 2.0}, False), ({"sinks": sinks}, False)):
+        calls.clear()
+        o, lse = w.run(q, kv.cache, return_lse=True, **kw)
+        ref_o, ref_lse = reference.batch_prefill_with_paged_kv_cache(*args, **kw)
+        testing.assert_close(o, ref_o, torch.bfloat16)
+        testing.assert_lse_close(lse, ref_lse, dtype=torch.bfloat16)
+        assert bool(calls) == gluon, kw
+    calls.clear()
+    testing.assert_close(w.run(q, kv.cache), reference.batch_prefill_with_paged_kv_cache(*args), torch.bfloat16)
+    assert calls
 
 
 @pytest.mark.gpu

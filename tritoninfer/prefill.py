@@ -22,7 +22,7 @@ import torch
 
 from . import _device
 from ._attention import DevicePlan, KVSource, PlanUploader, launch_attention, pad_work, score_params, scratch_workspace
-from ._kvcache import PagedKVCache, host_page_table, page_table_from_block_tables, unpack_paged_kv_cache
+from ._kvcache import PagedKV, PagedKVCache, host_page_table, page_table_from_block_tables, unpack_paged_kv_cache
 from ._options import (
     KV_DTYPES,
     Q_DTYPES,
@@ -104,6 +104,8 @@ def hopper_maxnreg(consumer_regs: int) -> int:
 # than the core (the core's short-query tiles serve shorter requests; the crossovers are not measured)
 HOPPER_MIN_LEN = 1024
 HOPPER_CAUSAL_MIN_LEN = 2048
+# smallest page the paged mode takes (one TMA box per page and head)
+HOPPER_MIN_PAGE = 1
 
 
 @functools.lru_cache(maxsize=None)
@@ -123,16 +125,14 @@ def _gluon_hopper_available() -> bool:
 
 
 def _hopper_capable(device: torch.device, q_dtype, kv_dtype, head_dim_qk, head_dim_vo, layout, use_cuda_graph,
-                    has_mask, causal: bool, mean_qo_len: float, total_kv: int) -> bool:
-    """Whether a ragged plan may take the Gluon Hopper kernel (the plan then checks the scores, the
-    run its tensors). Only where it
-    was measured faster than the core and tested on the H200 (benchmarks/NOTES.md, session 5): bf16,
-    head_dim 128 (at 64 it is 7-12 % slower), requests of 1024 query tokens or more on average, and
-    causal only from 2048 (16 x 1024 causal: 10-25 % slower; 4 x 4096: 14-20 % faster); K/V of at
-    least one 128-row TMA box."""
+                    has_mask, causal: bool, mean_qo_len: float) -> bool:
+    """Whether a plan may take the Gluon Hopper kernel (the wrapper then checks its KV geometry, the
+    plan the scores, the run its tensors). Only where it was measured faster than the core and
+    tested on the H200 (benchmarks/NOTES.md, sessions 5 and 6): bf16, head_dim 128 (at 64 it is
+    7-12 % slower), requests of 1024 query tokens or more on average, and causal only from 2048."""
     return (HOPPER_PREFILL and not use_cuda_graph and not has_mask and layout == TensorLayout.NHD
             and q_dtype == torch.bfloat16 and kv_dtype == q_dtype and head_dim_qk == head_dim_vo == 128
-            and mean_qo_len >= (HOPPER_CAUSAL_MIN_LEN if causal else HOPPER_MIN_LEN) and total_kv >= 128
+            and mean_qo_len >= (HOPPER_CAUSAL_MIN_LEN if causal else HOPPER_MIN_LEN)
             and device.type == "cuda" and _device.has_gpu() and _device.capability(device) == (9, 0)
             and _gluon_hopper_available())
 
@@ -160,28 +160,57 @@ def _smem_layout(rows: int, head_dim: int, dtype: torch.dtype):
                                                                    torch.bfloat16: gl.bfloat16}[dtype])
 
 
-def _launch_hopper(q, k, v, out, lse, qo_indptr, kv_indptr, tiles: torch.Tensor, num_kv_heads: int,
-                   sm_scale: float, causal: bool) -> None:
+def _ragged_descriptors(k: torch.Tensor, v: torch.Tensor):
+    """TMA descriptors of contiguous NHD K/V for the Gluon kernel (128-token boxes of one head), or
+    None where a 2-D TMA view does not fit them (the run then takes the core)."""
+    if not (_tma_ready(k) and _tma_ready(v)):
+        return None
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    n, h, d = k.shape
+    layout = _smem_layout(HOPPER_TILE, d, k.dtype)
+    return tuple(TensorDescriptor(t, [n, h * d], [t.stride(0), 1], [HOPPER_TILE, d], layout) for t in (k, v)), 0
+
+
+def _paged_descriptors(kv: PagedKV):
+    """TMA descriptors of an NHD paged cache for the Gluon kernel's paged mode: K and V as 2-D views
+    [rows, H * D] with a box of one page of one head, page p starting at row p * rows_per_page (in a
+    5-D cache K and V pages alternate: rows_per_page = 2 * page). None where the cache does not fit
+    that view (heads or slots not packed, page strides that are not whole rows or differ)."""
+    page, h, d = kv.page_size, kv.num_heads, kv.head_dim_qk
+    row = h * d
+    page_stride, slot, head = kv.k_strides
+    if (kv.k_strides != kv.v_strides or (page > 1 and slot != row) or head != d or page_stride % row
+            or (page_stride * kv.k.element_size()) % 16 or kv.k.data_ptr() % 16 or kv.v.data_ptr() % 16):
+        return None
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    rows_per_page = page_stride // row
+    rows = (kv.k.shape[0] - 1) * rows_per_page + page
+    layout = _smem_layout(page, d, kv.k.dtype)
+    return tuple(TensorDescriptor(t, [rows, row], [row, 1], [page, d], layout) for t in (kv.k, kv.v)), rows_per_page
+
+
+def _launch_hopper(q, kv_descriptors, out, lse, qo_indptr, kv_indptr, tiles: torch.Tensor, num_kv_heads: int,
+                   sm_scale: float, causal: bool, kv_len=None, kv_indices=None) -> None:
+    """The Gluon kernel over ``kv_descriptors`` (from ``_ragged_descriptors``, or ``_paged_descriptors``
+    with the page table ``kv_indptr`` / ``kv_indices`` and the KV lengths ``kv_len``)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from .kernels.prefill_hopper import ragged_prefill_hopper_kernel
 
+    (k_desc, v_desc), rows_per_page = kv_descriptors
     tokens, hq, d = q.shape
-    n_kv = k.shape[0]
     q_desc = TensorDescriptor(q, [tokens, hq * d], [q.stride(0), 1], [64, d], _smem_layout(64, d, q.dtype))
-    kv_box = [128, d]
-    kv_layout = _smem_layout(128, d, k.dtype)
-    k_desc = TensorDescriptor(k, [n_kv, num_kv_heads * d], [k.stride(0), 1], kv_box, kv_layout)
-    v_desc = TensorDescriptor(v, [n_kv, num_kv_heads * d], [v.stride(0), 1], kv_box, kv_layout)
-    num_tiles = tiles.shape[1]
     if lse is None:  # the kernel always writes one (see kernels/prefill_hopper.py)
         lse = torch.empty((tokens, hq), dtype=torch.float32, device=q.device)
-    ragged_prefill_hopper_kernel[(num_tiles * hq,)](
+    paged = kv_indices is not None
+    ragged_prefill_hopper_kernel[(tiles.shape[1] * hq,)](
         q_desc, k_desc, v_desc, out, out.stride(0), out.stride(1), lse, lse.stride(0),
         qo_indptr, kv_indptr, tiles[0], tiles[1], hq, sm_scale * math.log2(math.e),
-        kv_indptr, kv_indptr, 0,  # the paged mode's kv_len, kv_indices and page stride: unused here
+        kv_len if paged else kv_indptr, kv_indices if paged else kv_indptr, rows_per_page,
         GROUP=hq // num_kv_heads, STAGES=HOPPER_STAGES, IS_CAUSAL=causal, CONSUMER_REGS=HOPPER_CONSUMER_REGS,
-        PAGE_SIZE=0, num_warps=4,
+        PAGE_SIZE=k_desc.block_shape[0] if paged else 0, num_warps=4,
         maxnreg=hopper_maxnreg(HOPPER_CONSUMER_REGS),
     )
 
@@ -368,6 +397,13 @@ class _BatchPrefillBase:
         self._sm_scale, self._rope_scale, self._rope_theta = sm_scale, rope_scale, rope_theta
         return kv_views
 
+    def _keep_hopper_tiles(self, tiles: Optional[torch.Tensor]) -> None:
+        """Keeps the Gluon kernel's uploaded work list (int32 [2 * tiles]) if the planned scores are
+        ones it computes: no RoPE, ALiBi, soft cap or window, and a positive scale (folded into exp2)."""
+        p = self._params
+        plain = not (p.rope or p.alibi or p.logits_soft_cap > 0 or p.window_left >= 0) and p.sm_scale > 0
+        self._hopper_tiles = tiles.view(2, -1) if tiles is not None and plain else None
+
     def _override(self, causal, pos_encoding_mode, use_fp16_qk_reduction, window_left, logits_soft_cap, sm_scale,
                   rope_scale, rope_theta) -> None:
         """The deprecated forward(): its arguments, defaults included, replace the planned settings."""
@@ -383,7 +419,9 @@ class _BatchPrefillBase:
 
     def _run_common(self, q, kv: KVSource, kv_dtype, head_dim_qk, head_dim_vo, out, lse, return_lse, *,
                     q_scale=None, k_scale=None, v_scale=None, sinks=None, window_left=None, head_scales=None,
-                    out_dtype=None, ragged_kv=None):
+                    out_dtype=None, hopper_kv=None):
+        """``hopper_kv``: the Gluon kernel's K/V descriptors (``_ragged_descriptors`` or
+        ``_paged_descriptors``), given only when the plan chose it and the K/V fit."""
         if self._plan is None:
             raise ValueError("run() was called before plan()")
         if window_left is not None and window_left != self._window_left:
@@ -417,10 +455,11 @@ class _BatchPrefillBase:
         out = check_out(out, shape, out_dtype, q.device, "out")
         lse = check_out(lse, shape[:2], torch.float32, q.device, "lse") if return_lse else None
         sinks = check_sinks(sinks, self._num_qo_heads, q.device)
-        if (ragged_kv is not None and self._hopper_tiles is not None and sinks is None and head_scales is None
-                and all(_tma_ready(t) for t in (q, *ragged_kv))):
-            _launch_hopper(q, *ragged_kv, out, lse, self._plan.qo_indptr, kv.kv_indptr, self._hopper_tiles,
-                           self._num_kv_heads, self._params.sm_scale, self._params.causal)
+        if hopper_kv is not None and sinks is None and head_scales is None and _tma_ready(q):
+            paged = kv.page_size > 0
+            _launch_hopper(q, hopper_kv, out, lse, self._plan.qo_indptr, kv.kv_indptr, self._hopper_tiles,
+                           self._num_kv_heads, self._params.sm_scale, self._params.causal,
+                           kv_len=self._plan.kv_len if paged else None, kv_indices=kv.kv_indices if paged else None)
             return (out, lse) if return_lse else out
         launch_attention(
             q=q, out=out, lse=lse, kv=kv, plan=self._plan, tiles=self._tiles, num_kv_heads=self._num_kv_heads,
@@ -606,6 +645,15 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         needs_indptr_upload = self._use_cuda_graph or paged_kv_indptr is None or paged_kv_indptr.device != self.device \
             or block_tables is not None
         kv_extra = [ind, lpl] if self._use_cuda_graph else ([ind] if needs_indptr_upload else [])
+        q_dtype = canonicalize_dtype(q_data_type, "q_data_type")
+        hopper = (qo.size == kv_lens.size + 1 and HOPPER_TILE % page_size == 0 and page_size >= HOPPER_MIN_PAGE
+                  and _hopper_capable(
+                      self.device, q_dtype, q_dtype if kv_data_type is None else canonicalize_dtype(kv_data_type, "kv_data_type"),
+                      head_dim_qk, head_dim_qk if head_dim_vo is None else head_dim_vo, self._kv_layout,
+                      self._use_cuda_graph, custom_mask is not None or packed_custom_mask is not None, bool(causal),
+                      qo[-1] / max(qo.size - 1, 1)))
+        if hopper:
+            kv_extra.append(_hopper_tiles(qo[1:] - qo[:-1], kv_lens, bool(causal)))
         views = self._plan_common(
             qo_indptr_host=qo_indptr_host, qo_indptr=qo_indptr, kv_lens=kv_lens, kv_extra=kv_extra,
             num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
@@ -621,10 +669,11 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             copy_into(self._paged_kv_indices_buf[:num_pages_used], paged_kv_indices[:num_pages_used], non_blocking)
             self._kv_indptr, self._kv_indices = self._paged_kv_indptr_buf, self._paged_kv_indices_buf
         else:
-            self._kv_indptr = views[0] if views else paged_kv_indptr.to(torch.int32)
+            self._kv_indptr = views[0] if needs_indptr_upload else paged_kv_indptr.to(torch.int32)
             indices = paged_kv_indices.to(self.device, non_blocking=non_blocking)
             self._kv_indices = indices.to(torch.int32)
         self._page_size = page_size
+        self._keep_hopper_tiles(views[-1] if hopper else None)
 
     begin_forward = plan
 
@@ -678,8 +727,12 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                 f"plan() used {self._page_size}/{self._num_kv_heads}"
             )
         source = KVSource(kv.k, kv.v, kv.k_strides, kv.v_strides, kv.page_size, self._kv_indptr, self._kv_indices)
+        # the Gluon kernel has no fp8 scales: a run that passes them takes the core
+        plain = q_scale is None and k_scale is None and v_scale is None
+        hopper_kv = _paged_descriptors(kv) if self._hopper_tiles is not None and plain else None
         return self._run_common(q, source, kv.dtype, kv.head_dim_qk, kv.head_dim_vo, out, lse, return_lse,
-                                q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks, window_left=window_left)
+                                q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks, window_left=window_left,
+                                hopper_kv=hopper_kv)
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
 
@@ -821,11 +874,10 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         q_dtype = canonicalize_dtype(q_data_type, "q_data_type")
         check_indptr_host(qo_indptr_host, "qo_indptr")
         qo = qo_indptr_host.numpy().astype(np.int64)
-        hopper = qo.size == kv.size and _hopper_capable(  # a size mismatch is reported by _plan_common
+        hopper = qo.size == kv.size and kv[-1] >= HOPPER_TILE and _hopper_capable(  # (K/V fill one TMA box)
             self.device, q_dtype, q_dtype if kv_data_type is None else canonicalize_dtype(kv_data_type, "kv_data_type"),
             head_dim_qk, head_dim_qk if head_dim_vo is None else head_dim_vo, self._kv_layout, self._use_cuda_graph,
-            custom_mask is not None or packed_custom_mask is not None, bool(causal), qo[-1] / max(qo.size - 1, 1),
-            int(kv[-1]))
+            custom_mask is not None or packed_custom_mask is not None, bool(causal), qo[-1] / max(qo.size - 1, 1))
         kv_extra = [kv]
         if hopper:
             kv_extra.append(_hopper_tiles(qo[1:] - qo[:-1], kv[1:] - kv[:-1], bool(causal)))
@@ -844,9 +896,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         else:
             self._kv_indptr = views[0]
         self._total_kv = int(kv[-1])
-        p = self._params  # the kernel has no RoPE, ALiBi, soft cap or window, and folds a positive scale
-        plain = not (p.rope or p.alibi or p.logits_soft_cap > 0 or p.window_left >= 0) and p.sm_scale > 0
-        self._hopper_tiles = views[1].view(2, -1) if len(views) > 1 and plain else None
+        self._keep_hopper_tiles(views[1] if hopper else None)
 
     begin_forward = plan
 
@@ -880,7 +930,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         source, heads, dqk, dvo, nnz = _ragged_kv(k, v, self._kv_layout, self._kv_indptr)
         if heads != self._num_kv_heads or (nnz < self._total_kv if self._use_cuda_graph else nnz != self._total_kv):
             raise ValueError(f"k: expected {self._total_kv} rows (kv_indptr[-1]) of {self._num_kv_heads} heads, got {tuple(k.shape)}")
-        return self._run_common(q, source, k.dtype, dqk, dvo, out, lse, return_lse, ragged_kv=(k, v))
+        hopper_kv = _ragged_descriptors(k, v) if self._hopper_tiles is not None else None
+        return self._run_common(q, source, k.dtype, dqk, dvo, out, lse, return_lse, hopper_kv=hopper_kv)
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
 
@@ -1001,8 +1052,9 @@ def single_prefill_with_kv_cache(
                             ((scale_q, q.shape[1], "scale_q"), (scale_k, num_kv_heads, "scale_k"),
                              (scale_v, num_kv_heads, "scale_v")))
     source, _, dqk, dvo, _ = _ragged_kv(k, v, layout, wrapper._kv_indptr)
+    hopper_kv = _ragged_descriptors(k, v) if wrapper._hopper_tiles is not None and head_scales is None else None
     return wrapper._run_common(q, source, k.dtype, dqk, dvo, None, None, return_lse, head_scales=head_scales,
-                               out_dtype=o_dtype, ragged_kv=(k, v))
+                               out_dtype=o_dtype, hopper_kv=hopper_kv)
 
 
 def _head_scale(s: Optional[torch.Tensor], n: int, name: str, device) -> torch.Tensor:
