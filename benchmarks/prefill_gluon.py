@@ -27,8 +27,9 @@ import triton
 from tritoninfer import prefill
 
 
-def compile_only(configs):
-    """Compile the kernel for sm_90 and print registers, shared memory and the wgmma count."""
+def compile_only(configs, page=0):
+    """Compile the kernel for sm_90 and print registers, shared memory and the wgmma count
+    (``page`` > 0: the paged mode, K/V boxes of one page with the 128-row tile's layout)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -42,16 +43,17 @@ def compile_only(configs):
             for stages, regs in configs:
                 host = torch.empty(1024, 32 * d, dtype=torch.bfloat16)
 
-                def desc(rows):
+                def desc(rows, box):
                     layout = prefill._smem_layout(rows, d, torch.bfloat16)
-                    return mangle_type(TensorDescriptor(host, list(host.shape), list(host.stride()), [rows, d], layout))
+                    return mangle_type(TensorDescriptor(host, list(host.shape), list(host.stride()), [box, d], layout))
 
-                sig = {"q_desc": desc(64), "k_desc": desc(128), "v_desc": desc(128), "o_ptr": "*bf16",
+                kv_box = page or 128
+                sig = {"q_desc": desc(64, 64), "k_desc": desc(128, kv_box), "v_desc": desc(128, kv_box), "o_ptr": "*bf16",
                        "stride_o_tok": "i32", "stride_o_head": "i32", "lse_ptr": "*fp32", "stride_lse_tok": "i32",
                        "qo_indptr_ptr": "*i32", "kv_indptr_ptr": "*i32", "tile_req_ptr": "*i32",
                        "tile_start_ptr": "*i32", "num_qo_heads": "i32", "sm_scale_log2": "fp32",
                        "kv_len_ptr": "*i32", "kv_indices_ptr": "*i32", "rows_per_page": "i32"}
-                const = dict(GROUP=4, STAGES=stages, IS_CAUSAL=causal, CONSUMER_REGS=regs, PAGE_SIZE=0, num_warps=4)
+                const = dict(GROUP=4, STAGES=stages, IS_CAUSAL=causal, CONSUMER_REGS=regs, PAGE_SIZE=page, num_warps=4)
                 # what a launch specialises: pointers and these integers divisible by 16
                 attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if name.endswith("_ptr") or
                          name in ("stride_o_tok", "stride_o_head", "stride_lse_tok", "num_qo_heads")}
@@ -71,13 +73,13 @@ def compile_only(configs):
                       f"HGMMA {len(re.findall('HGMMA', sass))}")
 
 
-DEFAULT_MIN_LENS = (prefill.HOPPER_MIN_LEN, prefill.HOPPER_CAUSAL_MIN_LEN)
+DEFAULT_MIN_LEN = dict(prefill.HOPPER_MIN_LEN)
 
 
 def _forced(on: bool) -> None:
     """The Gluon kernel on for every length (past the measured thresholds), or off, for the next plans."""
     prefill.HOPPER_PREFILL = on
-    prefill.HOPPER_MIN_LEN, prefill.HOPPER_CAUSAL_MIN_LEN = (0, 0) if on else DEFAULT_MIN_LENS
+    prefill.HOPPER_MIN_LEN = dict.fromkeys(DEFAULT_MIN_LEN, 0) if on else dict(DEFAULT_MIN_LEN)
 
 
 def main_paged(args):
@@ -92,8 +94,8 @@ def main_paged(args):
     ws_buf = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     print("| shape | causal | kernel | µs | TFLOP/s | rel err vs the core |")
     print("|---|---|---|---|---|---|")
-    shapes = [(32, 512, 16), (16, 1024, 16), (8, 2048, 16), (4, 4096, 16), (1, 16384, 16), (4, 4096, 1),
-              (4, 4096, 4), (4, 4096, 64)]
+    shapes = [(32, 512, 16), (16, 1024, 16), (8, 2048, 16), (4, 4096, 16), (1, 16384, 16), (4, 4096, 8),
+              (4, 4096, 64)]
     hq, hk, d = 32, 8, 128
     for batch, n, page in shapes:
         torch.manual_seed(0)
@@ -150,13 +152,14 @@ def main(argv=None):
     ap.add_argument("--configs", default="3-240", help="STAGES-CONSUMER_REGS, comma-separated")
     ap.add_argument("--fa3", action="store_true", help="also FlashInfer's fa3 backend (JIT-compiles)")
     ap.add_argument("--paged", action="store_true", help="the kernel's paged mode (see the module docstring)")
+    ap.add_argument("--page", type=int, default=0, help="with --compile: the paged mode at this page size")
     args = ap.parse_args(argv)
     if args.paged:
         main_paged(args)
         return
     configs = [tuple(map(int, c.split("-"))) for c in args.configs.split(",")]
     if args.compile:
-        compile_only(configs)
+        compile_only(configs, args.page)
         return
     import tritoninfer
     from tritoninfer import testing

@@ -206,7 +206,8 @@ def test_hopper_tiles_cover_every_query_tile_heaviest_first():
 
 def test_hopper_kernel_selection(monkeypatch):
     """The Gluon kernel only where it was measured faster and GPU-tested: sm_90, Triton 3.6, bf16,
-    head_dim 128, NHD, no mask, no CUDA graph, requests of 1024 query tokens on average (causal: 2048)."""
+    head_dim 128, NHD, no mask, no CUDA graph, requests of 1024 query tokens on average (causal: 4096;
+    paged: 512 and 1024)."""
     monkeypatch.setattr(prefill._device, "has_gpu", lambda: True)
     monkeypatch.setattr(prefill._device, "capability", lambda device=None: (9, 0))
     monkeypatch.setattr(prefill, "_gluon_hopper_available", lambda: True)
@@ -214,8 +215,11 @@ def test_hopper_kernel_selection(monkeypatch):
     base = dict(device=cuda, q_dtype=bf16, kv_dtype=bf16, head_dim_qk=128, head_dim_vo=128, layout=nhd,
                 use_cuda_graph=False, has_mask=False, causal=False, mean_qo_len=1024.0)
     assert prefill._hopper_capable(**base)
-    assert prefill._hopper_capable(**{**base, "causal": True, "mean_qo_len": 2048.0})
-    for change in ({"causal": True}, {"mean_qo_len": 1000.0},
+    assert prefill._hopper_capable(**{**base, "causal": True, "mean_qo_len": 4096.0})
+    assert prefill._hopper_capable(**{**base, "paged": True, "mean_qo_len": 512.0})
+    assert prefill._hopper_capable(**{**base, "paged": True, "causal": True})
+    for change in ({"causal": True}, {"mean_qo_len": 1000.0}, {"causal": True, "mean_qo_len": 4000.0},
+                   {"paged": True, "mean_qo_len": 500.0}, {"paged": True, "causal": True, "mean_qo_len": 1000.0},
                    {"q_dtype": torch.float16, "kv_dtype": torch.float16},
                    {"kv_dtype": torch.float8_e4m3fn}, {"head_dim_qk": 64, "head_dim_vo": 64}, {"head_dim_vo": 64},
                    {"layout": prefill.TensorLayout.HND}, {"use_cuda_graph": True}, {"has_mask": True},
@@ -247,7 +251,8 @@ def test_hopper_kernel_needs_plain_scores(monkeypatch):
     assert wrapper._hopper_tiles is None
 
 
-@pytest.mark.parametrize("page_size,gluon", [(1, True), (16, True), (128, True), (48, False), (256, False)])
+@pytest.mark.parametrize("page_size,gluon", [(8, True), (16, True), (128, True), (4, False), (1, False), (48, False),
+                                             (256, False)])
 def test_hopper_paged_plan(page_size, gluon, monkeypatch):
     """Past the device checks (forced here), a paged plan takes the Gluon kernel's paged mode for
     pages that tile its 128-token KV tiles, with the same work list as a ragged plan; the page
@@ -479,7 +484,7 @@ def test_gpu_paged_prefill(case):
 # empty requests, GQA groups of 4 and 7, causal with long requests) and neighbours that keep the
 # attention core (head_dim 64, fp16, causal with short requests); (case, takes the Gluon kernel)
 HOPPER_CASES = [
-    (Case((6000, 0, 77, 3000), (6000, 5, 0, 6100), heads=(32, 8), head_dim=128, q_dtype=torch.bfloat16,
+    (Case((8200, 0, 77, 8200), (8200, 5, 0, 8300), heads=(16, 4), head_dim=128, q_dtype=torch.bfloat16,
           kv_dtype=torch.bfloat16, causal=True), True),
     (Case((1000, 0, 77, 300), (1000, 5, 0, 2100), heads=(32, 8), head_dim=128, q_dtype=torch.bfloat16,
           kv_dtype=torch.bfloat16, causal=True), False),
@@ -493,16 +498,18 @@ HOPPER_CASES = [
 ]
 
 
-# paged plans the Gluon kernel's paged mode takes (page sizes 1 to 64, 5-D and tuple caches, shuffled
-# pages, empty requests, causal with long requests) and neighbours that keep the core (HND, a page
-# size that does not divide 128, short causal requests); (case, takes the Gluon kernel)
+# paged plans the Gluon kernel's paged mode takes (page sizes 8 to 64, 5-D and tuple caches, shuffled
+# pages, empty requests, causal with long requests) and neighbours that keep the core (HND, pages of
+# 1 or 48 tokens, short causal requests); (case, takes the Gluon kernel)
 HOPPER_PAGED_CASES = [
     (Case((6000, 0, 77, 3000), (6000, 5, 0, 6100), page_size=16, heads=(32, 8), head_dim=128,
           q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, causal=True), True),
     (Case((1500, 700), (1500, 1000), page_size=64, form="tuple", heads=(28, 4), head_dim=128,
           q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16), True),
+    (Case((700, 500), (900, 500), page_size=32, heads=(16, 2), head_dim=128, q_dtype=torch.bfloat16,
+          kv_dtype=torch.bfloat16), True),
     (Case((1100, 1000), (1300, 1000), page_size=1, form="tuple3d", heads=(16, 2), head_dim=128,
-          q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16), True),
+          q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16), False),
     (Case((2048, 2100), (2100, 4000), page_size=8, heads=(32, 8), head_dim=128, q_dtype=torch.bfloat16,
           kv_dtype=torch.bfloat16, causal=True), True),
     (Case((1024, 1024), (1100, 1024), page_size=32, layout="HND", heads=(32, 8), head_dim=128,
@@ -566,7 +573,7 @@ def test_gpu_hopper_paged_fallbacks(monkeypatch):
         testing.assert_lse_close(lse, ref_lse, dtype=torch.bfloat16)
         assert bool(calls) == gluon, kw
     calls.clear()
-    testing.assert_close(w.run(q, kv.cache), reference.batch_prefill_with_paged_kv_cache(*args), torch.bfloat16)
+    testing.assert_close(w.run(q, kv.cache), reference.batch_prefill_with_paged_kv_cache(*args)[0], torch.bfloat16)
     assert calls
 
 

@@ -100,12 +100,13 @@ def hopper_maxnreg(consumer_regs: int) -> int:
     return (2 * 4 * consumer_regs + 4 * 24) // 12 // 8 * 8
 
 
-# mean query tokens per request from which a plan takes the Gluon kernel: the shortest measured faster
-# than the core (the core's short-query tiles serve shorter requests; the crossovers are not measured)
-HOPPER_MIN_LEN = 1024
-HOPPER_CAUSAL_MIN_LEN = 2048
-# smallest page the paged mode takes (one TMA box per page and head)
-HOPPER_MIN_PAGE = 1
+# mean query tokens per request from which a plan takes the Gluon kernel, by (paged, causal): the
+# shortest measured faster than the core on the same KV (benchmarks/NOTES.md, session 6; the paged core
+# is slower than the ragged one, so paged plans switch earlier)
+HOPPER_MIN_LEN = {(False, False): 1024, (False, True): 4096, (True, False): 512, (True, True): 1024}
+# smallest page the paged mode takes: a TMA box per page lands in an 8-row slice of the 128-byte
+# swizzled K/V stage; Triton 3.6 cannot slice one below its 8-row swizzle pattern
+HOPPER_MIN_PAGE = 8
 
 
 @functools.lru_cache(maxsize=None)
@@ -125,14 +126,14 @@ def _gluon_hopper_available() -> bool:
 
 
 def _hopper_capable(device: torch.device, q_dtype, kv_dtype, head_dim_qk, head_dim_vo, layout, use_cuda_graph,
-                    has_mask, causal: bool, mean_qo_len: float) -> bool:
+                    has_mask, causal: bool, mean_qo_len: float, paged: bool = False) -> bool:
     """Whether a plan may take the Gluon Hopper kernel (the wrapper then checks its KV geometry, the
     plan the scores, the run its tensors). Only where it was measured faster than the core and
     tested on the H200 (benchmarks/NOTES.md, sessions 5 and 6): bf16, head_dim 128 (at 64 it is
-    7-12 % slower), requests of 1024 query tokens or more on average, and causal only from 2048."""
+    7-12 % slower), requests of ``HOPPER_MIN_LEN[paged, causal]`` query tokens or more on average."""
     return (HOPPER_PREFILL and not use_cuda_graph and not has_mask and layout == TensorLayout.NHD
             and q_dtype == torch.bfloat16 and kv_dtype == q_dtype and head_dim_qk == head_dim_vo == 128
-            and mean_qo_len >= (HOPPER_CAUSAL_MIN_LEN if causal else HOPPER_MIN_LEN)
+            and mean_qo_len >= HOPPER_MIN_LEN[paged, causal]
             and device.type == "cuda" and _device.has_gpu() and _device.capability(device) == (9, 0)
             and _gluon_hopper_available())
 
@@ -651,7 +652,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                       self.device, q_dtype, q_dtype if kv_data_type is None else canonicalize_dtype(kv_data_type, "kv_data_type"),
                       head_dim_qk, head_dim_qk if head_dim_vo is None else head_dim_vo, self._kv_layout,
                       self._use_cuda_graph, custom_mask is not None or packed_custom_mask is not None, bool(causal),
-                      qo[-1] / max(qo.size - 1, 1)))
+                      qo[-1] / max(qo.size - 1, 1), paged=True))
         if hopper:
             kv_extra.append(_hopper_tiles(qo[1:] - qo[:-1], kv_lens, bool(causal)))
         views = self._plan_common(
