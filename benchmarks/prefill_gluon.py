@@ -4,11 +4,11 @@ in the same process, or compiled for sm_90 without a GPU. benchmarks/NOTES.md (s
 steps that led to it (a single-partition version with a CTA barrier per tile, then the
 warp-specialised one).
 
-    PYTHONPATH=. python benchmarks/prefill_gluon.py [--fa3] [--configs 3-240,2-240]   # GPU
+    PYTHONPATH=. python benchmarks/prefill_gluon.py [--fa3] [--configs 3-240,3-240-1]   # GPU
     PYTHONPATH=. python benchmarks/prefill_gluon.py --paged [--fa3]                  # GPU: paged mode
     PYTHONPATH=. python benchmarks/prefill_gluon.py --compile                        # no GPU
 
-A config is ``STAGES-CONSUMER_REGS``. Both modes force the Gluon kernel for every length (past
+A config is ``STAGES-CONSUMER_REGS``, ``-1`` appended for one work item per program (not persistent). Both modes force the Gluon kernel for every length (past
 ``prefill.HOPPER_MIN_LEN``, to place the thresholds). ``--paged`` runs the paged wrapper on the
 kernel's paged mode (a TMA box per page) against the same wrapper on the attention core over one page
 table, and the ragged kernel on contiguous copies of the same K/V (paging's cost).
@@ -40,7 +40,7 @@ def compile_only(configs, page=0):
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     for d in (128, 64):
         for causal in (False, True):
-            for stages, regs in configs:
+            for stages, regs, _ in configs:
                 host = torch.empty(1024, 32 * d, dtype=torch.bfloat16)
 
                 def desc(rows, box):
@@ -50,9 +50,9 @@ def compile_only(configs, page=0):
                 kv_box = page or 128
                 sig = {"q_desc": desc(64, 64), "k_desc": desc(128, kv_box), "v_desc": desc(128, kv_box), "o_ptr": "*bf16",
                        "stride_o_tok": "i32", "stride_o_head": "i32", "lse_ptr": "*fp32", "stride_lse_tok": "i32",
-                       "qo_indptr_ptr": "*i32", "kv_indptr_ptr": "*i32", "tile_req_ptr": "*i32",
-                       "tile_start_ptr": "*i32", "num_qo_heads": "i32", "sm_scale_log2": "fp32",
-                       "kv_len_ptr": "*i32", "kv_indices_ptr": "*i32", "rows_per_page": "i32"}
+                       "qo_indptr_ptr": "*i32", "kv_indptr_ptr": "*i32", "kv_len_ptr": "*i32", "tile_req_ptr": "*i32",
+                       "tile_start_ptr": "*i32", "num_qo_heads": "i32", "num_items": "i32", "sm_scale_log2": "fp32",
+                       "kv_indices_ptr": "*i32", "rows_per_page": "i32"}
                 const = dict(GROUP=4, STAGES=stages, IS_CAUSAL=causal, CONSUMER_REGS=regs, PAGE_SIZE=page, num_warps=4)
                 # what a launch specialises: pointers and these integers divisible by 16
                 attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if name.endswith("_ptr") or
@@ -109,17 +109,20 @@ def main_paged(args):
         for causal in (False, True):
             flops = testing.prefill_flops([n] * batch, [n] * batch, hq, d, d, causal)
             rows = []
-            for name, on in (("core, paged", False), (f"gluon, paged (page {page})", True)):
+            for name, on, persistent in (("core, paged", False, True), (f"gluon, paged (page {page})", True, True),
+                                         ("gluon, paged, an item per program", True, False)):
                 _forced(on)
                 w = tritoninfer.BatchPrefillWithPagedKVCacheWrapper(ws_buf)
                 w.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, hq, hk, d, page, causal=causal,
                        q_data_type=torch.bfloat16)
                 assert (w._hopper_tiles is not None) == on
-                rows.append((name, lambda w=w: w.run(q, kv.cache)))
+                rows.append((name, lambda w=w, p=persistent: _run_with((prefill.HOPPER_STAGES,
+                             prefill.HOPPER_CONSUMER_REGS, p), w, q, kv.cache)))
             _forced(True)
             rw = tritoninfer.BatchPrefillWithRaggedKVCacheWrapper(ws_buf)
             rw.plan(qo_indptr, qo_indptr, hq, hk, d, causal=causal, q_data_type=torch.bfloat16)
-            rows.append(("gluon, ragged", lambda rw=rw: rw.run(q, k, v)))
+            rows.append(("gluon, ragged", lambda rw=rw: _run_with((prefill.HOPPER_STAGES, prefill.HOPPER_CONSUMER_REGS,
+                                                                   True), rw, q, k, v)))
             if args.fa3:
                 import flashinfer
 
@@ -138,18 +141,19 @@ def main_paged(args):
     _forced(False)
 
 
-def _run_with(cfg, wrapper, q, k, v):
-    """Runs with the Hopper kernel's (stages, consumer registers) set to ``cfg`` (module settings
-    read at launch)."""
+def _run_with(cfg, wrapper, *args):
+    """Runs with the Hopper kernel's (stages, consumer registers, persistent) set to ``cfg`` (module
+    settings read at launch)."""
     if cfg:
-        prefill.HOPPER_STAGES, prefill.HOPPER_CONSUMER_REGS = cfg
-    return wrapper.run(q, k, v)
+        prefill.HOPPER_STAGES, prefill.HOPPER_CONSUMER_REGS, prefill.HOPPER_PERSISTENT = cfg
+    return wrapper.run(*args)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--compile", action="store_true", help="compile for sm_90 only (no GPU)")
-    ap.add_argument("--configs", default="3-240", help="STAGES-CONSUMER_REGS, comma-separated")
+    ap.add_argument("--configs", default="3-240,3-240-1",
+                    help="STAGES-CONSUMER_REGS[-1], comma-separated (-1: an item per program, not persistent)")
     ap.add_argument("--fa3", action="store_true", help="also FlashInfer's fa3 backend (JIT-compiles)")
     ap.add_argument("--paged", action="store_true", help="the kernel's paged mode (see the module docstring)")
     ap.add_argument("--page", type=int, default=0, help="with --compile: the paged mode at this page size")
@@ -157,7 +161,7 @@ def main(argv=None):
     if args.paged:
         main_paged(args)
         return
-    configs = [tuple(map(int, c.split("-"))) for c in args.configs.split(",")]
+    configs = [tuple(map(int, c.split("-")[:2])) + (not c.endswith("-1"),) for c in args.configs.split(",")]
     if args.compile:
         compile_only(configs, args.page)
         return
@@ -179,7 +183,8 @@ def main(argv=None):
         for causal in (False, True):
             flops = testing.prefill_flops([n] * batch, [n] * batch, hq, d, d, causal)
             rows = []
-            for name, on, cfg in [("core", False, None)] + [(f"gluon {s}-{r}", True, (s, r)) for s, r in configs]:
+            for name, on, cfg in [("core", False, None)] + [(f"gluon {s}-{r}{'' if p else ' 1/program'}", True, (s, r, p))
+                                                             for s, r, p in configs]:
                 _forced(on)
                 w = tritoninfer.BatchPrefillWithRaggedKVCacheWrapper(ws_buf)
                 w.plan(indptr, indptr, hq, hk, d, causal=causal, q_data_type=torch.bfloat16)

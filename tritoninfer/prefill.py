@@ -92,6 +92,7 @@ HOPPER_PREFILL = os.environ.get("TRITONINFER_HOPPER_PREFILL", "1") != "0"
 HOPPER_TILE = 128  # query tokens per program: two consumer warpgroups of 64
 HOPPER_STAGES = 3  # K/V ring depth: 3 x 64 KB at head_dim 128, with Q 224 KB of the H200's 227
 HOPPER_CONSUMER_REGS = 240  # per consumer thread; the producer warpgroup keeps 24
+HOPPER_PERSISTENT = True  # one program per SM running work items in turn (False: one item per program)
 
 
 def hopper_maxnreg(consumer_regs: int) -> int:
@@ -192,10 +193,11 @@ def _paged_descriptors(kv: PagedKV):
     return tuple(TensorDescriptor(t, [rows, row], [row, 1], [page, d], layout) for t in (kv.k, kv.v)), rows_per_page
 
 
-def _launch_hopper(q, kv_descriptors, out, lse, qo_indptr, kv_indptr, tiles: torch.Tensor, num_kv_heads: int,
-                   sm_scale: float, causal: bool, kv_len=None, kv_indices=None) -> None:
-    """The Gluon kernel over ``kv_descriptors`` (from ``_ragged_descriptors``, or ``_paged_descriptors``
-    with the page table ``kv_indptr`` / ``kv_indices`` and the KV lengths ``kv_len``)."""
+def _launch_hopper(q, kv_descriptors, out, lse, qo_indptr, kv_indptr, kv_len, tiles: torch.Tensor,
+                   num_kv_heads: int, sm_scale: float, causal: bool, kv_indices=None) -> None:
+    """The Gluon kernel over ``kv_descriptors`` (from ``_ragged_descriptors`` with token offsets
+    ``kv_indptr``, or ``_paged_descriptors`` with the page table ``kv_indptr`` / ``kv_indices``);
+    ``kv_len`` int32 [batch]."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from .kernels.prefill_hopper import ragged_prefill_hopper_kernel
@@ -206,10 +208,12 @@ def _launch_hopper(q, kv_descriptors, out, lse, qo_indptr, kv_indptr, tiles: tor
     if lse is None:  # the kernel always writes one (see kernels/prefill_hopper.py)
         lse = torch.empty((tokens, hq), dtype=torch.float32, device=q.device)
     paged = kv_indices is not None
-    ragged_prefill_hopper_kernel[(tiles.shape[1] * hq,)](
+    num_items = tiles.shape[1] * hq
+    grid = min(num_items, _device.num_sms(q.device)) if HOPPER_PERSISTENT else num_items
+    ragged_prefill_hopper_kernel[(grid,)](
         q_desc, k_desc, v_desc, out, out.stride(0), out.stride(1), lse, lse.stride(0),
-        qo_indptr, kv_indptr, tiles[0], tiles[1], hq, sm_scale * math.log2(math.e),
-        kv_len if paged else kv_indptr, kv_indices if paged else kv_indptr, rows_per_page,
+        qo_indptr, kv_indptr, kv_len, tiles[0], tiles[1], hq, num_items, sm_scale * math.log2(math.e),
+        kv_indices if paged else kv_indptr, rows_per_page,
         GROUP=hq // num_kv_heads, STAGES=HOPPER_STAGES, IS_CAUSAL=causal, CONSUMER_REGS=HOPPER_CONSUMER_REGS,
         PAGE_SIZE=k_desc.block_shape[0] if paged else 0, num_warps=4,
         maxnreg=hopper_maxnreg(HOPPER_CONSUMER_REGS),
@@ -457,10 +461,9 @@ class _BatchPrefillBase:
         lse = check_out(lse, shape[:2], torch.float32, q.device, "lse") if return_lse else None
         sinks = check_sinks(sinks, self._num_qo_heads, q.device)
         if hopper_kv is not None and sinks is None and head_scales is None and _tma_ready(q):
-            paged = kv.page_size > 0
-            _launch_hopper(q, hopper_kv, out, lse, self._plan.qo_indptr, kv.kv_indptr, self._hopper_tiles,
-                           self._num_kv_heads, self._params.sm_scale, self._params.causal,
-                           kv_len=self._plan.kv_len if paged else None, kv_indices=kv.kv_indices if paged else None)
+            _launch_hopper(q, hopper_kv, out, lse, self._plan.qo_indptr, kv.kv_indptr, self._plan.kv_len,
+                           self._hopper_tiles, self._num_kv_heads, self._params.sm_scale, self._params.causal,
+                           kv_indices=kv.kv_indices if kv.page_size > 0 else None)
             return (out, lse) if return_lse else out
         launch_attention(
             q=q, out=out, lse=lse, kv=kv, plan=self._plan, tiles=self._tiles, num_kv_heads=self._num_kv_heads,

@@ -1,10 +1,12 @@
 """Ragged prefill for Hopper (sm_90) in Gluon, Triton's explicit-layout dialect: FlashAttention-3's
 schedule, written out. Used by ``BatchPrefillWithRaggedKVCacheWrapper`` (and so
-``single_prefill_with_kv_cache``) when the attention is plain: 16-bit Q/K/V of one dtype, head_dim
-64 or 128, causal or not, no mask/window/soft cap/ALiBi/RoPE/sinks/scales (``prefill._hopper_ok``).
+``single_prefill_with_kv_cache``), and in its paged mode by ``BatchPrefillWithPagedKVCacheWrapper``,
+when the attention is plain: 16-bit Q/K/V of one dtype, causal or not, no mask/window/soft
+cap/ALiBi/RoPE/sinks/scales (``prefill._hopper_capable``; it runs head_dim 64 too, but is selected at 128).
 Everything else, and every other GPU, runs the shared attention core.
 
-One program: 128 query tokens of one query head, as three partitions (``gl.warp_specialize``):
+A work item: 128 query tokens of one query head. A program (one per SM, persistent) runs items in
+turn, as three partitions (``gl.warp_specialize``):
 - a producer warp that brings K/V tiles by TMA into a ring of ``STAGES`` shared-memory stages, each
   with a ``ready`` mbarrier (TMA byte count) and an ``empty`` one (both consumers released it);
 - two consumer warpgroups of 64 query rows each. A consumer issues the wgmma of S_j = Q K_j^T before
@@ -40,30 +42,62 @@ def _softmax_step(s, m_i, l_i, scale, cols, kv_hi, rows_diag, masked, is_causal)
 
 
 @gluon.jit
-def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_start, m0, q_len,
-                    kv_start, kv_len, n_tiles, head, kv_col, o_ptr, stride_o_tok, stride_o_head, lse_ptr,
-                    stride_lse_tok, sm_scale_log2, is_causal, kv_indices_ptr, rows_per_page):
-    """Producer warp, contiguous K/V: tile j (rows kv_start + j * BLOCK_N ...) into stage j % STAGES
-    once both consumers released its last use. (Constants come from the shared-memory and descriptor
-    types: a constexpr passed through ``warp_specialize``'s argument tuple arrives as a value.)"""
-    stages: gl.constexpr = k_smem.type.shape[0]
-    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
-    kv_bytes: gl.constexpr = 2 * k_desc.block_type.nbytes
-    for j in range(n_tiles):
-        stage = j % stages
-        # empty barriers start "released": the first pass over the ring waits on the other phase
-        mbarrier.wait(empty.index(stage), ((j // stages) & 1) ^ 1)
-        mbarrier.expect(ready.index(stage), kv_bytes)
-        tma.async_copy_global_to_shared(k_desc, [kv_start + j * BLOCK_N, kv_col], ready.index(stage),
-                                        k_smem.index(stage))
-        tma.async_copy_global_to_shared(v_desc, [kv_start + j * BLOCK_N, kv_col], ready.index(stage),
-                                        v_smem.index(stage))
+def _item(item, num_qo_heads, group, tile_req_ptr, tile_start_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
+          is_causal, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Work item ``item`` (a 128-token query tile of one query head; heads fastest): its request's
+    first query token, the tile's first token m0, the request's query length, first KV entry (token
+    or page-table offset) and KV length, the KV tiles it reads and its K/V column."""
+    head = item % num_qo_heads
+    tile = item // num_qo_heads
+    req = gl.load(tile_req_ptr + tile)
+    m0 = gl.load(tile_start_ptr + tile)
+    q_start = gl.load(qo_indptr_ptr + req)
+    q_len = gl.load(qo_indptr_ptr + req + 1) - q_start
+    kv_start = gl.load(kv_indptr_ptr + req)
+    kv_len = gl.load(kv_len_ptr + req)
+    kv_hi = kv_len
+    if is_causal:
+        kv_hi = gl.minimum(kv_len, m0 + 2 * ROWS + kv_len - q_len)
+    n_tiles = gl.cdiv(gl.maximum(kv_hi, 0), BLOCK_N)
+    return q_start, m0, q_len, kv_start, kv_len, n_tiles, head, (head // group) * HEAD_DIM
 
 
 @gluon.jit
-def _load_paged_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_start, m0, q_len,
-                          kv_start, kv_len, n_tiles, head, kv_col, o_ptr, stride_o_tok, stride_o_head, lse_ptr,
-                          stride_lse_tok, sm_scale_log2, is_causal, kv_indices_ptr, rows_per_page):
+def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
+                    stride_o_head, lse_ptr, stride_lse_tok, sm_scale_log2, is_causal, qo_indptr_ptr, kv_indptr_ptr,
+                    kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
+                    num_items):
+    """Producer warp, contiguous K/V: the program's items in turn, tile j of an item (rows kv_start +
+    j * BLOCK_N ...) into the ring's next stage once both consumers released its last use; the ring
+    runs on across items, so the next item's first tiles load under this one's last. (Constants come
+    from the shared-memory and descriptor types: a constexpr passed through ``warp_specialize``'s
+    argument tuple arrives as a value.)"""
+    stages: gl.constexpr = k_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
+    kv_bytes: gl.constexpr = 2 * k_desc.block_type.nbytes
+    t = 0
+    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        q_start, m0, q_len, kv_start, kv_len, n_tiles, head, kv_col = _item(
+            item, num_qo_heads, group, tile_req_ptr, tile_start_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
+            is_causal, BLOCK_N, HEAD_DIM)
+        for j in range(n_tiles):
+            stage = t % stages
+            # empty barriers start "released": the first pass over the ring waits on the other phase
+            mbarrier.wait(empty.index(stage), ((t // stages) & 1) ^ 1)
+            mbarrier.expect(ready.index(stage), kv_bytes)
+            tma.async_copy_global_to_shared(k_desc, [kv_start + j * BLOCK_N, kv_col], ready.index(stage),
+                                            k_smem.index(stage))
+            tma.async_copy_global_to_shared(v_desc, [kv_start + j * BLOCK_N, kv_col], ready.index(stage),
+                                            v_smem.index(stage))
+            t += 1
+
+
+@gluon.jit
+def _load_paged_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
+                          stride_o_head, lse_ptr, stride_lse_tok, sm_scale_log2, is_causal, qo_indptr_ptr,
+                          kv_indptr_ptr, kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr,
+                          num_qo_heads, group, num_items):
     """Producer warp, paged K/V: tile j is BLOCK_N / PAGE pages, one TMA box [PAGE, D] each into its
     rows of the stage. ``kv_start`` is the request's first entry in ``kv_indices``; page p's rows
     start at row p * rows_per_page of the K and V descriptors. Boxes of pages past the request's
@@ -71,28 +105,50 @@ def _load_paged_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar,
     its barrier expects."""
     stages: gl.constexpr = k_smem.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
     PAGE: gl.constexpr = k_desc.block_type.shape[0]
     kv_bytes: gl.constexpr = 2 * BLOCK_N * k_desc.block_type.nbytes // PAGE
-    n_pages = gl.cdiv(kv_len, PAGE)
-    for j in range(n_tiles):
-        stage = j % stages
-        mbarrier.wait(empty.index(stage), ((j // stages) & 1) ^ 1)
-        mbarrier.expect(ready.index(stage), kv_bytes)
-        for i in gl.static_range(BLOCK_N // PAGE):
-            idx = j * (BLOCK_N // PAGE) + i
-            page = gl.load(kv_indices_ptr + kv_start + idx, mask=idx < n_pages, other=0)
-            row = page * rows_per_page
-            tma.async_copy_global_to_shared(k_desc, [row, kv_col], ready.index(stage),
-                                            k_smem.index(stage).slice(i * PAGE, PAGE))
-            tma.async_copy_global_to_shared(v_desc, [row, kv_col], ready.index(stage),
-                                            v_smem.index(stage).slice(i * PAGE, PAGE))
+    t = 0
+    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        q_start, m0, q_len, kv_start, kv_len, n_tiles, head, kv_col = _item(
+            item, num_qo_heads, group, tile_req_ptr, tile_start_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
+            is_causal, BLOCK_N, HEAD_DIM)
+        n_pages = gl.cdiv(kv_len, PAGE)
+        for j in range(n_tiles):
+            stage = t % stages
+            mbarrier.wait(empty.index(stage), ((t // stages) & 1) ^ 1)
+            mbarrier.expect(ready.index(stage), kv_bytes)
+            for i in gl.static_range(BLOCK_N // PAGE):
+                idx = j * (BLOCK_N // PAGE) + i
+                page = gl.load(kv_indices_ptr + kv_start + idx, mask=idx < n_pages, other=0)
+                row = page * rows_per_page
+                tma.async_copy_global_to_shared(k_desc, [row, kv_col], ready.index(stage),
+                                                k_smem.index(stage).slice(i * PAGE, PAGE))
+                tma.async_copy_global_to_shared(v_desc, [row, kv_col], ready.index(stage),
+                                                v_smem.index(stage).slice(i * PAGE, PAGE))
+            t += 1
 
 
 @gluon.jit
-def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_start, m0, q_len,
-             kv_start, kv_len, n_tiles, head, kv_col, o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok,
-             sm_scale_log2, is_causal, kv_indices_ptr, rows_per_page, WG: gl.constexpr):
-    """Consumer warpgroup ``WG``: query rows m0 + 64 WG ... + 63 against every KV tile of the program."""
+def _load_q(q_desc, my_q, my_bar, item, num_items, num_qo_heads, tile_req_ptr, tile_start_ptr, qo_indptr_ptr,
+            WG: gl.constexpr):
+    """A consumer's 64 query rows of ``item`` into its Q buffer (nothing past the last item)."""
+    if item < num_items:
+        HEAD_DIM: gl.constexpr = my_q.type.shape[1]
+        tile = item // num_qo_heads
+        row = gl.load(qo_indptr_ptr + gl.load(tile_req_ptr + tile)) + gl.load(tile_start_ptr + tile) + WG * ROWS
+        mbarrier.expect(my_bar, q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [row, (item % num_qo_heads) * HEAD_DIM], my_bar, my_q)
+
+
+@gluon.jit
+def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
+             stride_o_head, lse_ptr, stride_lse_tok, sm_scale_log2, is_causal, qo_indptr_ptr, kv_indptr_ptr,
+             kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
+             num_items, WG: gl.constexpr):
+    """Consumer warpgroup ``WG``: for each of the program's items, query rows m0 + 64 WG ... + 63
+    against every KV tile of the item. The next item's Q loads once this item's last S is done,
+    under the last PV and the epilogue."""
     stages: gl.constexpr = k_smem.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
@@ -104,127 +160,130 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
 
     my_q = q_smem.index(WG)
     my_bar = q_bar.index(WG)
-    mbarrier.expect(my_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_start + m0 + WG * ROWS, head * HEAD_DIM], my_bar, my_q)
+    first = gl.program_id(0)
+    step = gl.num_programs(0)
+    _load_q(q_desc, my_q, my_bar, first, num_items, num_qo_heads, tile_req_ptr, tile_start_ptr, qo_indptr_ptr, WG)
+    t = 0  # KV tiles of the ring consumed before this item
+    q_phase = 0
+    for item in range(first, num_items, step):
+        q_start, m0, q_len, kv_start, kv_len, n_tiles, head, kv_col = _item(
+            item, num_qo_heads, group, tile_req_ptr, tile_start_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
+            is_causal, BLOCK_N, HEAD_DIM)
+        r0 = m0 + WG * ROWS
+        # this warpgroup's KV limit (causal: bottom-right aligned) and its first tile that needs a mask
+        kv_hi = kv_len
+        if is_causal:
+            kv_hi = gl.minimum(kv_len, r0 + ROWS + kv_len - q_len)
+        first_masked = kv_hi // BLOCK_N
+        if is_causal:
+            first_masked = gl.minimum(first_masked, gl.maximum(r0 + kv_len - q_len + 1, 0) // BLOCK_N)
+        rows_diag = r0 + gl.arange(0, ROWS, layout=row_s) + kv_len - q_len
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)
+        l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
+        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+        mbarrier.wait(my_bar, q_phase)
+        q_phase ^= 1
 
-    r0 = m0 + WG * ROWS
-    # this warpgroup's KV limit (causal: bottom-right aligned) and its first tile that needs a mask
-    kv_hi = kv_len
-    if is_causal:
-        kv_hi = gl.minimum(kv_len, r0 + ROWS + kv_len - q_len)
-    first_masked = kv_hi // BLOCK_N
-    if is_causal:
-        first_masked = gl.minimum(first_masked, gl.maximum(r0 + kv_len - q_len + 1, 0) // BLOCK_N)
-    rows_diag = r0 + gl.arange(0, ROWS, layout=row_s) + kv_len - q_len
-    cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)
-    l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
-    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-    mbarrier.wait(my_bar, 0)
-
-    if n_tiles > 0:
-        mbarrier.wait(ready.index(0), 0)
-        s_tok = warpgroup_mma(my_q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, sm_scale_log2, cols0, kv_hi, rows_diag, 0 >= first_masked,
-                                           is_causal)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        for j in range(1, n_tiles):
-            stage = j % stages
-            prev = (j - 1) % stages
-            mbarrier.wait(ready.index(stage), (j // stages) & 1)
-            # S_j first, then O += P_{j-1} V_{j-1}; the softmax of S_j runs under the second
+        if n_tiles > 0:
+            stage = t % stages
+            mbarrier.wait(ready.index(stage), (t // stages) & 1)
             s_tok = warpgroup_mma(my_q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
-            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, sm_scale_log2, cols0 + j * BLOCK_N, kv_hi, rows_diag,
-                                               j >= first_masked, is_causal)
-            acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_op))
-            mbarrier.arrive(empty.index(prev), count=1)
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, sm_scale_log2, cols0, kv_hi, rows_diag,
+                                               0 >= first_masked, is_causal)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
-        last = (n_tiles - 1) % stages
-        o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
-        mbarrier.arrive(empty.index(last), count=1)
+            for j in range(1, n_tiles):
+                stage = (t + j) % stages
+                prev = (t + j - 1) % stages
+                mbarrier.wait(ready.index(stage), ((t + j) // stages) & 1)
+                # S_j first, then O += P_{j-1} V_{j-1}; the softmax of S_j runs under the second
+                s_tok = warpgroup_mma(my_q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False,
+                                      is_async=True)
+                o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+                s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+                p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, sm_scale_log2, cols0 + j * BLOCK_N, kv_hi,
+                                                   rows_diag, j >= first_masked, is_causal)
+                acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_op))
+                mbarrier.arrive(empty.index(prev), count=1)
+                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+            last = (t + n_tiles - 1) % stages
+            o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+            # every S of this item is done: the next item's Q may overwrite this one
+            _load_q(q_desc, my_q, my_bar, item + step, num_items, num_qo_heads, tile_req_ptr, tile_start_ptr,
+                    qo_indptr_ptr, WG)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
+            mbarrier.arrive(empty.index(last), count=1)
+            t += n_tiles
+        else:
+            _load_q(q_desc, my_q, my_bar, item + step, num_items, num_qo_heads, tile_req_ptr, tile_start_ptr,
+                    qo_indptr_ptr, WG)
 
-    # rows that saw no key: output 0, LSE -inf (as the attention core)
-    l_o = gl.convert_layout(l_i, row_o)
-    o = acc / gl.where(l_o > 0, l_o, 1.0)[:, None]
-    rows_o = r0 + gl.arange(0, ROWS, layout=row_o)
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    ptrs = (o_ptr + (q_start + rows_o).to(gl.int64)[:, None] * stride_o_tok + head * stride_o_head
-            + offs_d[None, :])
-    gl.store(ptrs, o.to(o_ptr.dtype.element_ty), mask=(rows_o < q_len)[:, None])
-    # always written (the launcher passes scratch when the caller wants none): Triton 3.6 fails to
-    # lower a warp-specialised region whose store sits under a constant-false condition
-    rows_s = r0 + gl.arange(0, ROWS, layout=row_s)
-    lse = gl.where(l_i > 0, m_i + gl.log2(l_i), float("-inf"))
-    gl.store(lse_ptr + (q_start + rows_s).to(gl.int64) * stride_lse_tok + head, lse, mask=rows_s < q_len)
+        # rows that saw no key: output 0, LSE -inf (as the attention core)
+        l_o = gl.convert_layout(l_i, row_o)
+        o = acc / gl.where(l_o > 0, l_o, 1.0)[:, None]
+        rows_o = r0 + gl.arange(0, ROWS, layout=row_o)
+        ptrs = (o_ptr + (q_start + rows_o).to(gl.int64)[:, None] * stride_o_tok + head * stride_o_head
+                + offs_d[None, :])
+        gl.store(ptrs, o.to(o_ptr.dtype.element_ty), mask=(rows_o < q_len)[:, None])
+        # always written (the launcher passes scratch when the caller wants none): Triton 3.6 fails to
+        # lower a warp-specialised region whose store sits under a constant-false condition
+        rows_s = r0 + gl.arange(0, ROWS, layout=row_s)
+        lse = gl.where(l_i > 0, m_i + gl.log2(l_i), float("-inf"))
+        gl.store(lse_ptr + (q_start + rows_s).to(gl.int64) * stride_lse_tok + head, lse, mask=rows_s < q_len)
 
 
 @gluon.jit
-def _consume0(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_start, m0, q_len,
-              kv_start, kv_len, n_tiles, head, kv_col, o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok,
-              sm_scale_log2, is_causal, kv_indices_ptr, rows_per_page):
-    _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_start, m0, q_len,
-             kv_start, kv_len, n_tiles, head, kv_col, o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok,
-             sm_scale_log2, is_causal, kv_indices_ptr, rows_per_page, 0)
+def _consume0(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
+              stride_o_head, lse_ptr, stride_lse_tok, sm_scale_log2, is_causal, qo_indptr_ptr, kv_indptr_ptr,
+              kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
+              num_items):
+    _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
+             stride_o_head, lse_ptr, stride_lse_tok, sm_scale_log2, is_causal, qo_indptr_ptr, kv_indptr_ptr,
+             kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
+             num_items, 0)
 
 
 @gluon.jit
-def _consume1(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_start, m0, q_len,
-              kv_start, kv_len, n_tiles, head, kv_col, o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok,
-              sm_scale_log2, is_causal, kv_indices_ptr, rows_per_page):
-    _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_start, m0, q_len,
-             kv_start, kv_len, n_tiles, head, kv_col, o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok,
-             sm_scale_log2, is_causal, kv_indices_ptr, rows_per_page, 1)
+def _consume1(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
+              stride_o_head, lse_ptr, stride_lse_tok, sm_scale_log2, is_causal, qo_indptr_ptr, kv_indptr_ptr,
+              kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
+              num_items):
+    _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
+             stride_o_head, lse_ptr, stride_lse_tok, sm_scale_log2, is_causal, qo_indptr_ptr, kv_indptr_ptr,
+             kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
+             num_items, 1)
 
 
 @gluon.jit
 def ragged_prefill_hopper_kernel(
     q_desc, k_desc, v_desc, o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok,
-    qo_indptr_ptr, kv_indptr_ptr, tile_req_ptr, tile_start_ptr, num_qo_heads, sm_scale_log2,
-    kv_len_ptr, kv_indices_ptr, rows_per_page,
+    qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr, tile_req_ptr, tile_start_ptr, num_qo_heads, num_items, sm_scale_log2,
+    kv_indices_ptr, rows_per_page,
     GROUP: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     PAGE_SIZE: gl.constexpr, num_warps: gl.constexpr,
 ):
     """q_desc: [tokens, H_qo * D] box [64, D]; o: [tokens, H_qo, D] (any row and head strides); lse:
     [tokens, H_qo] float32 base 2. ``tile_req`` / ``tile_start`` int32 [tiles]: the request and first
-    query token of each 128-token tile (heaviest first). Grid: tiles * H_qo, heads fastest, so the
-    heads of a KV group run side by side and share K/V in L2. ``num_warps`` is 4: the first consumer
-    is the default partition.
+    query token of each 128-token tile (heaviest first); ``kv_len`` int32 [batch]. Work items are
+    (tile, query head), heads fastest, so the heads of a KV group run side by side and share K/V in L2;
+    program p takes items p, p + grid, ... (grid = the SM count: persistent, so one item's epilogue
+    and the next one's loads overlap; grid = items runs one item per program). ``num_warps`` is 4:
+    the first consumer is the default partition.
 
     ``PAGE_SIZE == 0``: contiguous K/V, k_desc / v_desc [kv tokens, H_kv * D] box [128, D],
-    ``kv_indptr`` token offsets (``kv_len_ptr``, ``kv_indices_ptr``, ``rows_per_page`` unused).
-    ``PAGE_SIZE > 0`` (dividing 128; an experiment, benchmarks/prefill_gluon.py ``--paged``, not yet
-    selected by any wrapper): k_desc / v_desc are 2-D views [rows, H_kv * D] of the K and V pages,
-    box [PAGE_SIZE, D], page p starting at row p * rows_per_page; ``kv_indptr`` / ``kv_indices``
-    the page table and ``kv_len`` the KV length of each request."""
-    pid = gl.program_id(0)
-    head = pid % num_qo_heads
-    item = pid // num_qo_heads
-    req = gl.load(tile_req_ptr + item)
-    m0 = gl.load(tile_start_ptr + item)
-    q_start = gl.load(qo_indptr_ptr + req)
-    q_len = gl.load(qo_indptr_ptr + req + 1) - q_start
-    kv_start = gl.load(kv_indptr_ptr + req)
-    if PAGE_SIZE > 0:
-        kv_len = gl.load(kv_len_ptr + req)
-    else:
-        kv_len = gl.load(kv_indptr_ptr + req + 1) - kv_start
+    ``kv_indptr`` token offsets (``kv_indices_ptr`` and ``rows_per_page`` unused).
+    ``PAGE_SIZE > 0`` (8 to 128, dividing 128): k_desc / v_desc are 2-D views [rows, H_kv * D] of
+    the K and V pages, box [PAGE_SIZE, D], page p starting at row p * rows_per_page; ``kv_indptr`` /
+    ``kv_indices`` the page table."""
     BLOCK_N: gl.constexpr = 128
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
-    kv_col = (head // GROUP) * HEAD_DIM
-    kv_hi = kv_len
-    if IS_CAUSAL:
-        kv_hi = gl.minimum(kv_len, m0 + 2 * ROWS + kv_len - q_len)
-    n_tiles = gl.cdiv(gl.maximum(kv_hi, 0), BLOCK_N)
-
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -238,9 +297,9 @@ def ragged_prefill_hopper_kernel(
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
 
-    args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_start, m0, q_len, kv_start,
-            kv_len, n_tiles, head, kv_col, o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok,
-            sm_scale_log2, IS_CAUSAL, kv_indices_ptr, rows_per_page)
+    args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok, stride_o_head,
+            lse_ptr, stride_lse_tok, sm_scale_log2, IS_CAUSAL, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
+            kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, GROUP, num_items)
     if PAGE_SIZE > 0:
         gl.warp_specialize([(_consume0, args), (_consume1, args), (_load_paged_partition, args)], [4, 1],
                            [CONSUMER_REGS, 24])
