@@ -6,7 +6,8 @@ warp-specialised one).
 
     PYTHONPATH=. python benchmarks/prefill_gluon.py [--fa3] [--configs 3-240,3-240-1]   # GPU
     PYTHONPATH=. python benchmarks/prefill_gluon.py --paged [--fa3]                  # GPU: paged mode
-    PYTHONPATH=. python benchmarks/prefill_gluon.py --compile                        # no GPU
+    PYTHONPATH=. python benchmarks/prefill_gluon.py --ab [--fa3] [--rounds 5]        # GPU: persistent or not
+    PYTHONPATH=. python benchmarks/prefill_gluon.py --compile [--page 16]            # no GPU
 
 A config is ``STAGES-CONSUMER_REGS``, ``-1`` appended for one work item per program (not persistent). Both modes force the Gluon kernel for every length (past
 ``prefill.HOPPER_MIN_LEN``, to place the thresholds). ``--paged`` runs the paged wrapper on the
@@ -141,6 +142,71 @@ def main_paged(args):
     _forced(False)
 
 
+def main_ab(args):
+    """Persistent programs against one work item per program, ragged and paged (page 16) on the same
+    K/V, with fa3 on both: every variant timed in each of ``--rounds`` rounds (interleaved, so clock
+    drift hits all alike); the median over rounds and the spread of the round medians."""
+    import statistics
+
+    import tritoninfer
+    from tritoninfer import testing
+
+    sys.path.insert(0, "benchmarks")
+    from decode_sweep import eager_time, gpu_paged_kv
+
+    ws_buf = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    hq, hk, d, page = 32, 8, 128, 16
+    cfg = (prefill.HOPPER_STAGES, prefill.HOPPER_CONSUMER_REGS)
+    print(f"| shape | causal | kernel | µs (median of {args.rounds} rounds) | round medians min–max | TFLOP/s | "
+          "rel err |")
+    print("|---|---|---|---|---|---|---|")
+    _forced(True)
+    for batch, n in [(16, 1024), (8, 2048), (4, 4096), (1, 16384)]:
+        torch.manual_seed(0)
+        kv = gpu_paged_kv(batch, n, hk, d, page, torch.bfloat16, "NHD")
+        q = torch.randn((batch * n, hq, d), device="cuda").to(torch.bfloat16)
+        indptr = torch.arange(0, batch * n + 1, n, dtype=torch.int32, device="cuda")
+        pages = kv.kv_indices.long().view(batch, -1)
+        k = kv.cache[pages, 0].reshape(batch * n, hk, d)
+        v = kv.cache[pages, 1].reshape(batch * n, hk, d)
+        for causal in (False, True):
+            flops = testing.prefill_flops([n] * batch, [n] * batch, hq, d, d, causal)
+            rw = tritoninfer.BatchPrefillWithRaggedKVCacheWrapper(ws_buf)
+            rw.plan(indptr, indptr, hq, hk, d, causal=causal, q_data_type=torch.bfloat16)
+            pw = tritoninfer.BatchPrefillWithPagedKVCacheWrapper(ws_buf)
+            pw.plan(indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, hq, hk, d, page, causal=causal,
+                    q_data_type=torch.bfloat16)
+            assert rw._hopper_tiles is not None and pw._hopper_tiles is not None
+            rows = []
+            for persistent in (True, False):
+                tag = "persistent" if persistent else "an item per program"
+                rows.append((f"gluon ragged, {tag}", lambda p=persistent: _run_with(cfg + (p,), rw, q, k, v)))
+                rows.append((f"gluon paged, {tag}", lambda p=persistent: _run_with(cfg + (p,), pw, q, kv.cache)))
+            if args.fa3:
+                import flashinfer
+
+                fr = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws_buf, backend="fa3")
+                fr.plan(indptr, indptr, hq, hk, d, causal=causal, q_data_type=torch.bfloat16)
+                fp = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws_buf, backend="fa3")
+                fp.plan(indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, hq, hk, d, page, causal=causal,
+                        q_data_type=torch.bfloat16)
+                rows += [("flashinfer-fa3 ragged", lambda: fr.run(q, k, v)),
+                         ("flashinfer-fa3 paged", lambda: fp.run(q, kv.cache))]
+            ref = rows[0][1]().float()
+            errs = {name: testing.rel_error(fn().float(), ref) for name, fn in rows}
+            rounds = {name: [] for name, _ in rows}
+            for _ in range(args.rounds):
+                for name, fn in rows:
+                    rounds[name].append(eager_time(fn, reps=10))
+            for name, _ in rows:
+                us = statistics.median(rounds[name])
+                print(f"| {batch}x{n} | {causal} | {name} | {us:.0f} | {min(rounds[name]):.0f}–{max(rounds[name]):.0f} | "
+                      f"{flops / us / 1e6:.0f} | {errs[name]:.2e} |", flush=True)
+                if errs[name] > 2e-2:
+                    print(f"MISMATCH: {name} differs by {errs[name]:.3g}", flush=True)
+    _forced(False)
+
+
 def _run_with(cfg, wrapper, *args):
     """Runs with the Hopper kernel's (stages, consumer registers, persistent) set to ``cfg`` (module
     settings read at launch)."""
@@ -157,9 +223,14 @@ def main(argv=None):
     ap.add_argument("--fa3", action="store_true", help="also FlashInfer's fa3 backend (JIT-compiles)")
     ap.add_argument("--paged", action="store_true", help="the kernel's paged mode (see the module docstring)")
     ap.add_argument("--page", type=int, default=0, help="with --compile: the paged mode at this page size")
+    ap.add_argument("--ab", action="store_true", help="persistent against an item per program, interleaved rounds")
+    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args(argv)
     if args.paged:
         main_paged(args)
+        return
+    if args.ab:
+        main_ab(args)
         return
     configs = [tuple(map(int, c.split("-")[:2])) + (not c.endswith("-1"),) for c in args.configs.split(",")]
     if args.compile:

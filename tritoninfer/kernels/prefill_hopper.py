@@ -130,15 +130,20 @@ def _load_paged_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar,
 
 
 @gluon.jit
-def _load_q(q_desc, my_q, my_bar, item, num_items, num_qo_heads, tile_req_ptr, tile_start_ptr, qo_indptr_ptr,
-            WG: gl.constexpr):
-    """A consumer's 64 query rows of ``item`` into its Q buffer (nothing past the last item)."""
-    if item < num_items:
-        HEAD_DIM: gl.constexpr = my_q.type.shape[1]
-        tile = item // num_qo_heads
-        row = gl.load(qo_indptr_ptr + gl.load(tile_req_ptr + tile)) + gl.load(tile_start_ptr + tile) + WG * ROWS
+def _q_origin(item, num_items, num_qo_heads, tile_req_ptr, tile_start_ptr, qo_indptr_ptr, WG: gl.constexpr,
+              HEAD_DIM: gl.constexpr):
+    """Where a consumer's 64 query rows of ``item`` start in q_desc: (row, column); any valid item's
+    for an ``item`` past the last (whose Q is not loaded)."""
+    tile = gl.minimum(item, num_items - 1) // num_qo_heads
+    row = gl.load(qo_indptr_ptr + gl.load(tile_req_ptr + tile)) + gl.load(tile_start_ptr + tile) + WG * ROWS
+    return row, (item % num_qo_heads) * HEAD_DIM
+
+
+@gluon.jit
+def _load_q(q_desc, my_q, my_bar, row, col, valid):
+    if valid:
         mbarrier.expect(my_bar, q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [row, (item % num_qo_heads) * HEAD_DIM], my_bar, my_q)
+        tma.async_copy_global_to_shared(q_desc, [row, col], my_bar, my_q)
 
 
 @gluon.jit
@@ -168,13 +173,18 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
     my_bar = q_bar.index(WG)
     first = gl.program_id(0)
     step = gl.num_programs(0)
-    _load_q(q_desc, my_q, my_bar, first, num_items, num_qo_heads, tile_req_ptr, tile_start_ptr, qo_indptr_ptr, WG)
+    q_row, q_col = _q_origin(first, num_items, num_qo_heads, tile_req_ptr, tile_start_ptr, qo_indptr_ptr, WG,
+                             HEAD_DIM)
+    _load_q(q_desc, my_q, my_bar, q_row, q_col, first < num_items)
     t = 0  # KV tiles of the ring consumed before this item
     q_phase = 0
     for item in range(first, num_items, step):
         q_start, m0, q_len, kv_start, kv_len, n_tiles, head, kv_col = _item(
             item, num_qo_heads, group, tile_req_ptr, tile_start_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
             is_causal, BLOCK_N, HEAD_DIM)
+        # the next item's Q origin, read now so the loads are done when its TMA is issued
+        q_row, q_col = _q_origin(item + step, num_items, num_qo_heads, tile_req_ptr, tile_start_ptr, qo_indptr_ptr,
+                                 WG, HEAD_DIM)
         r0 = m0 + WG * ROWS
         # this warpgroup's KV limit (causal: bottom-right aligned) and its first tile that needs a mask
         kv_hi = kv_len
@@ -216,14 +226,12 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
             last = (t + n_tiles - 1) % stages
             o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
             # every S of this item is done: the next item's Q may overwrite this one
-            _load_q(q_desc, my_q, my_bar, item + step, num_items, num_qo_heads, tile_req_ptr, tile_start_ptr,
-                    qo_indptr_ptr, WG)
+            _load_q(q_desc, my_q, my_bar, q_row, q_col, item + step < num_items)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
             mbarrier.arrive(empty.index(last), count=1)
             t += n_tiles
         else:
-            _load_q(q_desc, my_q, my_bar, item + step, num_items, num_qo_heads, tile_req_ptr, tile_start_ptr,
-                    qo_indptr_ptr, WG)
+            _load_q(q_desc, my_q, my_bar, q_row, q_col, item + step < num_items)
 
         # rows that saw no key: output 0, LSE -inf (as the attention core)
         l_o = gl.convert_layout(l_i, row_o)
