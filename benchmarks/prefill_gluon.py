@@ -6,7 +6,7 @@ warp-specialised one).
 
     PYTHONPATH=. python benchmarks/prefill_gluon.py [--fa3] [--configs 3-240,3-240-1]   # GPU
     PYTHONPATH=. python benchmarks/prefill_gluon.py --paged [--fa3]                  # GPU: paged mode
-    PYTHONPATH=. python benchmarks/prefill_gluon.py --ab [--fa3] [--variants persistent,ping-pong]  # GPU: A/B of variants
+    PYTHONPATH=. python benchmarks/prefill_gluon.py --ab [--fa3] [--variants persistent,one-item]  # GPU: A/B
     PYTHONPATH=. python benchmarks/prefill_gluon.py --compile [--page 16]            # no GPU
 
 A config is ``STAGES-CONSUMER_REGS``, ``-1`` appended for one work item per program (not persistent). Both modes force the Gluon kernel for every length (past
@@ -54,8 +54,7 @@ def compile_only(configs, page=0):
                        "qo_indptr_ptr": "*i32", "kv_indptr_ptr": "*i32", "kv_len_ptr": "*i32", "tile_req_ptr": "*i32",
                        "tile_start_ptr": "*i32", "num_qo_heads": "i32", "num_items": "i32", "sm_scale_log2": "fp32",
                        "kv_indices_ptr": "*i32", "rows_per_page": "i32"}
-                const = dict(GROUP=4, STAGES=stages, IS_CAUSAL=causal, CONSUMER_REGS=regs, PAGE_SIZE=page,
-                             PINGPONG=prefill.HOPPER_PINGPONG, num_warps=4)
+                const = dict(GROUP=4, STAGES=stages, IS_CAUSAL=causal, CONSUMER_REGS=regs, PAGE_SIZE=page, num_warps=4)
                 # what a launch specialises: pointers and these integers divisible by 16
                 attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if name.endswith("_ptr") or
                          name in ("stride_o_tok", "stride_o_head", "stride_lse_tok", "num_qo_heads")}
@@ -144,7 +143,7 @@ def main_paged(args):
 
 
 def main_ab(args):
-    """Kernel variants (``--variants``: persistent, ping-pong, one item per program), ragged and paged
+    """Kernel variants (``--variants``: persistent, one item per program), ragged and paged
     (page 16) on the same K/V, with fa3 on both: every variant timed in each of ``--rounds`` rounds (interleaved, so clock
     drift hits all alike); the median over rounds and the spread of the round medians."""
     import statistics
@@ -208,16 +207,15 @@ def main_ab(args):
     _forced(False)
 
 
-# --ab variants: (persistent, ping-pong)
-VARIANTS = {"persistent": (True, False), "ping-pong": (True, True), "one-item": (False, False)}
+# --ab variants: (persistent,)
+VARIANTS = {"persistent": (True,), "one-item": (False,)}
 
 
 def _run_with(cfg, wrapper, *args):
-    """Runs with the Hopper kernel's (stages, consumer registers, persistent[, ping-pong]) set to
-    ``cfg`` (module settings read at launch)."""
+    """Runs with the Hopper kernel's (stages, consumer registers, persistent) set to ``cfg`` (module
+    settings read at launch)."""
     if cfg:
-        prefill.HOPPER_STAGES, prefill.HOPPER_CONSUMER_REGS, prefill.HOPPER_PERSISTENT = cfg[:3]
-        prefill.HOPPER_PINGPONG = cfg[3] if len(cfg) > 3 else False
+        prefill.HOPPER_STAGES, prefill.HOPPER_CONSUMER_REGS, prefill.HOPPER_PERSISTENT = cfg
     return wrapper.run(*args)
 
 
@@ -229,7 +227,7 @@ def main(argv=None):
     ap.add_argument("--fa3", action="store_true", help="also FlashInfer's fa3 backend (JIT-compiles)")
     ap.add_argument("--paged", action="store_true", help="the kernel's paged mode (see the module docstring)")
     ap.add_argument("--page", type=int, default=0, help="with --compile: the paged mode at this page size")
-    ap.add_argument("--ab", action="store_true", help="persistent against an item per program, interleaved rounds")
+    ap.add_argument("--ab", action="store_true", help="kernel variants in interleaved rounds")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--variants", default="persistent,one-item", help=f"with --ab: of {', '.join(VARIANTS)}")
     ap.add_argument("--shapes", default="16x1024,8x2048,4x4096,1x16384", help="with --ab: BATCHxLEN, comma-separated")

@@ -93,7 +93,6 @@ HOPPER_TILE = 128  # query tokens per program: two consumer warpgroups of 64
 HOPPER_STAGES = 3  # K/V ring depth: 3 x 64 KB at head_dim 128, with Q 224 KB of the H200's 227
 HOPPER_CONSUMER_REGS = 240  # per consumer thread; the producer warpgroup keeps 24
 HOPPER_PERSISTENT = True  # one program per SM running work items in turn (False: one item per program)
-HOPPER_PINGPONG = False  # the two consumer warpgroups take turns issuing wgmma (FlashAttention-3)
 
 
 def hopper_maxnreg(consumer_regs: int) -> int:
@@ -216,7 +215,7 @@ def _launch_hopper(q, kv_descriptors, out, lse, qo_indptr, kv_indptr, kv_len, ti
         qo_indptr, kv_indptr, kv_len, tiles[0], tiles[1], hq, num_items, sm_scale * math.log2(math.e),
         kv_indices if paged else kv_indptr, rows_per_page,
         GROUP=hq // num_kv_heads, STAGES=HOPPER_STAGES, IS_CAUSAL=causal, CONSUMER_REGS=HOPPER_CONSUMER_REGS,
-        PAGE_SIZE=k_desc.block_shape[0] if paged else 0, PINGPONG=HOPPER_PINGPONG, num_warps=4,
+        PAGE_SIZE=k_desc.block_shape[0] if paged else 0, num_warps=4,
         maxnreg=hopper_maxnreg(HOPPER_CONSUMER_REGS),
     )
 

@@ -12,8 +12,7 @@ turn, as three partitions (``gl.warp_specialize``):
 - two consumer warpgroups of 64 query rows each. A consumer issues the wgmma of S_j = Q K_j^T before
   the wgmma of O += P_{j-1} V_{j-1} and runs the softmax of S_j while the second one works; P goes
   from the S accumulator's registers into the PV wgmma's A operand. The two consumers are tied only
-  by the ring; with ``PINGPONG`` they also take turns issuing wgmma (a ``turn`` mbarrier each), so
-  one's softmax runs under the other's wgmma.
+  by the ring, so one's softmax overlaps the other's wgmma.
 Scores stay raw; the softmax scale (log2 units) is applied inside exp2's argument.
 
 Gluon code does not run in the Triton interpreter: the CPU test suite covers the selection logic and
@@ -67,7 +66,7 @@ def _item(item, num_qo_heads, group, tile_req_ptr, tile_start_ptr, qo_indptr_ptr
 def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
                     stride_o_head, lse_ptr, stride_lse_tok, sm_scale_log2, is_causal, qo_indptr_ptr, kv_indptr_ptr,
                     kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
-                    num_items, turn, pingpong):
+                    num_items):
     """Producer warp, contiguous K/V: the program's items in turn, tile j of an item (rows kv_start +
     j * BLOCK_N ...) into the ring's next stage once both consumers released its last use; the ring
     runs on across items, so the next item's first tiles load under this one's last. (Constants come
@@ -98,7 +97,7 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready
 def _load_paged_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
                           stride_o_head, lse_ptr, stride_lse_tok, sm_scale_log2, is_causal, qo_indptr_ptr,
                           kv_indptr_ptr, kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr,
-                          num_qo_heads, group, num_items, turn, pingpong):
+                          num_qo_heads, group, num_items):
     """Producer warp, paged K/V: tile j is BLOCK_N / PAGE pages, one TMA box [PAGE, D] each into its
     rows of the stage. ``kv_start`` is the request's first entry in ``kv_indices``; page p's rows
     start at row p * rows_per_page of the K and V descriptors. Boxes of pages past the request's
@@ -148,24 +147,10 @@ def _load_q(q_desc, my_q, my_bar, row, col, valid):
 
 
 @gluon.jit
-def _wait_turn(turn, e, pingpong, WG: gl.constexpr):
-    """Ping-pong (FlashAttention-3): a consumer issues its e-th batch of wgmma only after the other
-    consumer issued its own, so one's softmax runs under the other's wgmma."""
-    if pingpong:
-        mbarrier.wait(turn.index(WG), e & 1)
-
-
-@gluon.jit
-def _pass_turn(turn, pingpong, WG: gl.constexpr):
-    if pingpong:
-        mbarrier.arrive(turn.index(1 - WG), count=1)
-
-
-@gluon.jit
 def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
              stride_o_head, lse_ptr, stride_lse_tok, sm_scale_log2, is_causal, qo_indptr_ptr, kv_indptr_ptr,
              kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
-             num_items, turn, pingpong, WG: gl.constexpr):
+             num_items, WG: gl.constexpr):
     """Consumer warpgroup ``WG``: for each of the program's items, query rows m0 + 64 WG ... + 63
     against every KV tile of the item. The next item's Q loads once this item's last S is done,
     under the last PV and the epilogue."""
@@ -193,9 +178,6 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
     _load_q(q_desc, my_q, my_bar, q_row, q_col, first < num_items)
     t = 0  # KV tiles of the ring consumed before this item
     q_phase = 0
-    e = 0  # batches of wgmma issued (with ping-pong the consumers take turns, the first one first)
-    if WG == 0:
-        _pass_turn(turn, pingpong, 1)
     for item in range(first, num_items, step):
         q_start, m0, q_len, kv_start, kv_len, n_tiles, head, kv_col = _item(
             item, num_qo_heads, group, tile_req_ptr, tile_start_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
@@ -221,10 +203,7 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
         if n_tiles > 0:
             stage = t % stages
             mbarrier.wait(ready.index(stage), (t // stages) & 1)
-            _wait_turn(turn, e, pingpong, WG)
             s_tok = warpgroup_mma(my_q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            _pass_turn(turn, pingpong, WG)
-            e += 1
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
             p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, sm_scale_log2, cols0, kv_hi, rows_diag,
                                                0 >= first_masked, is_causal)
@@ -234,12 +213,9 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
                 prev = (t + j - 1) % stages
                 mbarrier.wait(ready.index(stage), ((t + j) // stages) & 1)
                 # S_j first, then O += P_{j-1} V_{j-1}; the softmax of S_j runs under the second
-                _wait_turn(turn, e, pingpong, WG)
                 s_tok = warpgroup_mma(my_q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False,
                                       is_async=True)
                 o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-                _pass_turn(turn, pingpong, WG)
-                e += 1
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
                 p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, sm_scale_log2, cols0 + j * BLOCK_N, kv_hi,
                                                    rows_diag, j >= first_masked, is_causal)
@@ -248,10 +224,7 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
             last = (t + n_tiles - 1) % stages
-            _wait_turn(turn, e, pingpong, WG)
             o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
-            _pass_turn(turn, pingpong, WG)
-            e += 1
             # every S of this item is done: the next item's Q may overwrite this one
             _load_q(q_desc, my_q, my_bar, q_row, q_col, item + step < num_items)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
@@ -278,22 +251,22 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
 def _consume0(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
               stride_o_head, lse_ptr, stride_lse_tok, sm_scale_log2, is_causal, qo_indptr_ptr, kv_indptr_ptr,
               kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
-              num_items, turn, pingpong):
+              num_items):
     _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
              stride_o_head, lse_ptr, stride_lse_tok, sm_scale_log2, is_causal, qo_indptr_ptr, kv_indptr_ptr,
              kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
-             num_items, turn, pingpong, 0)
+             num_items, 0)
 
 
 @gluon.jit
 def _consume1(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
               stride_o_head, lse_ptr, stride_lse_tok, sm_scale_log2, is_causal, qo_indptr_ptr, kv_indptr_ptr,
               kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
-              num_items, turn, pingpong):
+              num_items):
     _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
              stride_o_head, lse_ptr, stride_lse_tok, sm_scale_log2, is_causal, qo_indptr_ptr, kv_indptr_ptr,
              kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
-             num_items, turn, pingpong, 1)
+             num_items, 1)
 
 
 @gluon.jit
@@ -302,7 +275,7 @@ def ragged_prefill_hopper_kernel(
     qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr, tile_req_ptr, tile_start_ptr, num_qo_heads, num_items, sm_scale_log2,
     kv_indices_ptr, rows_per_page,
     GROUP: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    PAGE_SIZE: gl.constexpr, PINGPONG: gl.constexpr, num_warps: gl.constexpr,
+    PAGE_SIZE: gl.constexpr, num_warps: gl.constexpr,
 ):
     """q_desc: [tokens, H_qo * D] box [64, D]; o: [tokens, H_qo, D] (any row and head strides); lse:
     [tokens, H_qo] float32 base 2. ``tile_req`` / ``tile_start`` int32 [tiles]: the request and first
@@ -326,18 +299,15 @@ def ragged_prefill_hopper_kernel(
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_bar.index(i), count=1)
-        mbarrier.init(turn.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
 
     args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok, stride_o_head,
             lse_ptr, stride_lse_tok, sm_scale_log2, IS_CAUSAL, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
-            kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, GROUP, num_items, turn,
-            PINGPONG)
+            kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, GROUP, num_items)
     if PAGE_SIZE > 0:
         gl.warp_specialize([(_consume0, args), (_consume1, args), (_load_paged_partition, args)], [4, 1],
                            [CONSUMER_REGS, 24])
