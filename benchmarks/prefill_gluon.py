@@ -1,19 +1,19 @@
-"""The Gluon ragged prefill for Hopper (``tritoninfer/kernels/prefill_hopper.py``, issue "Prefill,
-part 2"): A/B against the attention core on the same inputs, with torch SDPA and FlashInfer's fa3
-in the same process, or compiled for sm_90 without a GPU. benchmarks/NOTES.md (session 5) has the
-steps that led to it (a single-partition version with a CTA barrier per tile, then the
-warp-specialised one).
+"""The Gluon prefill for Hopper (``tritoninfer/kernels/prefill_hopper.py``, issue "Prefill, part 2"):
+A/B against the attention core on the same inputs, with torch SDPA and FlashInfer's fa3 in the same
+process, or compiled for sm_90 without a GPU. benchmarks/NOTES.md (sessions 5 and 6) has the steps
+that led to it.
 
-    PYTHONPATH=. python benchmarks/prefill_gluon.py [--fa3] [--configs 3-240,3-240-1]   # GPU
-    PYTHONPATH=. python benchmarks/prefill_gluon.py --paged [--fa3]                  # GPU: paged mode
-    PYTHONPATH=. python benchmarks/prefill_gluon.py --ab [--fa3] [--variants persistent,one-item]  # GPU: A/B
-    PYTHONPATH=. python benchmarks/prefill_gluon.py --compile [--page 16]            # no GPU
+    PYTHONPATH=. python benchmarks/prefill_gluon.py [--fa3] [--configs 3-240,3-240-1]   # GPU: ragged
+    PYTHONPATH=. python benchmarks/prefill_gluon.py --paged [--fa3]                      # GPU: paged
+    PYTHONPATH=. python benchmarks/prefill_gluon.py --ab [--fa3] [--variants persistent,one-item]
+    PYTHONPATH=. python benchmarks/prefill_gluon.py --compile [--page 16]                # no GPU
 
-A config is ``STAGES-CONSUMER_REGS``, ``-1`` appended for one work item per program (not persistent). Both modes force the Gluon kernel for every length (past
-``prefill.HOPPER_MIN_LEN``, to place the thresholds). ``--paged`` runs the paged wrapper on the
-kernel's paged mode (a TMA box per page) against the same wrapper on the attention core over one page
-table, and the ragged kernel on contiguous copies of the same K/V (paging's cost).
-"""
+A config is ``STAGES-CONSUMER_REGS``, with ``-1`` appended for one work item per program (not
+persistent). The GPU modes force the Gluon kernel for every length (past ``prefill.HOPPER_MIN_LEN``,
+to place the thresholds). ``--paged`` runs the paged wrapper on the kernel's paged mode (a TMA box
+per page) against the same wrapper on the attention core over one page table, and the ragged
+kernel on contiguous copies of the same K/V (paging's cost). ``--ab`` times kernel variants in
+interleaved rounds (ragged and paged, with fa3)."""
 
 import argparse
 import os
@@ -36,7 +36,7 @@ def compile_only(configs, page=0):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
 
-    from tritoninfer.kernels.prefill_hopper import ragged_prefill_hopper_kernel
+    from tritoninfer.kernels.prefill_hopper import prefill_hopper_kernel
 
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     for d in (128, 64):
@@ -59,7 +59,7 @@ def compile_only(configs, page=0):
                 attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if name.endswith("_ptr") or
                          name in ("stride_o_tok", "stride_o_head", "stride_lse_tok", "num_qo_heads")}
                 sig.update({name: "constexpr" for name in const})
-                k = triton.compile(GluonASTSource(ragged_prefill_hopper_kernel, sig, const, attrs),
+                k = triton.compile(GluonASTSource(prefill_hopper_kernel, sig, const, attrs),
                                    target=GPUTarget("cuda", 90, 32),
                                    options=dict(num_warps=4, maxnreg=prefill.hopper_maxnreg(regs)))
                 with tempfile.NamedTemporaryFile(suffix=".cubin") as f:

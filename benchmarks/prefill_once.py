@@ -5,7 +5,9 @@ what paging and fp8 KV cost against ragged bf16 KV on the same shape).
         --section SpeedOfLight --section Occupancy --section WarpStateStats \
         python benchmarks/prefill_once.py --kv paged --kv-dtype float8_e4m3fn
 
-Ragged bf16 on an H200 runs the Gluon kernel (``-k regex:ragged_prefill_hopper``); set
+bf16 KV on an H200 (ragged, or paged with pages of 8+ tokens) runs the Gluon kernel
+(``-k regex:prefill_hopper_kernel``; ``--page source --print-source sass --csv`` gives per-instruction
+stall samples, as in benchmarks/results/h200/prefill-gluon-session6.md); set
 TRITONINFER_HOPPER_PREFILL=0 for the attention core on the same shape.
 """
 

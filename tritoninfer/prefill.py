@@ -5,9 +5,10 @@ decode uses.
 Query tokens of a request are cut into tiles of ``block_m // group`` tokens; each tile's rows are
 (token, query head of the GQA group) pairs, so every KV byte is read once per group.
 
-On Hopper, ragged plans of plain bf16 attention at head_dim 128 with long requests (``_hopper_capable``) run a
-warp-specialised Gluon kernel instead (``kernels/prefill_hopper.py``, FlashAttention-3's schedule:
-1.25-1.39x the attention core at 4K-16K tokens); everything else runs the attention core.
+On Hopper, ragged and paged (pages of 8-128 tokens, NHD) plans of plain bf16 attention at head_dim 128
+with long requests (``_hopper_capable``) run a persistent warp-specialised Gluon kernel instead
+(``kernels/prefill_hopper.py``, FlashAttention-3's schedule: 1.25-1.8x the attention core at 4K-16K
+tokens); everything else runs the attention core.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def _pack_mask(custom_mask: torch.Tensor, bit_indptr: np.ndarray) -> torch.Tenso
     return packed
 
 
-# The Gluon ragged prefill for Hopper (kernels/prefill_hopper.py): on by default where it applies
+# The Gluon prefill for Hopper (kernels/prefill_hopper.py): on by default where it applies
 # (_hopper_capable); TRITONINFER_HOPPER_PREFILL=0 keeps every prefill on the attention core.
 HOPPER_PREFILL = os.environ.get("TRITONINFER_HOPPER_PREFILL", "1") != "0"
 HOPPER_TILE = 128  # query tokens per program: two consumer warpgroups of 64
@@ -200,7 +201,7 @@ def _launch_hopper(q, kv_descriptors, out, lse, qo_indptr, kv_indptr, kv_len, ti
     ``kv_len`` int32 [batch]."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .kernels.prefill_hopper import ragged_prefill_hopper_kernel
+    from .kernels.prefill_hopper import prefill_hopper_kernel
 
     (k_desc, v_desc), rows_per_page = kv_descriptors
     tokens, hq, d = q.shape
@@ -210,7 +211,7 @@ def _launch_hopper(q, kv_descriptors, out, lse, qo_indptr, kv_indptr, kv_len, ti
     paged = kv_indices is not None
     num_items = tiles.shape[1] * hq
     grid = min(num_items, _device.num_sms(q.device)) if HOPPER_PERSISTENT else num_items
-    ragged_prefill_hopper_kernel[(grid,)](
+    prefill_hopper_kernel[(grid,)](
         q_desc, k_desc, v_desc, out, out.stride(0), out.stride(1), lse, lse.stride(0),
         qo_indptr, kv_indptr, kv_len, tiles[0], tiles[1], hq, num_items, sm_scale * math.log2(math.e),
         kv_indices if paged else kv_indptr, rows_per_page,

@@ -1,4 +1,4 @@
-"""Ragged prefill for Hopper (sm_90) in Gluon, Triton's explicit-layout dialect: FlashAttention-3's
+"""Prefill for Hopper (sm_90) in Gluon, Triton's explicit-layout dialect: FlashAttention-3's
 schedule, written out. Used by ``BatchPrefillWithRaggedKVCacheWrapper`` (and so
 ``single_prefill_with_kv_cache``), and in its paged mode by ``BatchPrefillWithPagedKVCacheWrapper``,
 when the attention is plain: 16-bit Q/K/V of one dtype, causal or not, no mask/window/soft
@@ -270,7 +270,7 @@ def _consume1(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empt
 
 
 @gluon.jit
-def ragged_prefill_hopper_kernel(
+def prefill_hopper_kernel(
     q_desc, k_desc, v_desc, o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok,
     qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr, tile_req_ptr, tile_start_ptr, num_qo_heads, num_items, sm_scale_log2,
     kv_indices_ptr, rows_per_page,
