@@ -83,6 +83,20 @@ def _forced(on: bool) -> None:
     prefill.HOPPER_MIN_LEN = dict.fromkeys(DEFAULT_MIN_LEN, 0) if on else dict(DEFAULT_MIN_LEN)
 
 
+def _paged_and_ragged(batch, n, hq, hk, d, page):
+    """Random bf16 inputs of ``batch`` requests of ``n`` tokens: a paged cache (shuffled pages), q,
+    qo_indptr, and the same K/V contiguous per request for the ragged kernel."""
+    sys.path.insert(0, "benchmarks")
+    from decode_sweep import gpu_paged_kv
+
+    torch.manual_seed(0)
+    kv = gpu_paged_kv(batch, n, hk, d, page, torch.bfloat16, "NHD")
+    q = torch.randn((batch * n, hq, d), device="cuda").to(torch.bfloat16)
+    qo_indptr = torch.arange(0, batch * n + 1, n, dtype=torch.int32, device="cuda")
+    pages = kv.kv_indices.long().view(batch, -1)
+    return kv, q, qo_indptr, kv.cache[pages, 0].reshape(batch * n, hk, d), kv.cache[pages, 1].reshape(batch * n, hk, d)
+
+
 def main_paged(args):
     """Paged mode: the wrapper on the Gluon kernel against the wrapper on the core over one page
     table, the ragged Gluon kernel on contiguous copies of the same K/V (paging's cost), and fa3."""
@@ -90,7 +104,7 @@ def main_paged(args):
     from tritoninfer import testing
 
     sys.path.insert(0, "benchmarks")
-    from decode_sweep import eager_time, gpu_paged_kv
+    from decode_sweep import eager_time
 
     ws_buf = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     print("| shape | causal | kernel | µs | TFLOP/s | rel err vs the core |")
@@ -99,14 +113,7 @@ def main_paged(args):
               (4, 4096, 64)]
     hq, hk, d = 32, 8, 128
     for batch, n, page in shapes:
-        torch.manual_seed(0)
-        kv = gpu_paged_kv(batch, n, hk, d, page, torch.bfloat16, "NHD")
-        q = torch.randn((batch * n, hq, d), device="cuda").to(torch.bfloat16)
-        qo_indptr = torch.arange(0, batch * n + 1, n, dtype=torch.int32, device="cuda")
-        # the same K/V, contiguous per request, for the ragged kernel
-        pages = kv.kv_indices.long().view(batch, -1)
-        k = kv.cache[pages, 0].reshape(batch * n, hk, d)
-        v = kv.cache[pages, 1].reshape(batch * n, hk, d)
+        kv, q, qo_indptr, k, v = _paged_and_ragged(batch, n, hq, hk, d, page)
         for causal in (False, True):
             flops = testing.prefill_flops([n] * batch, [n] * batch, hq, d, d, causal)
             rows = []
@@ -152,7 +159,7 @@ def main_ab(args):
     from tritoninfer import testing
 
     sys.path.insert(0, "benchmarks")
-    from decode_sweep import eager_time, gpu_paged_kv
+    from decode_sweep import eager_time
 
     ws_buf = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     hq, hk, d, page = 32, 8, 128, 16
@@ -162,13 +169,7 @@ def main_ab(args):
     print("|---|---|---|---|---|---|---|")
     _forced(True)
     for batch, n in (tuple(map(int, x.split("x"))) for x in args.shapes.split(",")):
-        torch.manual_seed(0)
-        kv = gpu_paged_kv(batch, n, hk, d, page, torch.bfloat16, "NHD")
-        q = torch.randn((batch * n, hq, d), device="cuda").to(torch.bfloat16)
-        indptr = torch.arange(0, batch * n + 1, n, dtype=torch.int32, device="cuda")
-        pages = kv.kv_indices.long().view(batch, -1)
-        k = kv.cache[pages, 0].reshape(batch * n, hk, d)
-        v = kv.cache[pages, 1].reshape(batch * n, hk, d)
+        kv, q, indptr, k, v = _paged_and_ragged(batch, n, hq, hk, d, page)
         for causal in (False, True):
             flops = testing.prefill_flops([n] * batch, [n] * batch, hq, d, d, causal)
             rw = tritoninfer.BatchPrefillWithRaggedKVCacheWrapper(ws_buf)

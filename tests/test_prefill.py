@@ -521,6 +521,14 @@ HOPPER_PAGED_CASES = [
 ]
 
 
+def _count_hopper_launches(monkeypatch) -> list:
+    """A list that gets an entry for each launch of the Gluon kernel (which still runs)."""
+    calls = []
+    launch = prefill._launch_hopper
+    monkeypatch.setattr(prefill, "_launch_hopper", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
+    return calls
+
+
 def _needs_hopper():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon prefill kernel is for sm_90")
@@ -530,9 +538,7 @@ def _needs_hopper():
 @pytest.mark.parametrize("case,gluon", HOPPER_CASES, ids=lambda c: c.id() if isinstance(c, Case) else str(c))
 def test_gpu_hopper_ragged_prefill(case, gluon, monkeypatch):
     _needs_hopper()
-    calls = []
-    launch = prefill._launch_hopper
-    monkeypatch.setattr(prefill, "_launch_hopper", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
+    calls = _count_hopper_launches(monkeypatch)
     test_ragged_prefill_matches_reference(case, device="cuda", hopper=gluon)
     assert bool(calls) == gluon
 
@@ -541,9 +547,7 @@ def test_gpu_hopper_ragged_prefill(case, gluon, monkeypatch):
 @pytest.mark.parametrize("case,gluon", HOPPER_PAGED_CASES, ids=lambda c: c.id() if isinstance(c, Case) else str(c))
 def test_gpu_hopper_paged_prefill(case, gluon, monkeypatch):
     _needs_hopper()
-    calls = []
-    launch = prefill._launch_hopper
-    monkeypatch.setattr(prefill, "_launch_hopper", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
+    calls = _count_hopper_launches(monkeypatch)
     test_paged_prefill_matches_reference(case, device="cuda")
     assert bool(calls) == gluon
 
@@ -553,9 +557,7 @@ def test_gpu_hopper_paged_fallbacks(monkeypatch):
     """A paged plan in the Gluon kernel's range still takes the core for a run with fp8 scales or sinks
     (which the kernel lacks); the kernel's own run matches the reference with and without an LSE."""
     _needs_hopper()
-    calls = []
-    launch = prefill._launch_hopper
-    monkeypatch.setattr(prefill, "_launch_hopper", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
+    calls = _count_hopper_launches(monkeypatch)
     g = torch.Generator().manual_seed(5)
     q, qo_indptr = testing.random_qo((1200, 900), 16, 128, dtype=torch.bfloat16, generator=g)
     q = q.cuda()
@@ -582,9 +584,7 @@ def test_gpu_hopper_single_prefill_and_fallbacks(monkeypatch):
     """single_prefill takes the Gluon kernel; a soft cap (which it lacks), a short causal request and
     a non-TMA-ready q (heads not contiguous) keep the attention core; all match the reference."""
     _needs_hopper()
-    calls = []
-    launch = prefill._launch_hopper
-    monkeypatch.setattr(prefill, "_launch_hopper", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
+    calls = _count_hopper_launches(monkeypatch)
     g = torch.Generator().manual_seed(3)
     q = testing.randn((1100, 16, 128), torch.bfloat16, "cuda", generator=g)
     k = testing.randn((900, 4, 128), torch.bfloat16, "cuda", generator=g)
