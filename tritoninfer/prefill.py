@@ -90,7 +90,7 @@ def _pack_mask(custom_mask: torch.Tensor, bit_indptr: np.ndarray) -> torch.Tenso
 # The Gluon prefill for Hopper (kernels/prefill_hopper.py): on by default where it applies
 # (_hopper_capable); TRITONINFER_HOPPER_PREFILL=0 keeps every prefill on the attention core.
 HOPPER_PREFILL = os.environ.get("TRITONINFER_HOPPER_PREFILL", "1") != "0"
-HOPPER_TILE = 128  # query tokens per program: two consumer warpgroups of 64
+HOPPER_TILE = 128  # query tokens per work item: two consumer warpgroups of 64
 HOPPER_STAGES = 3  # K/V ring depth: 3 x 64 KB at head_dim 128, with Q 224 KB of the H200's 227
 HOPPER_CONSUMER_REGS = 240  # per consumer thread; the producer warpgroup keeps 24
 HOPPER_PERSISTENT = True  # one program per SM running work items in turn (False: one item per program)
@@ -403,6 +403,21 @@ class _BatchPrefillBase:
         self._sm_scale, self._rope_scale, self._rope_theta = sm_scale, rope_scale, rope_theta
         return kv_views
 
+    def _hopper_work(self, qo: np.ndarray, kv_lens: np.ndarray, q_data_type, kv_data_type, head_dim_qk, head_dim_vo,
+                     has_mask: bool, causal, paged: bool) -> Optional[np.ndarray]:
+        """The Gluon kernel's work list (``_hopper_tiles``) if ``_hopper_capable`` lets this plan take
+        it, else None. ``qo``: int64 qo_indptr on the host; a batch that disagrees with ``kv_lens``
+        gets None (``_plan_common`` reports it)."""
+        if qo.size != kv_lens.size + 1:
+            return None
+        q_dtype = canonicalize_dtype(q_data_type, "q_data_type")
+        kv_dtype = q_dtype if kv_data_type is None else canonicalize_dtype(kv_data_type, "kv_data_type")
+        if not _hopper_capable(self.device, q_dtype, kv_dtype, head_dim_qk,
+                               head_dim_qk if head_dim_vo is None else head_dim_vo, self._kv_layout,
+                               self._use_cuda_graph, has_mask, bool(causal), qo[-1] / max(qo.size - 1, 1), paged=paged):
+            return None
+        return _hopper_tiles(qo[1:] - qo[:-1], kv_lens, bool(causal))
+
     def _keep_hopper_tiles(self, tiles: Optional[torch.Tensor]) -> None:
         """Keeps the Gluon kernel's uploaded work list (int32 [2 * tiles]) if the planned scores are
         ones it computes: no RoPE, ALiBi, soft cap or window, and a positive scale (folded into exp2)."""
@@ -650,15 +665,13 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         needs_indptr_upload = self._use_cuda_graph or paged_kv_indptr is None or paged_kv_indptr.device != self.device \
             or block_tables is not None
         kv_extra = [ind, lpl] if self._use_cuda_graph else ([ind] if needs_indptr_upload else [])
-        q_dtype = canonicalize_dtype(q_data_type, "q_data_type")
-        hopper = (qo.size == kv_lens.size + 1 and HOPPER_TILE % page_size == 0 and page_size >= HOPPER_MIN_PAGE
-                  and _hopper_capable(
-                      self.device, q_dtype, q_dtype if kv_data_type is None else canonicalize_dtype(kv_data_type, "kv_data_type"),
-                      head_dim_qk, head_dim_qk if head_dim_vo is None else head_dim_vo, self._kv_layout,
-                      self._use_cuda_graph, custom_mask is not None or packed_custom_mask is not None, bool(causal),
-                      qo[-1] / max(qo.size - 1, 1), paged=True))
+        work = None
+        if HOPPER_TILE % page_size == 0 and page_size >= HOPPER_MIN_PAGE:  # pages tile the KV tile
+            work = self._hopper_work(qo, kv_lens, q_data_type, kv_data_type, head_dim_qk, head_dim_vo,
+                                     custom_mask is not None or packed_custom_mask is not None, causal, paged=True)
+        hopper = work is not None
         if hopper:
-            kv_extra.append(_hopper_tiles(qo[1:] - qo[:-1], kv_lens, bool(causal)))
+            kv_extra.append(work)
         views = self._plan_common(
             qo_indptr_host=qo_indptr_host, qo_indptr=qo_indptr, kv_lens=kv_lens, kv_extra=kv_extra,
             num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
@@ -876,16 +889,16 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         kv_indptr_host = host_index(kv_indptr, "kv_indptr")
         check_indptr_host(kv_indptr_host, "kv_indptr")
         kv = kv_indptr_host.numpy().astype(np.int64)
-        q_dtype = canonicalize_dtype(q_data_type, "q_data_type")
         check_indptr_host(qo_indptr_host, "qo_indptr")
         qo = qo_indptr_host.numpy().astype(np.int64)
-        hopper = qo.size == kv.size and kv[-1] >= HOPPER_TILE and _hopper_capable(  # (K/V fill one TMA box)
-            self.device, q_dtype, q_dtype if kv_data_type is None else canonicalize_dtype(kv_data_type, "kv_data_type"),
-            head_dim_qk, head_dim_qk if head_dim_vo is None else head_dim_vo, self._kv_layout, self._use_cuda_graph,
-            custom_mask is not None or packed_custom_mask is not None, bool(causal), qo[-1] / max(qo.size - 1, 1))
+        work = None
+        if kv[-1] >= HOPPER_TILE:  # K/V fill one TMA box
+            work = self._hopper_work(qo, kv[1:] - kv[:-1], q_data_type, kv_data_type, head_dim_qk, head_dim_vo,
+                                     custom_mask is not None or packed_custom_mask is not None, causal, paged=False)
+        hopper = work is not None
         kv_extra = [kv]
         if hopper:
-            kv_extra.append(_hopper_tiles(qo[1:] - qo[:-1], kv[1:] - kv[:-1], bool(causal)))
+            kv_extra.append(work)
         views = self._plan_common(
             qo_indptr_host=qo_indptr_host, qo_indptr=qo_indptr, kv_lens=kv[1:] - kv[:-1], kv_extra=kv_extra,
             num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
