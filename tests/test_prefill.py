@@ -369,7 +369,14 @@ def test_tree_mask_cuda_graph_buffers_replan():
         case = Case((8, 8), (9, 9))
         g, q, qo_indptr, _, _ = _inputs(case)
         kv = testing.make_paged_kv((9, 9), page, hk, d, device=DEVICE, generator=g)
-        wrapper.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, hq, hk, d, page)
+        wrapper.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, hq, hk, d, page,
+                     custom_mask=torch.ones(2 * 8 * 9, dtype=torch.bool, device=DEVICE))
+    # a wrapper made with mask buffers applies them on every run (FlashInfer): a plan without a mask is refused
+    with pytest.raises(ValueError, match="custom_mask_buf"):
+        case = Case((4, 4), (9, 6))
+        g, q, qo_indptr, _, _ = _inputs(case)
+        kv = testing.make_paged_kv((9, 6), page, hk, d, device=DEVICE, generator=g)
+        wrapper.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, hq, hk, d, page, causal=True)
 
 
 def test_cuda_graph_keeps_the_first_plans_tiles(monkeypatch):

@@ -17,6 +17,7 @@ import torch
 import triton.language as tl
 
 from . import _device
+from ._errors import fault_record
 from ._launch import CachedLauncher
 from ._options import (
     PosEncodingMode,
@@ -98,6 +99,7 @@ class KVSource:
     page_size: int  # 0: ragged (no page table); kv_indptr then holds token offsets
     kv_indptr: torch.Tensor
     kv_indices: Optional[torch.Tensor] = None
+    num_pages: int = 0  # pages of the cache (paged): the kernel reads no page id outside [0, num_pages)
 
 
 @dataclasses.dataclass
@@ -113,6 +115,7 @@ class DevicePlan:
     state_capacity: int  # states the workspace layout reserves (with state_mult 1); fixed in CUDA-graph mode
     has_splits: bool
     always_merge: bool  # CUDA-graph mode: a later plan may split, so the merge is always launched
+    reads_kv: bool = True  # some request has KV (a paged plan then needs a cache with pages)
     # launch_attention's bound launches for this plan (AttentionLaunch), by run variant
     launches: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
@@ -298,6 +301,7 @@ class AttentionLaunch:
         self.sm_scale = params.sm_scale
         # objects whose identities are in launch_attention's key: alive as long as this launch is
         self.keep = (params, tiles, workspace, kv.kv_indptr, kv.kv_indices, packed_mask, mask_indptr)
+        self.needs_pages = kv.page_size > 0 and plan.reads_kv
         block_dqk = max(16, 1 << (head_dim_qk - 1).bit_length())
         block_dv = max(16, 1 << (head_dim_vo - 1).bit_length())
         qo_indptr = plan.qo_indptr if plan.qo_indptr is not None else dummy
@@ -309,6 +313,7 @@ class AttentionLaunch:
             packed_mask if packed_mask is not None else dummy,
             mask_indptr if mask_indptr is not None else dummy,
             alibi_tensor(num_qo_heads, self.device) if params.alibi else dummy,
+            fault_record(self.device), kv.kv_indices.numel() if kv.kv_indices is not None else 0,
             q_len_per_req, tiles.tile_tokens, state_mult, num_qo_heads,
             params.logits_soft_cap, 1.0 / params.rope_scale, math.log2(params.rope_theta), params.window_left,
         ), dict(
@@ -356,6 +361,8 @@ class AttentionLaunch:
                 lse is not None and lse.device != dev) or (sinks is not None and sinks.device != dev) or (
                 head_scales is not None and any(t.device != dev for t in head_scales)):
             raise ValueError(f"attention: every tensor must be on the plan's device {dev}")
+        if self.needs_pages and kv.num_pages == 0:
+            raise ValueError("paged_kv_cache: the cache has no pages, but the plan reads KV from it")
         sm_scale = self.sm_scale * (1.0 if q_scale is None else float(q_scale)) * (1.0 if k_scale is None else float(k_scale))
         v_scale = 1.0 if v_scale is None else float(v_scale)
         dummy = self.dummy
@@ -364,7 +371,7 @@ class AttentionLaunch:
         scales = head_scales if head_scales is not None else (dummy, dummy, dummy)
         (self.attention if sm_scale > 0 else self.unfolded)(
             q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), lse_arg, lse_stride,
-            kv.k, *kv.k_strides, kv.v, *kv.v_strides, sinks_arg, *scales,
+            kv.k, *kv.k_strides, kv.v, *kv.v_strides, kv.num_pages, sinks_arg, *scales,
             sm_scale * 1.4426950408889634, v_scale,
         )
         if self.merge is not None:

@@ -72,3 +72,16 @@ def device_name(device: torch.device | str | int | None = None) -> str:
 def can_pin_memory() -> bool:
     """Pinned host buffers make host-to-device copies asynchronous; only meaningful with a GPU."""
     return has_gpu()
+
+
+CPU_TENSORS_HINT = (
+    "CPU tensors run only through the Triton interpreter: set TRITON_INTERPRET=1 in the environment before "
+    "importing tritoninfer (e.g. `TRITON_INTERPRET=1 python script.py`), or pass CUDA tensors"
+)
+
+
+def check_launchable(device: torch.device, name: str) -> None:
+    """Raises ``ValueError`` (saying what to do) if kernels cannot run on ``device``: a CPU device
+    without the interpreter."""
+    if torch.device(device).type != "cuda" and not is_interpreter():
+        raise ValueError(f"{name}: the tensors are on {device}. {CPU_TENSORS_HINT}")

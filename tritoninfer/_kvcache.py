@@ -154,6 +154,25 @@ class HostPageTable:
     last_page_len: np.ndarray  # int64 [batch]
     kv_lens: np.ndarray  # int64 [batch]
     num_pages_used: int  # indptr[-1]
+    # page ids the table uses, when they are on the host (else None: the kernels bound them)
+    page_ids: Optional[np.ndarray] = None
+    max_page_id: int = -1
+    prefix: str = ""
+
+    def check_cache(self, num_pages: int) -> None:
+        """Raises ``ValueError`` if a page id on the host is outside a cache of ``num_pages`` pages
+        (``run()`` calls it with the cache it gets: one int comparison unless an id is bad)."""
+        if self.max_page_id >= num_pages:
+            bad = int(np.argmax(self.page_ids >= num_pages))
+            raise _page_id_error(self, bad, num_pages)
+
+
+def _page_id_error(table: HostPageTable, position: int, num_pages: Optional[int]) -> ValueError:
+    """The error for the page id at ``position`` of the table's ids, naming its request."""
+    request = int(np.searchsorted(table.indptr[1:] - table.indptr[0], position, side="right"))
+    where = f"outside the paged KV cache's [0, {num_pages}) pages" if num_pages is not None else "negative"
+    return ValueError(f"{table.prefix}indices: request {request} refers to page id {int(table.page_ids[position])}, "
+                      f"{where}")
 
 
 def host_page_table(indptr_host: torch.Tensor, last_page_len_host: torch.Tensor, indices: torch.Tensor,
@@ -185,4 +204,13 @@ def host_page_table(indptr_host: torch.Tensor, last_page_len_host: torch.Tensor,
         i = int(np.argmax(bad))
         raise ValueError(f"{prefix}last_page_len: request {i} has {int(lpl[i])}, expected 1..page_size ({page_size})")
     kv_lens = np.where(has_pages, (pages - 1) * page_size + lpl, 0)
-    return HostPageTable(ind, lpl, kv_lens, num_pages_used)
+    table = HostPageTable(ind, lpl, kv_lens, num_pages_used, prefix=prefix)
+    if indices.device.type == "cpu" and num_pages_used > ind[0]:
+        # ids on the host are checked here and against the cache at run(); ids on the GPU are bounded
+        # by the kernels (kernels/faults.py)
+        ids = indices.reshape(-1)[int(ind[0]):num_pages_used].numpy()
+        table.page_ids = ids
+        if ids.min() < 0:
+            raise _page_id_error(table, int(np.argmax(ids < 0)), None)
+        table.max_page_id = int(ids.max())
+    return table

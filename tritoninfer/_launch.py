@@ -87,7 +87,7 @@ class CachedLauncher:
         if _device.is_interpreter():
             self.kernel[grid](*args, **kwargs)
             return
-        device = driver.active.get_current_device()
+        device = _current_device()
         key = (device, tuple(kwargs.items()), _args_key(args))
         hit = self._compiled.get(key)
         if hit is None:
@@ -123,7 +123,7 @@ class BoundLaunch:
         if _device.is_interpreter():
             self.launcher.kernel[self.grid](*head, *self.tail, **self.kwargs)
             return
-        device = driver.active.get_current_device()
+        device = _current_device()
         key = (device, _args_key(head))
         hit = self._compiled.get(key)
         if hit is None:
@@ -135,6 +135,15 @@ class BoundLaunch:
         values = [a.data_ptr() if type(a) is torch.Tensor else a for a in head]
         values += self._tail_values
         _run(compiled, self.grid, device, values, head + self.tail, constexprs)
+
+
+def _current_device() -> int:
+    """The current CUDA device, as Triton's launcher needs it; without a GPU driver (CPU tensors, no
+    interpreter) a ``ValueError`` that says what to do instead of Triton's "0 active drivers"."""
+    try:
+        return driver.active.get_current_device()
+    except RuntimeError as exc:
+        raise ValueError(_device.CPU_TENSORS_HINT) from exc
 
 
 def _run(compiled, grid, device, values, args, constexprs) -> None:

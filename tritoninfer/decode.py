@@ -16,7 +16,7 @@ from typing import Any, List, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from . import _device
+from . import _device, _errors
 from ._attention import DevicePlan, KVSource, PlanUploader, launch_attention, pad_work, score_params, scratch_workspace
 from ._kvcache import PagedKVCache, host_page_table, page_table_from_block_tables, unpack_paged_kv_cache
 from ._options import (
@@ -123,6 +123,7 @@ def single_decode_with_kv_cache(
     params = score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta, head_dim)
 
     device = q.device
+    _device.check_launchable(device, "single_decode_with_kv_cache")
     num_sms = _device.num_sms(device)
     tiles = _decode_tiles(num_qo_heads // num_kv_heads, 1, head_dim, k.element_size(), _lanes_ok(params))
     kv_lens = np.array([kv_len], np.int64)
@@ -134,7 +135,7 @@ def single_decode_with_kv_cache(
         [work.work, kv_lens, work.state_offset, np.zeros(1, np.int32)]
     )
     plan = DevicePlan(work_d.view(-1, WORK_FIELDS), kv_len_d, state_offset_d, None, work.work.shape[0],
-                      work.num_states, work.num_states, work.has_splits, False)
+                      work.num_states, work.num_states, work.has_splits, False, bool(kv_lens.any()))
     kv = KVSource(k, v, (k.stride(tok_dim), 0, k.stride(head_axis)), (v.stride(tok_dim), 0, v.stride(head_axis)),
                   0, kv_indptr_d)
     out = torch.empty((1, num_qo_heads, head_dim_vo), dtype=q.dtype, device=device)
@@ -333,6 +334,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         data_type, sm_scale, rope_scale, rope_theta, non_blocking, seq_lens, fixed_split_size,
         disable_split_kv, copy_page_table,
     ) -> None:
+        _device.check_launchable(self.device, "plan()")
+        _errors.raise_pending(self.device)
         if data_type is not None:
             q_data_type = data_type if q_data_type is None else q_data_type
             kv_data_type = data_type if kv_data_type is None else kv_data_type
@@ -400,7 +403,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 copy_into(self._paged_kv_last_page_len_buf, last_d, non_blocking)
             kv_indptr_d, kv_indices_d = self._paged_kv_indptr_buf, self._paged_kv_indices_buf
             plan = DevicePlan(work_d.view(capacity, WORK_FIELDS), kv_len_d, state_offset_d, None, capacity,
-                              work.num_states, capacity, work.has_splits, True)
+                              work.num_states, capacity, work.has_splits, True, bool(kv_lens.any()))
         else:
             work = _plan.fit_work(ones, kv_lens, 1, chunk, self._float_workspace_buffer.numel(), num_qo_heads,
                                   head_dim, fixed_split_size is not None)
@@ -413,9 +416,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
             kv_indices_d = indices if indices.device == self.device else indices.to(self.device, non_blocking=non_blocking)
             kv_indices_d = kv_indices_d.to(torch.int32)
             plan = DevicePlan(work_d.view(-1, WORK_FIELDS), kv_len_d, state_offset_d, None, work.work.shape[0],
-                              work.num_states, work.num_states, work.has_splits, False)
+                              work.num_states, work.num_states, work.has_splits, False, bool(kv_lens.any()))
 
         self._plan = plan
+        self._page_table = table
         self._kv_indptr, self._kv_indices = kv_indptr_d, kv_indices_d
         self._batch_size = batch
         self._min_kv_len = int(kv_lens.min()) if batch else 0
@@ -516,16 +520,17 @@ class BatchDecodeWithPagedKVCacheWrapper:
             )
         if kv.device != q.device:
             raise ValueError("paged_kv_cache and q must be on the same device")
+        self._page_table.check_cache(kv.k.shape[0])
         out = check_out(out, (q.shape[0], self._num_qo_heads, kv.head_dim_vo), q.dtype, q.device, "out")
-        if return_lse:
+        if lse is not None or return_lse:
+            # a caller's lse buffer is written whether or not it is returned, as in FlashInfer
             lse = check_out(lse, (q.shape[0], self._num_qo_heads), torch.float32, q.device, "lse")
-        else:
-            lse = None
         sinks = check_sinks(sinks, self._num_qo_heads, q.device)
         params = self._params if L == 1 else _causal(self._params)
         launch_attention(
             q=q, out=out, lse=lse,
-            kv=KVSource(kv.k, kv.v, kv.k_strides, kv.v_strides, kv.page_size, self._kv_indptr, self._kv_indices),
+            kv=KVSource(kv.k, kv.v, kv.k_strides, kv.v_strides, kv.page_size, self._kv_indptr, self._kv_indices,
+                              kv.k.shape[0]),
             plan=self._plan, tiles=_decode_tiles(self._num_qo_heads // self._num_kv_heads, L, self._head_dim,
                                self._cached_kv_data_type.itemsize, _lanes_ok(params)),
             num_kv_heads=self._num_kv_heads, head_dim_qk=self._head_dim, head_dim_vo=kv.head_dim_vo,

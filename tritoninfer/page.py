@@ -19,6 +19,7 @@ from typing import Tuple, Union
 import torch
 
 from . import _device
+from ._errors import fault_record
 from ._launch import CachedLauncher
 from ._options import KV_DTYPES, FP8_DTYPES, TensorLayout, check_int_index_tensor, check_tensor, parse_layout
 from ._plan import cdiv, next_pow2
@@ -34,14 +35,6 @@ __all__ = ["append_paged_kv_cache", "get_batch_indices_positions", "get_seq_lens
 _FP8_SOURCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Cache dtypes: FlashInfer's KV dtypes, plus float32 (a tritoninfer extra, handy for references).
 _CACHE_DTYPES = KV_DTYPES + (torch.float32,)
-
-
-def _check_launchable(t: torch.Tensor, name: str) -> None:
-    if t.device.type == "cpu" and not _device.is_interpreter():
-        raise ValueError(
-            f"{name}: CPU tensors need the Triton interpreter (set TRITON_INTERPRET=1 before importing "
-            "tritoninfer); otherwise pass CUDA tensors"
-        )
 
 
 def _unpack_paged_kv_cache(
@@ -260,12 +253,12 @@ def append_paged_kv_cache(
         _check_positions_host(batch_indices[keep], positions[keep], kv_indices, kv_indptr, num_pages, page_size)
     if nnz == 0 or num_heads == 0:
         return
-    _check_launchable(k_cache, "paged_kv_cache")
+    _device.check_launchable(k_cache.device, "paged_kv_cache")
     block_t, block_d, block_dv, num_warps = _append_block_sizes(head_dim, head_dim_v)
     grid = (cdiv(nnz, block_t), num_heads)
     _APPEND_PAGED_KV_CACHE[grid](
         append_key, append_value, batch_indices, positions, k_cache, v_cache, kv_indices, kv_indptr,
-        nnz, kv_indptr.numel() - 1, num_pages, kv_indices.numel(), page_size,
+        fault_record(k_cache.device), nnz, kv_indptr.numel() - 1, num_pages, kv_indices.numel(), page_size,
         append_key.stride(0), append_key.stride(1), append_key.stride(2),
         append_value.stride(0), append_value.stride(1), append_value.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -324,7 +317,7 @@ def get_batch_indices_positions(
     positions = torch.empty((nnz,), dtype=torch.int32, device=device)
     if nnz == 0:
         return batch_indices, positions
-    _check_launchable(append_indptr, "append_indptr")
+    _device.check_launchable(append_indptr.device, "append_indptr")
     _BATCH_INDICES_POSITIONS[(batch_size + 1,)](
         append_indptr, seq_lens, batch_indices, positions, nnz, batch_size, BLOCK=256,
     )

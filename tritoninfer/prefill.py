@@ -21,7 +21,10 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from . import _device
+from . import _device, _errors
+from ._errors import fault_record
+from ._launch import CachedLauncher
+from .kernels.faults import check_page_ids_kernel
 from ._attention import DevicePlan, KVSource, PlanUploader, launch_attention, pad_work, score_params, scratch_workspace
 from ._kvcache import PagedKV, PagedKVCache, host_page_table, page_table_from_block_tables, unpack_paged_kv_cache
 from ._options import (
@@ -86,6 +89,8 @@ def _pack_mask(custom_mask: torch.Tensor, bit_indptr: np.ndarray) -> torch.Tenso
     packed, _ = segment_packbits(custom_mask.contiguous().view(-1), indptr, bitorder="little")
     return packed
 
+
+_CHECK_PAGE_IDS = CachedLauncher(check_page_ids_kernel)
 
 # The Gluon prefill for Hopper (kernels/prefill_hopper.py): on by default where it applies
 # (_hopper_capable); TRITONINFER_HOPPER_PREFILL=0 keeps every prefill on the attention core.
@@ -289,8 +294,15 @@ class _BatchPrefillBase:
         q_dtype = check_dtype_in(canonicalize_dtype(q_data_type, "q_data_type"), Q_DTYPES, "q_data_type")
         kv_dtype = q_dtype if kv_data_type is None else canonicalize_dtype(kv_data_type, "kv_data_type")
         check_dtype_in(kv_dtype, KV_DTYPES, "kv_data_type")
+        has_mask = custom_mask is not None or packed_custom_mask is not None
+        if self._use_cuda_graph and self._custom_mask_buf is not None and not has_mask:
+            raise ValueError(
+                "custom_mask: this wrapper was created with custom_mask_buf, so (as in FlashInfer) every run "
+                "applies the mask buffer; pass this plan's custom_mask or packed_custom_mask"
+            )
+        # a custom mask replaces the causal mask (FlashInfer 0.5.3's MaskMode.CUSTOM)
         params = score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
-                              head_dim_qk, causal=bool(causal))
+                              head_dim_qk, causal=bool(causal) and not has_mask)
         check_indptr_host(qo_indptr_host, "qo_indptr")
         batch = qo_indptr_host.numel() - 1
         if kv_lens.size != batch:
@@ -374,7 +386,8 @@ class _BatchPrefillBase:
                 copy_into(self._mask_indptr_buf[:batch + 1], torch.from_numpy(byte_indptr.astype(np.int32)), non_blocking)
                 packed, mask_indptr_d = self._custom_mask_buf, self._mask_indptr_buf
             plan = DevicePlan(work_d.view(capacity, WORK_FIELDS), kv_len_d, state_offset_d, qo_indptr_d, capacity,
-                              work.num_states, self._max_total_rows * self._max_splits, work.has_splits, True)
+                              work.num_states, self._max_total_rows * self._max_splits, work.has_splits, True,
+                              bool(kv_lens.any()))
             kv_views = views[4:]
         else:
             work = _plan.fit_work(qo_lens, kv_lens, tiles.tile_tokens, chunk, self._float_workspace_buffer.numel(),
@@ -385,7 +398,7 @@ class _BatchPrefillBase:
             work_d, kv_len_d, state_offset_d, qo_indptr_d = views[:4]
             mask_indptr_d = views[4] if mask_arrays else None
             plan = DevicePlan(work_d.view(-1, WORK_FIELDS), kv_len_d, state_offset_d, qo_indptr_d, work.work.shape[0],
-                              work.num_states, work.num_states, work.has_splits, False)
+                              work.num_states, work.num_states, work.has_splits, False, bool(kv_lens.any()))
             kv_views = views[4 + len(mask_arrays):]
 
         self._plan = plan
@@ -432,7 +445,7 @@ class _BatchPrefillBase:
             raise ValueError("forward() was called before plan()")
         _reject_unsupported(use_fp16_qk_reduction)
         self._params = score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
-                                    rope_theta, self._head_dim_qk, causal=bool(causal))
+                                    rope_theta, self._head_dim_qk, causal=bool(causal) and self._packed_mask is None)
         self._hopper_tiles = None  # chosen for the planned settings: the replaced ones take the core
         self._causal = bool(causal)
         self._pos_encoding_mode, self._window_left, self._logits_soft_cap = pos_encoding_mode, window_left, logits_soft_cap
@@ -474,9 +487,16 @@ class _BatchPrefillBase:
             # the captured one, so the captured zero-fill covers them on every replay
             out = torch.zeros(shape, dtype=out_dtype, device=q.device)
         out = check_out(out, shape, out_dtype, q.device, "out")
-        lse = check_out(lse, shape[:2], torch.float32, q.device, "lse") if return_lse else None
+        if lse is not None or return_lse:
+            # a caller's lse buffer is written whether or not it is returned, as in FlashInfer
+            lse = check_out(lse, shape[:2], torch.float32, q.device, "lse")
         sinks = check_sinks(sinks, self._num_qo_heads, q.device)
         if hopper_kv is not None and sinks is None and head_scales is None and _tma_ready(q):
+            if kv.page_size > 0 and self._pages_checked != kv.num_pages:
+                # TMA keeps the kernel's reads inside the cache; this reports the ids it would miss
+                _CHECK_PAGE_IDS[(self._plan.kv_len.numel(),)](kv.kv_indptr, kv.kv_indices, fault_record(q.device),
+                                                             kv.num_pages, BLOCK=256)
+                self._pages_checked = kv.num_pages
             _launch_hopper(q, hopper_kv, out, lse, self._plan.qo_indptr, kv.kv_indptr, self._plan.kv_len,
                            self._hopper_tiles, self._num_kv_heads, self._params.sm_scale, self._params.causal,
                            kv_indices=kv.kv_indices if kv.page_size > 0 else None)
@@ -637,6 +657,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         disable_split_kv : bool
             Never split KV (batch-invariant).
         """
+        _device.check_launchable(self.device, "plan()")
+        _errors.raise_pending(self.device)
         _reject_unsupported(use_fp16_qk_reduction, prefix_len_ptr, token_pos_in_items_ptr, token_pos_in_items_len,
                             max_item_len_ptr)
         check_positive_int(page_size, "page_size")
@@ -662,9 +684,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
 
         if self._use_cuda_graph and num_pages_used > len(self._paged_kv_indices_buf):
             raise ValueError(f"paged_kv_indices: {num_pages_used} pages exceed paged_kv_indices_buf ({len(self._paged_kv_indices_buf)})")
-        needs_indptr_upload = self._use_cuda_graph or paged_kv_indptr is None or paged_kv_indptr.device != self.device \
-            or block_tables is not None
-        kv_extra = [ind, lpl] if self._use_cuda_graph else ([ind] if needs_indptr_upload else [])
+        # the plan's own indptr (checked above) is what the kernels read, never the caller's tensor
+        kv_extra = [ind, lpl] if self._use_cuda_graph else [ind]
         work = None
         if HOPPER_TILE % page_size == 0 and page_size >= HOPPER_MIN_PAGE:  # pages tile the KV tile
             work = self._hopper_work(qo, kv_lens, q_data_type, kv_data_type, head_dim_qk, head_dim_vo,
@@ -687,10 +708,12 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             copy_into(self._paged_kv_indices_buf[:num_pages_used], paged_kv_indices[:num_pages_used], non_blocking)
             self._kv_indptr, self._kv_indices = self._paged_kv_indptr_buf, self._paged_kv_indices_buf
         else:
-            self._kv_indptr = views[0] if needs_indptr_upload else paged_kv_indptr.to(torch.int32)
+            self._kv_indptr = views[0]
             indices = paged_kv_indices.to(self.device, non_blocking=non_blocking)
             self._kv_indices = indices.to(torch.int32)
         self._page_size = page_size
+        self._page_table = table
+        self._pages_checked = -1  # cache size whose page ids a run checked for the Gluon kernel
         self._keep_hopper_tiles(views[-1] if hopper else None)
 
     begin_forward = plan
@@ -744,7 +767,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                 f"paged_kv_cache: page_size/num_kv_heads are {kv.page_size}/{kv.num_heads}, "
                 f"plan() used {self._page_size}/{self._num_kv_heads}"
             )
-        source = KVSource(kv.k, kv.v, kv.k_strides, kv.v_strides, kv.page_size, self._kv_indptr, self._kv_indices)
+        self._page_table.check_cache(kv.k.shape[0])
+        source = KVSource(kv.k, kv.v, kv.k_strides, kv.v_strides, kv.page_size, self._kv_indptr, self._kv_indices,
+                              kv.k.shape[0])
         # the Gluon kernel has no fp8 scales: a run that passes them takes the core
         plain = q_scale is None and k_scale is None and v_scale is None
         hopper_kv = _paged_descriptors(kv) if self._hopper_tiles is not None and plain else None
@@ -883,6 +908,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         """Plan ragged prefill for one step. Arguments as the paged wrapper's ``plan``, with
         ``kv_indptr`` (int32 ``[batch+1]``) giving each request's K/V rows. (Note FlashInfer's
         order here: ``window_left, logits_soft_cap, sm_scale``.)"""
+        _device.check_launchable(self.device, "plan()")
+        _errors.raise_pending(self.device)
         _reject_unsupported(use_fp16_qk_reduction, prefix_len_ptr, token_pos_in_items_ptr, token_pos_in_items_len,
                             max_item_len_ptr)
         qo_indptr_host = host_index(qo_indptr, "qo_indptr")

@@ -17,6 +17,8 @@ online softmax in base 2, sinks, and the final normalisation. Scores are kept in
 import triton
 import triton.language as tl
 
+from .faults import bound_page_ids, report_bad_pages, report_fault
+
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -193,9 +195,9 @@ def kv_row_offsets(offs_n, page, token_base, stride_k_page, stride_k_slot, k_hea
 
 @triton.jit
 def attend_range(
-    m_i, l_i, acc, next_page, q, lo, end, hi,
+    m_i, l_i, acc, next_page, bad_page, q, lo, end, hi,
     k_ptr, stride_k_page, stride_k_slot, k_head, v_ptr, stride_v_page, stride_v_slot, v_head,
-    kv_indices_ptr, page_base, token_base, offs_dqk, offs_dqk_partner, dqk_ok, offs_dv, dv_ok,
+    kv_indices_ptr, num_pages, page_base, token_base, offs_dqk, offs_dqk_partner, dqk_ok, offs_dv, dv_ok,
     tok, kv_len, q_len, window_left, mask_ptr, mask_base, row_scale, slope,
     sm_scale_log2, soft_cap, rope_rcp_scale, rope_log2_theta, q_elem,
     HEAD_DIM_QK: tl.constexpr, BLOCK_N: tl.constexpr, IS_PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -207,18 +209,20 @@ def attend_range(
     """Online softmax over the KV tiles starting at lo, lo + BLOCK_N, ... below ``end``; positions
     at or past ``hi`` are not read. ``MASKED=False`` is for tiles that every row sees in full: no
     score mask is built. ``next_page`` holds the page ids of the first tile (with
-    ``PREFETCH_PAGES``) and comes back holding those of the tile at ``end``."""
+    ``PREFETCH_PAGES``) and comes back holding those of the tile at ``end``; ``bad_page``
+    (``bound_page_ids``) comes back with any page id outside the cache."""
     for start in range(lo, end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
         page = 0
         if IS_PAGED:
             if PREFETCH_PAGES:
-                page = next_page.to(tl.int64)
+                page = next_page
                 offs_next = offs_n + BLOCK_N
                 next_page = tl.load(kv_indices_ptr + page_base + offs_next // PAGE_SIZE, mask=offs_next < hi, other=0)
             else:
-                page = tl.load(kv_indices_ptr + page_base + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+                page = tl.load(kv_indices_ptr + page_base + offs_n // PAGE_SIZE, mask=n_ok, other=0)
+            page, bad_page = bound_page_ids(page, bad_page, num_pages)
         k_rows, v_rows = kv_row_offsets(offs_n, page, token_base, stride_k_page, stride_k_slot, k_head, stride_v_page,
                                         stride_v_slot, v_head, IS_PAGED, PAGE_SIZE)
 
@@ -260,13 +264,13 @@ def attend_range(
         else:
             acc += tl.dot(p.to(DOT_DTYPE), v)
 
-    return m_i, l_i, acc, next_page
+    return m_i, l_i, acc, next_page, bad_page
 
 
 @triton.jit
 def attend_lanes(
     q, lo, hi, k_ptr, stride_k_page, stride_k_slot, k_head, v_ptr, stride_v_page, stride_v_slot, v_head,
-    kv_indices_ptr, page_base, token_base, offs_dqk, dqk_ok, offs_dv, dv_ok, sm_scale_log2, soft_cap,
+    kv_indices_ptr, num_pages, page_base, token_base, offs_dqk, dqk_ok, offs_dv, dv_ok, sm_scale_log2, soft_cap,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, IS_PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_SOFT_CAP: tl.constexpr, LANES: tl.constexpr, LANE_TOKENS: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
@@ -275,7 +279,7 @@ def attend_lanes(
     every lane keeps its own online-softmax state, so the only reductions in the loop are over a
     lane's own tokens and over head_dim (within a warp), and the lanes are combined once at the end.
     The caller has already narrowed [lo, hi) to the row's causal and window limits. Returns the
-    row's (m [1], l [1], acc [1, BLOCK_DV])."""
+    row's (m [1], l [1], acc [1, BLOCK_DV]) and the bad page ids (``bound_page_ids``) [BLOCK_N]."""
     # [BLOCK_DQK]
     q_row = tl.sum(q.to(tl.float32), 0)
     lane = tl.arange(0, LANES)
@@ -283,13 +287,16 @@ def attend_lanes(
     m_i = tl.full([LANES], float("-inf"), tl.float32)
     l_i = tl.zeros([LANES], tl.float32)
     acc = tl.zeros([LANES, BLOCK_DV], tl.float32)
+    # [LANES, LANE_TOKENS]
+    bad_page = tl.zeros([LANES, LANE_TOKENS], tl.int32)
     for start in tl.range(lo, hi, LANES * LANE_TOKENS, num_stages=NUM_STAGES):
         # [LANES, LANE_TOKENS]
         offs_n = start + lane[:, None] * LANE_TOKENS + offs_t[None, :]
         n_ok = offs_n < hi
         page = 0
         if IS_PAGED:
-            page = tl.load(kv_indices_ptr + page_base + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+            page = tl.load(kv_indices_ptr + page_base + offs_n // PAGE_SIZE, mask=n_ok, other=0)
+            page, bad_page = bound_page_ids(page, bad_page, num_pages)
         k_rows, v_rows = kv_row_offsets(offs_n, page, token_base, stride_k_page, stride_k_slot, k_head, stride_v_page,
                                         stride_v_slot, v_head, IS_PAGED, PAGE_SIZE)
         # [LANES, LANE_TOKENS, BLOCK_DQK]
@@ -306,10 +313,11 @@ def attend_lanes(
     m_safe = tl.where(m_row == float("-inf"), 0.0, m_row)
     w = tl.exp2(m_i - m_safe)
     zero = tl.zeros([1], tl.float32)
-    return zero + m_row, zero + tl.sum(l_i * w, 0), tl.sum(acc * w[:, None], 0)[None, :]
+    return (zero + m_row, zero + tl.sum(l_i * w, 0), tl.sum(acc * w[:, None], 0)[None, :],
+            tl.reshape(bad_page, [LANES * LANE_TOKENS]))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pages", "num_indices"])
 def attention_fwd_kernel(
     # The arguments that change from call to call come first, those fixed by the plan after them
     # (``_attention.AttentionLaunch`` binds the second group once per plan).
@@ -317,9 +325,10 @@ def attention_fwd_kernel(
     q_ptr, stride_q_tok, stride_q_head,
     o_ptr, stride_o_tok, stride_o_head,
     lse_ptr, stride_lse_tok,
-    # paged: K/V element (page, slot, head, d); ragged: (token, -, head, d) with stride_*_slot unused
+    # paged: K/V element (page, slot, head, d); ragged: (token, -, head, d) with stride_*_slot unused;
+    # num_pages: pages of the cache (paged; page ids outside [0, num_pages) are never read)
     k_ptr, stride_k_page, stride_k_slot, stride_k_head,
-    v_ptr, stride_v_page, stride_v_slot, stride_v_head,
+    v_ptr, stride_v_page, stride_v_slot, stride_v_head, num_pages,
     # sinks [H_qo]; per-head scales (single_prefill's scale_q [H_qo], scale_k [H_kv], scale_v [H_kv])
     sinks_ptr, scale_q_ptr, scale_k_ptr, scale_v_ptr,
     sm_scale_log2, v_scale,
@@ -330,6 +339,8 @@ def attention_fwd_kernel(
     work_ptr,
     qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr, kv_len_ptr, state_offset_ptr,
     mask_ptr, mask_indptr_ptr, alibi_ptr,
+    # the fault record (tritoninfer/_errors.py) and the length of kv_indices
+    err_ptr, num_indices,
     q_len_per_req, tile_tokens, state_mult, num_qo_heads,
     soft_cap, rope_rcp_scale, rope_log2_theta, window_left,
     GROUP: tl.constexpr, HEAD_DIM_QK: tl.constexpr, HEAD_DIM_VO: tl.constexpr,
@@ -401,6 +412,13 @@ def attention_fwd_kernel(
         hi = tl.minimum(hi, tile_end - 1 + kv_len - q_len + 1)
     if HAS_WINDOW:
         lo = tl.maximum(lo, q_tile_start + kv_len - q_len - window_left)
+    if IS_PAGED:
+        # the request's entries of kv_indices must exist: a page table from device memory (CUDA-graph
+        # buffers) is bounded here, once per program, and a request that runs past it is cut short
+        table_end = tl.where(page_base < 0, 0, (num_indices - page_base.to(tl.int64)) * PAGE_SIZE)
+        if hi > table_end:
+            report_fault(err_ptr, 2, req, page_base, num_indices)
+            hi = tl.maximum(tl.minimum(hi, table_end), lo).to(hi.dtype)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -415,6 +433,8 @@ def attention_fwd_kernel(
         next_page = tl.load(kv_indices_ptr + page_base + offs_first // PAGE_SIZE, mask=offs_first < hi, other=0)
     if not (IS_PAGED and PREFETCH_PAGES):
         next_page = tl.zeros([BLOCK_N], tl.int32)
+    # [BLOCK_N] page ids outside the cache met so far (bound_page_ids)
+    bad_page = tl.zeros([BLOCK_N], tl.int32)
     if not IS_PAGED:
         page_base = 0
     else:
@@ -437,21 +457,24 @@ def attention_fwd_kernel(
     if LANES > 0:
         # one query row per program (a GQA group of one): no dots; the window and causal limits
         # are all in [lo, hi)
-        m_i, l_i, acc = attend_lanes(
+        m_i, l_i, acc, bad_page = attend_lanes(
             q, lo, hi, k_ptr, stride_k_page, stride_k_slot, k_head, v_ptr, stride_v_page, stride_v_slot, v_head,
-            kv_indices_ptr, page_base, token_base, offs_dqk, dqk_ok, offs_dv, dv_ok, sm_scale_log2, soft_cap,
+            kv_indices_ptr, num_pages, page_base, token_base, offs_dqk, dqk_ok, offs_dv, dv_ok, sm_scale_log2, soft_cap,
             BLOCK_DQK, BLOCK_DV, IS_PAGED, PAGE_SIZE, HAS_SOFT_CAP, LANES, LANE_TOKENS, NUM_STAGES)
     # phase 0: the mask-free tiles [lo, full_end); phase 1: the rest, masked
     for phase in tl.static_range(2):
         if LANES == 0 and (phase == 1 or SPLIT_LOOP):
-            m_i, l_i, acc, next_page = attend_range(
-                m_i, l_i, acc, next_page, q, lo if phase == 0 else full_end, full_end if phase == 0 else hi, hi,
-                k_ptr, stride_k_page, stride_k_slot, k_head, v_ptr, stride_v_page, stride_v_slot, v_head,
-                kv_indices_ptr, page_base, token_base, offs_dqk, offs_dqk_partner, dqk_ok, offs_dv, dv_ok,
+            m_i, l_i, acc, next_page, bad_page = attend_range(
+                m_i, l_i, acc, next_page, bad_page, q, lo if phase == 0 else full_end, full_end if phase == 0 else hi,
+                hi, k_ptr, stride_k_page, stride_k_slot, k_head, v_ptr, stride_v_page, stride_v_slot, v_head,
+                kv_indices_ptr, num_pages, page_base, token_base, offs_dqk, offs_dqk_partner, dqk_ok, offs_dv, dv_ok,
                 tok, kv_len, q_len, window_left, mask_ptr, mask_base, row_scale, slope,
                 sm_scale_log2, soft_cap, rope_rcp_scale, rope_log2_theta, tl.zeros([1], q_ptr.dtype.element_ty),
                 HEAD_DIM_QK, BLOCK_N, IS_PAGED, PAGE_SIZE, IS_CAUSAL, HAS_WINDOW, HAS_SOFT_CAP, HAS_ALIBI, HAS_ROPE,
                 HAS_CUSTOM_MASK, HAS_HEAD_SCALES, DOT_DTYPE, PREFETCH_PAGES, KV_AS_M, phase == 1, FOLD_SCALE)
+
+    if IS_PAGED:
+        report_bad_pages(err_ptr, bad_page, num_pages, req)
 
     if num_splits == 1:
         sink_log2 = 0.0

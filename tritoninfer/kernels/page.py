@@ -7,8 +7,10 @@ live in ``tritoninfer/page.py``.
 import triton
 import triton.language as tl
 
+from .faults import report_fault
 
-@triton.jit
+
+@triton.jit(do_not_specialize=["batch_size", "num_pages", "num_indices"])
 def append_paged_kv_cache_kernel(
     k_append_ptr,  # [nnz, H, D]
     v_append_ptr,  # [nnz, H, DV]
@@ -18,6 +20,7 @@ def append_paged_kv_cache_kernel(
     v_cache_ptr,  # [P, page_size, H, DV] view, last dim contiguous
     kv_indices_ptr,  # [num_indices] page ids
     kv_indptr_ptr,  # [batch_size + 1]
+    err_ptr,  # the fault record (tritoninfer/_errors.py)
     nnz,
     batch_size,
     num_pages,
@@ -46,7 +49,8 @@ def append_paged_kv_cache_kernel(
     with ``b = batch_indices[t]`` and ``pos = positions[t]``. One program moves ``BLOCK_T`` tokens of
     one KV head (grid ``(cdiv(nnz, BLOCK_T), H)``), K and V both, converting to the cache dtype in
     registers (fp16/bf16 -> fp8 for fp8 caches). Tokens whose request index, position or page id
-    falls outside the page table are skipped (masked), never written out of bounds.
+    falls outside the page table are skipped (masked), never written out of bounds, and reported in
+    the fault record (by the programs of head 0); batch index -1 marks padding and is skipped silently.
     """
     i_t = tl.program_id(0)
     i_h = tl.program_id(1).to(tl.int64)
@@ -57,18 +61,30 @@ def append_paged_kv_cache_kernel(
     b_b = tl.load(batch_indices_ptr + o_t, mask=m_t, other=-1).to(tl.int64)
     # [BLOCK_T]
     b_pos = tl.load(positions_ptr + o_t, mask=m_t, other=-1).to(tl.int64)
-    m_t = m_t & (b_b >= 0) & (b_b < batch_size) & (b_pos >= 0)
+    m_tok = m_t & (b_b != -1)  # tokens that are not padding
+    m_req = m_tok & (b_b >= 0) & (b_b < batch_size)
     # [BLOCK_T]
-    b_start = tl.load(kv_indptr_ptr + b_b, mask=m_t, other=0).to(tl.int64)
+    b_start = tl.load(kv_indptr_ptr + b_b, mask=m_req, other=0).to(tl.int64)
     # [BLOCK_T]
-    b_end = tl.load(kv_indptr_ptr + b_b + 1, mask=m_t, other=0).to(tl.int64)
+    b_end = tl.load(kv_indptr_ptr + b_b + 1, mask=m_req, other=0).to(tl.int64)
     b_page_in_req = b_pos // page_size
     o_idx = b_start + b_page_in_req
-    m_t = m_t & (b_page_in_req < b_end - b_start) & (o_idx < num_indices)
+    m_pos = m_req & (b_pos >= 0) & (b_page_in_req < b_end - b_start) & (o_idx >= 0) & (o_idx < num_indices)
     # [BLOCK_T]
-    b_page = tl.load(kv_indices_ptr + o_idx, mask=m_t, other=0).to(tl.int64)
-    m_t = m_t & (b_page >= 0) & (b_page < num_pages)
+    b_page = tl.load(kv_indices_ptr + o_idx, mask=m_pos, other=0).to(tl.int64)
+    m_t = m_pos & (b_page >= 0) & (b_page < num_pages)
     b_slot = b_pos % page_size
+    if i_h == 0:
+        if tl.max((m_tok & ~m_req).to(tl.int32), 0) > 0:
+            report_fault(err_ptr, 5, 0, tl.max(tl.where(m_tok & ~m_req, b_b, -2147483648), 0), batch_size)
+        if tl.max((m_req & ~m_pos).to(tl.int32), 0) > 0:
+            bad = m_req & ~m_pos
+            report_fault(err_ptr, 4, tl.max(tl.where(bad, b_b, 0), 0), tl.max(tl.where(bad, b_pos, -2147483648), 0),
+                         num_indices)
+        if tl.max((m_pos & ~m_t).to(tl.int32), 0) > 0:
+            bad = m_pos & ~m_t
+            report_fault(err_ptr, 3, tl.max(tl.where(bad, b_b, 0), 0), tl.max(tl.where(bad, b_page, -2147483648), 0),
+                         num_pages)
 
     o_ta = o_t.to(tl.int64)
 

@@ -1,0 +1,53 @@
+"""Bounds on the indices a caller passes, for the kernels that follow a page table.
+
+No page id or page-table entry may make a kernel read or write outside its tensors: an index out
+of range is replaced by a safe one (or the access is skipped) and written to the fault record that
+``tritoninfer/_errors.py`` reads on the host (its codes are the ``code`` arguments here).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def bound_page_ids(page, bad_page, num_pages):
+    """Page ids [any shape] as the K/V addresses may use them: an id outside ``[0, num_pages)``
+    becomes page 0 (never read outside the cache) and is kept in ``bad_page`` for ``report_fault``.
+    Positions past the KV range load id 0, which is a page whenever the cache has one (the launcher
+    refuses an empty cache for a plan that reads KV)."""
+    fault = page.to(tl.uint32, bitcast=True) >= tl.cast(num_pages, tl.uint32)
+    return tl.where(fault, 0, page).to(tl.int64), tl.where(fault, page, bad_page)
+
+
+@triton.jit
+def report_fault(err_ptr, code, req, value, limit):
+    """Writes a fault record (``tritoninfer/_errors.py``): one 64-bit store of code, request and value."""
+    fault = (tl.cast(code, tl.int64) << 60) | ((tl.cast(req, tl.int64) & 0x3FFFFFFF) << 32) | \
+        (tl.cast(value, tl.int64) & 0xFFFFFFFF)
+    tl.store(err_ptr, fault)
+    tl.store(err_ptr + 1, tl.cast(limit, tl.int64))
+
+
+@triton.jit
+def report_bad_pages(err_ptr, bad_page, num_pages, req):
+    """Reports one of the ids ``bound_page_ids`` kept in ``bad_page`` [N], if any (code 1)."""
+    fault = bad_page.to(tl.uint32, bitcast=True) >= tl.cast(num_pages, tl.uint32)
+    if tl.max(fault.to(tl.int32), 0) > 0:
+        report_fault(err_ptr, 1, req, tl.max(tl.where(fault, bad_page, -2147483648), 0), num_pages)
+
+
+@triton.jit(do_not_specialize=["num_pages"])
+def check_page_ids_kernel(kv_indptr_ptr, kv_indices_ptr, err_ptr, num_pages, BLOCK: tl.constexpr):
+    """Reports (code 1) a page id of request ``program_id(0)`` outside ``[0, num_pages)``. For kernels
+    whose reads are bounded by the hardware instead (TMA boxes of the Gluon prefill) and so find no
+    bad id themselves; ``kv_indptr`` is the plan's own, checked on the host."""
+    req = tl.program_id(0)
+    start = tl.load(kv_indptr_ptr + req)
+    end = tl.load(kv_indptr_ptr + req + 1)
+    # [BLOCK]
+    bad_page = tl.zeros([BLOCK], tl.int32)
+    for off in range(start, end, BLOCK):
+        offs = off + tl.arange(0, BLOCK)
+        page = tl.load(kv_indices_ptr + offs, mask=offs < end, other=0)
+        _, bad_page = bound_page_ids(page, bad_page, num_pages)
+    report_bad_pages(err_ptr, bad_page, num_pages, req)
