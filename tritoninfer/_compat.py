@@ -637,7 +637,7 @@ def _module_contents() -> Dict[str, Dict[str, Any]]:
 
 
 def _build_modules() -> Dict[str, types.ModuleType]:
-    from . import __version__ as tritoninfer_version
+    from ._version import __version__ as tritoninfer_version
 
     modules: Dict[str, types.ModuleType] = {}
     for name, names in _module_contents().items():

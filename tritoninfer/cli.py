@@ -1,70 +1,46 @@
-"""``tritoninfer`` command line: ``tritoninfer bench ...`` and ``tritoninfer demo ...``.
+"""``tritoninfer`` command line: ``tritoninfer bench ...``, ``tritoninfer demo ...``, ``--version``.
 
-The library never imports this module; it imports the bench and the demo only when asked to run them.
+The library never imports this module. This module imports a command's package only when that
+command runs, and nothing else of tritoninfer but its version, so ``tritoninfer --help`` and
+``--version`` answer at once (no torch, no Triton, no kernel module).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
+import importlib
 import sys
 from typing import List, Optional
 
-USAGE = """usage: tritoninfer {bench,demo} [options]
+from ._version import __version__
+
+USAGE = """usage: tritoninfer [-h] [-V] {bench,demo} [options]
 
   bench   side-by-side attention benchmark against FlashInfer, FlexAttention and SDPA
   demo    continuous-batching generation loop over a paged KV cache
 
+  -h, --help     show this message
+  -V, --version  print tritoninfer's version
+
 Run `tritoninfer COMMAND --help` for a command's options."""
 
-
-def _gpu_kernels_loaded() -> bool:
-    """True if a tritoninfer module holds ``@triton.jit`` kernels decorated for the GPU (before
-    ``TRITON_INTERPRET`` was set): those cannot run on the CPU."""
-    if "triton" not in sys.modules:
-        return False
-    from triton.runtime.jit import JITFunction
-
-    return any(
-        name.startswith("tritoninfer") and module is not None
-        and any(isinstance(v, JITFunction) for v in list(vars(module).values()))
-        for name, module in list(sys.modules.items())
-    )
-
-
-def interpreter_switch(command: str, argv: List[str]) -> Optional[int]:
-    """Without a GPU the commands run every kernel through the Triton interpreter, which Triton reads
-    when ``@triton.jit`` decorates (at import). Sets ``TRITON_INTERPRET=1``; if kernel modules were
-    already imported (``import tritoninfer`` imports them), re-runs ``tritoninfer COMMAND ARGV`` in a
-    fresh process with the variable set and returns its exit status. ``None``: this process can go on.
-
-    Only the command line does this; the library never sets ``TRITON_INTERPRET``.
-    """
-    import torch
-
-    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return None
-    os.environ["TRITON_INTERPRET"] = "1"
-    if not _gpu_kernels_loaded():
-        return None
-    print(f"no GPU: re-running `tritoninfer {command}` under TRITON_INTERPRET=1", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    return subprocess.call([sys.executable, "-m", "tritoninfer", command, *argv], env=dict(os.environ))
+# command -> the package whose ``main(argv) -> int`` runs it
+COMMANDS = {"bench": "tritoninfer.bench", "demo": "tritoninfer.demo"}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """Runs ``tritoninfer ARGV``; returns the exit status (the command's, or 2 for a bad command)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv:
+        print(USAGE, file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help"):
         print(USAGE)
-        return 0 if argv else 2
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"tritoninfer {__version__}")
+        return 0
     command, rest = argv[0], argv[1:]
-    if command == "bench":
-        from .bench import main as bench_main
-
-        return bench_main(rest)
-    if command == "demo":
-        from .demo import main as demo_main
-
-        return demo_main(rest)
-    print(f"tritoninfer: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
-    return 2
+    if command not in COMMANDS:
+        print(f"tritoninfer: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    return importlib.import_module(COMMANDS[command]).main(rest)

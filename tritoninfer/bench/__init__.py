@@ -13,30 +13,28 @@ from __future__ import annotations
 import sys
 from typing import List, Optional
 
-from ..cli import interpreter_switch
-
 __all__ = ["main"]
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     """``tritoninfer bench`` (see ``tritoninfer bench --help``); returns the exit status: 0, 1 if
     some output mismatched its check, 2 for bad options."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    status = interpreter_switch("bench", argv)
-    if status is not None:
-        return status
     import warnings
 
-    from .cli import parse_args
-    from .runner import run_config
+    from .._interpreter_switch import interpreter_switch, interpreter_warnings_ignored
+    from .cli import parse_args  # imports no kernel module: --help and bad options answer in this process
 
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         cfg = parse_args(argv)
     except SystemExit as exc:  # argparse: --help (0) or a bad option (2, message already printed)
         return int(exc.code) if isinstance(exc.code, int) else 2
-    with warnings.catch_warnings():
+    status = interpreter_switch("bench", argv)
+    if status is not None:
+        return status
+    from .runner import run_config
+
+    with interpreter_warnings_ignored(), warnings.catch_warnings():
         # FlexAttention warns on every eager call on the CPU; the report says it ran eagerly.
         warnings.filterwarnings("ignore", message=".*flex_attention.*")
-        # The interpreter evaluates both sides of masked log2/division in numpy.
-        warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton\.runtime\.interpreter")
         return run_config(cfg)

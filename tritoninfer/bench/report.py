@@ -113,7 +113,7 @@ def environment(device: torch.device, copy_tb_s: Optional[float], l2_bytes: Opti
     from .providers import flashinfer_version
     import triton
 
-    from .. import __version__ as ti_version
+    from .._version import __version__ as ti_version
 
     gpu = device.type == "cuda"
     env = {

@@ -14,26 +14,21 @@ from __future__ import annotations
 import sys
 from typing import List, Optional
 
-from ..cli import interpreter_switch
-
 __all__ = ["main"]
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Run ``tritoninfer demo`` (see ``--help``). Returns 0, 1 if ``--check`` failed, 2 for bad options."""
+    from .._interpreter_switch import interpreter_switch, interpreter_warnings_ignored
+    from .cli import parse_args, run  # imports no kernel module: --help and bad options answer in this process
+
     argv = list(sys.argv[1:] if argv is None else argv)
-    status = interpreter_switch("demo", argv)
-    if status is not None:
-        return status
-    import warnings
-
-    from .cli import parse_args, run
-
     try:
         args = parse_args(argv)
     except SystemExit as exc:  # argparse: --help (0) or a bad option (2, message printed)
         return exc.code if isinstance(exc.code, int) else 2
-    with warnings.catch_warnings():
-        # the interpreter evaluates both sides of masked operations in numpy
-        warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton\.runtime\.interpreter")
+    status = interpreter_switch("demo", argv)
+    if status is not None:
+        return status
+    with interpreter_warnings_ignored():
         return run(args)

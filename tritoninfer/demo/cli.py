@@ -407,13 +407,13 @@ def format_text(rows) -> str:
 
 
 def format_markdown(rows, header_lines, args, footer_lines) -> str:
-    import tritoninfer
+    from .._version import __version__
 
     cols = len(rows[0][1])
     md = ["# tritoninfer demo", ""]
     md += [f"- {' '.join(line.split())}" for line in header_lines]
     md += [f"- command: `tritoninfer demo {' '.join(getattr(args, 'argv', []))}`",
-           f"- tritoninfer {tritoninfer.__version__}, python {platform.python_version()}, host "
+           f"- tritoninfer {__version__}, python {platform.python_version()}, host "
            f"{platform.node() or '?'}, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}", ""]
     md.append("| " + " | ".join([rows[0][0]] + rows[0][1]) + " |")
     md.append("|" + "---|" * (cols + 1))
