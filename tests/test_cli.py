@@ -16,7 +16,7 @@ from tritoninfer import _version, cli
 
 REPO = Path(__file__).resolve().parents[1]
 API_MODULES = ("activation", "cascade", "decode", "norm", "page", "prefill", "quantization", "rope")
-EXTRAS = {"MaskMode", "PosEncodingMode", "TensorLayout", "__version__", "install_as_flashinfer"}
+EXTRAS = {"MaskMode", "PosEncodingMode", "TensorLayout", "__version__", "install_as_flashinfer", "check_errors"}
 
 
 def _python(code: str, env_drop=(), timeout=120) -> subprocess.CompletedProcess:

@@ -46,6 +46,7 @@ _EXPORTS: Dict[str, str] = {
     ], "rope"),
     **dict.fromkeys(["MaskMode", "PosEncodingMode", "TensorLayout"], "_options"),
     "install_as_flashinfer": "_compat",
+    "check_errors": "_errors",
 }
 
 # The submodules a user reaches as attributes; listed by dir(). Any other submodule
@@ -53,7 +54,7 @@ _EXPORTS: Dict[str, str] = {
 _SUBMODULES = ("activation", "cascade", "decode", "norm", "page", "prefill", "quantization", "rope",
                "reference", "testing")
 
-__all__ = ["MaskMode", "PosEncodingMode", "TensorLayout", "__version__", "install_as_flashinfer"] + [
+__all__ = ["MaskMode", "PosEncodingMode", "TensorLayout", "__version__", "install_as_flashinfer", "check_errors"] + [
     name for name, module in _EXPORTS.items() if not module.startswith("_")
 ]
 

@@ -411,13 +411,17 @@ class MultiLevelCascadeAttentionWrapper:
             out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
             mask = torch.arange(q.shape[0], device=q.device) < self._rows_buf
         # the last level first, then merge the others into it, as FlashInfer does
-        out, lse = self._wrappers[-1].run(q, paged_kv_cache, out=out, return_lse=True)
-        if self._num_levels > 1:
-            out_i = torch.empty_like(out)
-            lse_i = torch.empty_like(lse)
-            for wrapper in self._wrappers[:-1]:
-                wrapper.run(q, paged_kv_cache, out=out_i, lse=lse_i, return_lse=True)
-                merge_state_in_place(out, lse, out_i, lse_i, mask)
+        level = self._num_levels - 1
+        try:
+            out, lse = self._wrappers[-1].run(q, paged_kv_cache, out=out, return_lse=True)
+            if self._num_levels > 1:
+                out_i = torch.empty_like(out)
+                lse_i = torch.empty_like(lse)
+                for level, wrapper in enumerate(self._wrappers[:-1]):
+                    wrapper.run(q, paged_kv_cache, out=out_i, lse=lse_i, return_lse=True)
+                    merge_state_in_place(out, lse, out_i, lse_i, mask)
+        except ValueError as exc:
+            raise ValueError(f"level {level}: {exc}") from None
         return out
 
     forward = run
