@@ -3,6 +3,7 @@ handling, and ``--quick`` end to end through the Triton interpreter."""
 
 import csv
 import os
+import re
 import subprocess
 import shutil
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tritoninfer.bench import cli, main, report
+from tritoninfer.bench import cli, main, report, runner
 from tritoninfer.bench.cases import num_copies
 from tritoninfer.bench.providers import Provider, Refused, Runner, Sdpa
 from tritoninfer.bench.results import COLUMNS, Result, WorkloadResults
@@ -354,6 +355,13 @@ def _check_rows(rows, compared=("reference", "sdpa", "flex")):
             assert float(r["time_us"]) > 0
 
 
+def _untimed(text):
+    """No timing, ratio or bandwidth in a CPU run's report (shape labels hold "1×20", a speed-up " ×0.66")."""
+    for needle in ("µs", "TB/s", "TFLOP/s", "speed-up", "roofline"):
+        assert needle not in text, needle
+    assert not re.search(r" ×\d", text)
+
+
 def test_quick_decode_end_to_end(tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["decode", "--quick", "--out", str(out), "--no-progress"]) == 0
@@ -363,9 +371,32 @@ def test_quick_decode_end_to_end(tmp_path, capsys):
     assert len({r["shape"] for r in rows}) == 4
     _check_rows(rows)
     assert any(r["provider"] == "reference" and r["check"] == "baseline" for r in rows)
+    # the CPU run prints the checks only, and ends with the one verdict over every compared output
+    _untimed(printed)
+    compared = sum(r["check"] in ("ok", "MISMATCH") for r in rows)
+    lines = printed.strip().splitlines()
+    assert lines[-1] == f"check: all {compared} outputs match the reference: OK"
+    assert sum(line.startswith("check:") for line in lines) == 1
+    assert all(r["speedup"] == "" for r in rows)
     md = (out / "decode.md").read_text()
     assert "CPU ONLY" in md and "| device | cpu" in md
+    _untimed(md)
     assert (out / "decode.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_quick_mismatch_verdict(tmp_path, capsys, monkeypatch):
+    """A CPU run where one output is wrong: the last line names it, and the exit status is 1."""
+    monkeypatch.setattr(runner, "select", lambda *args: [_Fake("peer-wrong", "wrong"), _Fake("peer-good", "ok"),
+                                                         Sdpa()])
+    argv = ["decode", "--quick", "--batch", "1", "--kv-len", "20", "--out", str(tmp_path), "--no-progress",
+            "--no-plots"]
+    assert main(argv) == 1
+    printed = capsys.readouterr().out
+    _untimed(printed)
+    label = Shape("decode", 1, 20, 1, 4, 2, 64, 16).label()
+    assert printed.strip().splitlines()[-1] == f"check: 1 of 2 outputs mismatch: peer-wrong on decode {label}"
+    assert "MISMATCH (" in printed and sum(line.startswith("check:") for line in printed.splitlines()) == 1
+    assert report.verdict([]) == "check: no output was compared with the reference"
 
 
 def test_quick_other_workloads_end_to_end(tmp_path):

@@ -17,8 +17,8 @@ from .results import COLUMNS, OK, Result, WorkloadResults
 from .shapes import Shape
 
 CPU_WARNING = (
-    "CPU ONLY: no GPU, so every kernel ran through the Triton interpreter. These timings say nothing "
-    "about GPU speed; only the correctness checks mean something."
+    "CPU ONLY: no GPU, so every kernel ran through the Triton interpreter. This run checks correctness "
+    "only: the interpreter's timings say nothing about GPU speed and are not shown."
 )
 
 SHORT_STATUS = {
@@ -167,12 +167,15 @@ def metric_of(r: Result) -> Optional[float]:
     return r.tflop_per_s if r.shape.workload == "prefill" else r.tb_per_s
 
 
-def cell(r: Optional[Result]) -> str:
-    """One provider's cell of the summary: ``µs (metric) ×speedup``, or the status."""
+def cell(r: Optional[Result], timed: bool = True) -> str:
+    """One provider's cell of the summary: ``µs (metric) ×speedup`` (``timed``) or the check alone,
+    or the status."""
     if r is None:
         return ""
     if not r.ok:
         return SHORT_STATUS.get(r.status, r.status)
+    if not timed:
+        return check_cell(r)
     text = f"{fmt_us(r.time_us)} ({fmt(metric_of(r))})"
     if r.provider != "tritoninfer" and r.speedup is not None:
         text += f" ×{r.speedup:.2f}"
@@ -181,19 +184,34 @@ def cell(r: Optional[Result]) -> str:
     return text
 
 
-def summary_rows(wr: WorkloadResults) -> (List[str], List[List[str]]):
+def check_cell(r: Result) -> str:
+    """``ok (relative error)``, ``MISMATCH (relative error > tolerance)``, ``baseline`` or ``unchecked``."""
+    text = r.check_text()
+    if r.rel_err is not None:
+        text += f" ({fmt_err(r.rel_err)} > {fmt_err(r.tol)})" if r.mismatch else f" ({fmt_err(r.rel_err)})"
+    return text
+
+
+def summary_rows(wr: WorkloadResults, timed: bool = True) -> (List[str], List[List[str]]):
     providers = wr.providers()
     headers = ["shape", "tag"] + providers
     rows = []
     for shape in wr.shapes():
-        rows.append([shape.label(), shape.tag] + [cell(wr.get(shape, p)) for p in providers])
+        rows.append([shape.label(), shape.tag] + [cell(wr.get(shape, p), timed) for p in providers])
     if not any(r[1] for r in rows):
         headers.pop(1)
         rows = [r[:1] + r[2:] for r in rows]
     return headers, rows
 
 
-def legend(workload: str) -> str:
+def legend(workload: str, timed: bool = True) -> str:
+    if not timed:
+        return (
+            "cells: each output checked against the baseline on the same inputs (the float32 reference where "
+            "it ran): ok or MISMATCH, relative error in brackets; baseline: the output the others are compared "
+            "with. No timings: the interpreter's say nothing about GPU speed. n/impl: not implemented, "
+            "n/inst: not installed, skip: skipped."
+        )
     return (
         f"cells: device µs per call ({METRIC[workload]}) ×speed-up, speed-up = provider time / tritoninfer time "
         "(>1: tritoninfer faster; within 0.95–1.05 is a tie). n/impl: not implemented, n/inst: not installed, "
@@ -201,7 +219,25 @@ def legend(workload: str) -> str:
     )
 
 
-def detail_rows(wr: WorkloadResults) -> (List[str], List[List[str]]):
+# The columns of detail_rows that are timings or derived from them (left out of an untimed report).
+TIMED_COLUMNS = ("µs", "p20–p80 µs", "eager dev µs", "eager host µs", "plan host µs", "TB/s", "TFLOP/s",
+                 "speed-up", "speed-up eager")
+
+
+def verdict(results: Sequence[WorkloadResults]) -> str:
+    """The run's one-line verdict over every output that was compared with its check baseline
+    (``check: all N outputs match the reference: OK`` or ``check: K of N outputs mismatch: ...``)."""
+    compared = [r for wr in results for r in wr.results if r.match is not None]
+    bad = [r for r in compared if r.mismatch]
+    if not compared:
+        return "check: no output was compared with the reference"
+    if not bad:
+        return f"check: all {len(compared)} outputs match the reference: OK"
+    which = "; ".join(f"{r.provider} on {r.shape.workload} {r.shape.label()}" for r in bad)
+    return f"check: {len(bad)} of {len(compared)} outputs mismatch: {which}"
+
+
+def detail_rows(wr: WorkloadResults, timed: bool = True) -> (List[str], List[List[str]]):
     headers = ["shape", "provider", "impl", "status", "µs", "p20–p80 µs", "eager dev µs", "eager host µs",
                "plan host µs", "TB/s", "TFLOP/s", "speed-up", "speed-up eager", "check", "rel err", "vs",
                "err vs tritoninfer"]
@@ -227,6 +263,10 @@ def detail_rows(wr: WorkloadResults) -> (List[str], List[List[str]]):
             r.check_against,
             fmt_err(r.err_vs_tritoninfer),
         ])
+    if not timed:
+        keep = [i for i, h in enumerate(headers) if h not in TIMED_COLUMNS]
+        headers = [headers[i] for i in keep]
+        rows = [[row[i] for i in keep] for row in rows]
     return headers, rows
 
 
@@ -266,10 +306,10 @@ def write_csv(wr: WorkloadResults, path: Path) -> Path:
     return path
 
 
-def terminal_table(wr: WorkloadResults) -> str:
+def terminal_table(wr: WorkloadResults, timed: bool = True) -> str:
     from tabulate import tabulate
 
-    headers, rows = summary_rows(wr)
+    headers, rows = summary_rows(wr, timed)
     return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
 
 
@@ -283,15 +323,15 @@ def write_markdown(wr: WorkloadResults, path: Path, env: Dict[str, str], command
     lines += ["| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in env.items()]
     lines += ["", f"Command: `{command}`", "", _method_text(wr.workload, cpu_only), ""]
-    headers, rows = summary_rows(wr)
-    lines += ["## Summary", "", legend(wr.workload), "",
+    headers, rows = summary_rows(wr, timed=not cpu_only)
+    lines += ["## Summary", "", legend(wr.workload, timed=not cpu_only), "",
               tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True), ""]
     for img in images:
         lines += [f"![{img.stem}]({img.name})", ""]
     ns = notes(wr)
     if ns:
         lines += ["## Notes", ""] + [f"- {n}" for n in ns] + [""]
-    headers, rows = detail_rows(wr)
+    headers, rows = detail_rows(wr, timed=not cpu_only)
     lines += ["## All rows", "", tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True), ""]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
@@ -300,8 +340,9 @@ def write_markdown(wr: WorkloadResults, path: Path, env: Dict[str, str], command
 
 def _method_text(workload: str, cpu_only: bool) -> str:
     if cpu_only:
-        return ("Timing: host wall clock of one call through the Triton interpreter. "
-                "Correctness: every output compared with the float32 reference on the same inputs.")
+        return ("Correctness only: every output compared with the float32 reference on the same inputs. "
+                "The host wall clock of each call through the interpreter is in the CSV; it says nothing "
+                "about GPU speed.")
     how = ("median of CUDA-graph replays (each graph holds back-to-back calls rotating among input copies "
            "so that the inputs are not in L2), per call" if workload != "prefill"
            else "median of CUDA events around eager calls")
