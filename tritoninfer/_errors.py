@@ -53,7 +53,7 @@ def fault_record(device: torch.device) -> torch.Tensor:
 
 def describe(fault: int, limit: int) -> str:
     """The message of a fault record."""
-    code, request, value = fault >> 60, (fault >> 32) & 0x3FFFFFFF, fault & 0xFFFFFFFF
+    code, request, value = fault >> 60, (fault >> 32) & 0x0FFFFFFF, fault & 0xFFFFFFFF
     value = value - (1 << 32) if value >= 1 << 31 else value
     since = "found by a kernel launched since the last check; that request's output is not valid"
     if code == FAULT_PAGE_ID:

@@ -142,7 +142,8 @@ def finalize(m_i, l_i, acc, sink_log2, v_scale, HAS_SINKS: tl.constexpr):
         m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
         denom = denom + tl.exp2(sink_log2 - m_safe)
     o = acc * (v_scale / tl.where(denom > 0, denom, 1.0))[:, None]
-    lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
+    # log2 of a positive argument only: the interpreter evaluates both sides of the where (numpy warns)
+    lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
     return o, lse
 
 

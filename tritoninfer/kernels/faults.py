@@ -22,7 +22,7 @@ def bound_page_ids(page, bad_page, num_pages):
 @triton.jit
 def report_fault(err_ptr, code, req, value, limit):
     """Writes a fault record (``tritoninfer/_errors.py``): one 64-bit store of code, request and value."""
-    fault = (tl.cast(code, tl.int64) << 60) | ((tl.cast(req, tl.int64) & 0x3FFFFFFF) << 32) | \
+    fault = (tl.cast(code, tl.int64) << 60) | ((tl.cast(req, tl.int64) & 0x0FFFFFFF) << 32) | \
         (tl.cast(value, tl.int64) & 0xFFFFFFFF)
     tl.store(err_ptr, fault)
     tl.store(err_ptr + 1, tl.cast(limit, tl.int64))
