@@ -25,7 +25,7 @@ from tritoninfer.kernels.attention import attention_fwd_kernel
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 POINTERS = {"q_ptr": "*bf16", "o_ptr": "*bf16", "lse_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
             "alibi_ptr": "*fp32", "sinks_ptr": "*fp32", "scale_q_ptr": "*fp32", "scale_k_ptr": "*fp32",
-            "scale_v_ptr": "*fp32", "mask_ptr": "*u8"}
+            "scale_v_ptr": "*fp32", "mask_ptr": "*u8", "err_ptr": "*i64"}
 FLOATS = {"sm_scale_log2", "soft_cap", "v_scale", "rope_rcp_scale", "rope_log2_theta"}
 DIV16 = {"stride_q_tok", "stride_q_head", "stride_o_tok", "stride_o_head", "stride_lse_tok", "stride_k_page",
          "stride_k_slot", "stride_k_head", "stride_v_page", "stride_v_slot", "stride_v_head", "num_qo_heads"}

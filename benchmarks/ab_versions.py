@@ -1,0 +1,163 @@
+"""Two versions of tritoninfer in one process, on the same inputs, timed in interleaved rounds.
+
+The working tree's ``tritoninfer`` against an older checkout's (``--old DIR``: a directory that holds
+a ``tritoninfer`` package, e.g. a ``git worktree``), imported as ``tritoninfer_old``. Decode rows are
+median CUDA-graph replays (each graph holds ``--calls`` runs); prefill rows are eager runs timed with
+CUDA events. Rounds alternate the versions so that clock and thermal drift hit both alike.
+
+    python benchmarks/ab_versions.py --old /tmp/old --out $OUT/ab.md
+"""
+
+import argparse
+import importlib
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.getcwd())
+import tritoninfer  # noqa: E402
+
+DECODE_SHAPES = [(hq, hk, b, n) for hq, hk in ((32, 8), (32, 32)) for b in (1, 16, 64, 256)
+                 for n in (1024, 4096, 16384, 32768)]
+PREFILL_SHAPES = [(32, 8, 16, 1024, True), (32, 8, 4, 4096, True), (32, 8, 1, 16384, True), (32, 8, 4, 4096, False)]
+
+
+def load_old(path: str):
+    tmp = tempfile.mkdtemp()
+    shutil.copytree(os.path.join(path, "tritoninfer"), os.path.join(tmp, "tritoninfer_old"))
+    sys.path.insert(0, tmp)
+    return importlib.import_module("tritoninfer_old")
+
+
+def paged_cache(batch, kv_len, hk, d, page, dtype):
+    pages_per = -(-kv_len // page)
+    num_pages = batch * pages_per
+    cache = torch.randn((num_pages, 2, page, hk, d), device="cuda", dtype=torch.bfloat16)
+    if dtype != torch.bfloat16:
+        cache = cache.to(dtype)
+    indices = torch.randperm(num_pages, device="cuda", dtype=torch.int64).to(torch.int32)
+    indptr = torch.arange(batch + 1, dtype=torch.int32) * pages_per
+    last = torch.full((batch,), kv_len - (pages_per - 1) * page, dtype=torch.int32)
+    return cache, indptr, indices, last
+
+
+def decode_graph(pkg, ws, cache, indptr, indices, last, q, hq, hk, d, page, kv_dtype, calls):
+    w = pkg.BatchDecodeWithPagedKVCacheWrapper(ws)
+    w.plan(indptr, indices, last, hq, hk, d, page, q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
+    out = torch.empty_like(q)
+    for _ in range(3):
+        w.run(q, cache, out=out)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            w.run(q, cache, out=out)
+    return g, out
+
+
+def time_graph(g, calls, reps=20):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / calls)
+    return statistics.median(times)
+
+
+def time_eager(fn, reps=10):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000)
+    return statistics.median(times)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--old", required=True, help="a directory holding the older tritoninfer package")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=10)
+    ap.add_argument("--kv-dtype", default="bfloat16")
+    ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    old = load_old(args.old)
+    versions = {"old": old, "new": tritoninfer}
+    kv_dtype = getattr(torch, args.kv_dtype)
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    lines = [f"# A/B: {args.old} (old) against the working tree (new), {torch.cuda.get_device_name()}", "",
+             f"decode: median of {args.rounds} interleaved rounds x 20 replays of a {args.calls}-call CUDA graph, "
+             f"bf16 q, {args.kv_dtype} KV, head_dim 128, page 16", "",
+             "| heads | batch | kv_len | old µs | new µs | new/old |", "|---|---|---|---|---|---|"]
+    ratios = []
+    for hq, hk, b, n in DECODE_SHAPES:
+        if b * n * hk * 128 * 2 * 2 > 40e9:
+            continue
+        cache, indptr, indices, last = paged_cache(b, n, hk, 128, 16, kv_dtype)
+        q = torch.randn((b, hq, 128), device="cuda", dtype=torch.bfloat16)
+        graphs = {k: decode_graph(p, ws, cache, indptr, indices, last, q, hq, hk, 128, 16, kv_dtype, args.calls)
+                  for k, p in versions.items()}
+        diff = (graphs["old"][1].float() - graphs["new"][1].float()).abs().max().item()
+        assert diff == 0.0, f"outputs differ by {diff} at {hq}/{hk} {b}x{n}"
+        t = {k: [] for k in versions}
+        for _ in range(args.rounds):
+            for k in versions:
+                t[k].append(time_graph(graphs[k][0], args.calls))
+        o, nw = statistics.median(t["old"]), statistics.median(t["new"])
+        ratios.append(nw / o)
+        lines.append(f"| {hq}/{hk} | {b} | {n} | {o:.1f} | {nw:.1f} | {nw / o:.3f} |")
+        print(lines[-1], flush=True)
+        del graphs, cache, indices
+        torch.cuda.empty_cache()
+    lines += ["", f"decode new/old: median {statistics.median(ratios):.3f}, min {min(ratios):.3f}, "
+              f"max {max(ratios):.3f} over {len(ratios)} shapes", ""]
+    if not args.skip_prefill:
+        lines += ["prefill (paged, page 16, bf16, head_dim 128): median of interleaved rounds x 10 eager runs", "",
+                  "| heads | batch x len | causal | old µs | new µs | new/old |", "|---|---|---|---|---|---|"]
+        for hq, hk, b, n, causal in PREFILL_SHAPES:
+            cache, indptr, indices, last = paged_cache(b, n, hk, 128, 16, torch.bfloat16)
+            q = torch.randn((b * n, hq, 128), device="cuda", dtype=torch.bfloat16)
+            qo_indptr = torch.arange(b + 1, dtype=torch.int32) * n
+            runs, outs = {}, {}
+            for k, p in versions.items():
+                w = p.BatchPrefillWithPagedKVCacheWrapper(ws)
+                w.plan(qo_indptr, indptr, indices, last, hq, hk, 128, 16, causal=causal, q_data_type=torch.bfloat16)
+                out = torch.empty_like(q)
+                runs[k] = (lambda w=w, out=out: w.run(q, cache, out=out))
+                outs[k] = out
+            for k in versions:
+                runs[k]()
+            torch.cuda.synchronize()
+            diff = (outs["old"].float() - outs["new"].float()).abs().max().item()
+            assert diff == 0.0, f"prefill outputs differ by {diff}"
+            t = {k: [] for k in versions}
+            for _ in range(args.rounds):
+                for k in versions:
+                    t[k].append(time_eager(runs[k]))
+            o, nw = statistics.median(t["old"]), statistics.median(t["new"])
+            lines.append(f"| {hq}/{hk} | {b} x {n} | {causal} | {o:.1f} | {nw:.1f} | {nw / o:.3f} |")
+            print(lines[-1], flush=True)
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
