@@ -8,6 +8,7 @@ every kernel runs through the Triton interpreter in seconds.
 import dataclasses
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from tritoninfer.demo.kv_cache import PageAllocator
 from tritoninfer.demo.model import TINY, LlamaModel, ModelConfig, random_weights
 from tritoninfer.demo.reference import DenseReference
 from tritoninfer.demo.scheduler import Request, Scheduler
+from tritoninfer.demo.variants import KernelVariants
 
 # prompts of different lengths (1 token, exactly one page, partial pages) and generation lengths,
 # so requests finish at different steps and waiting ones are admitted mid-run (max_batch 3)
@@ -64,8 +66,8 @@ def _hf_llama(cfg: ModelConfig, weights):
 def _serve(model, kv_dtype, workload, max_batch=3, warmup=False, **engine_kw):
     ecfg = EngineConfig(page_size=4, max_batch=max_batch, record_logits=True, workspace_bytes=8 << 20, **engine_kw)
     engine = Engine(model, kv_dtype, ecfg, num_pages=3 * 4)
-    if warmup:  # what the GPU run does first: here it calibrates the fp8 scales and dirties pages
-        engine.warmup(list(range(10)))
+    if warmup:  # what the command does first: rehearses the workload, calibrates the fp8 scales, dirties pages
+        engine.warmup(workload)
         assert engine.cache.k_scale is None or len(engine.cache.k_scale) == model.cfg.num_layers
         assert engine.stats.prompt_tokens == 0 and engine.cache.allocator.num_free == engine.cache.num_pages
     reqs = [Request(i, list(p), g) for i, (p, g) in enumerate(workload)]
@@ -265,6 +267,12 @@ def test_scheduler_admission_and_pages():
     assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 64] and batch_buckets(3) == [1, 2, 3]
 
 
+def _row(text, label):
+    """The values of a summary row, one per KV dtype."""
+    line = next(line for line in text.splitlines() if line.strip().startswith(label))
+    return re.split(r"\s{3,}", line.strip()[len(label):].strip())
+
+
 def test_main_check_end_to_end(capsys, tmp_path):
     out = tmp_path / "summary.md"
     status = main(["--check", "--quiet", "--kv-dtype", "bf16,fp8", "--num-requests", "3", "--gen-len", "2-3",
@@ -273,8 +281,70 @@ def test_main_check_end_to_end(capsys, tmp_path):
     assert status == 0, text
     assert "interpreter configuration" in text.lower() or "interpreter" in text
     assert "decode" in text and "KV pages used (peak)" in text and "check (fp8 KV)" in text and "OK" in text
+    # each KV dtype's warm-up ran before its timed run and left it nothing to compile
+    assert text.index("warm-up (compiles kernels, not timed)") < text.index("  prefill ")
+    warmups = _row(text, "warm-up (compiles kernels, not timed)")
+    assert len(warmups) == 2 and all(re.fullmatch(r"\d+\.\d s, \d+ kernel variants", v) for v in warmups), warmups
+    assert _row(text, "new kernel variants while timed") == ["0", "0"]
     md = out.read_text()
     assert md.startswith("# tritoninfer demo") and "| KV cache dtype | bf16 | fp8 |" in md
+
+
+def test_main_without_warmup_compiles_while_timed(capsys):
+    assert main(["--quiet", "--no-warmup", "--num-requests", "2", "--gen-len", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "skipped (--no-warmup)" in text
+    assert int(_row(text, "new kernel variants while timed")[0]) > 0
+
+
+@pytest.mark.parametrize("kv_dtype,cuda_graph,max_batch", [
+    (torch.float16, True, 4),
+    (torch.float8_e4m3fn, False, 3),
+], ids=["fp16-graphpath", "fp8-eager"])
+def test_warmup_launches_every_kernel_variant_of_the_timed_run(kv_dtype, cuda_graph, max_batch):
+    """The warm-up launches every kernel variant (what Triton compiles once: constexprs and the
+    specialisation of the other arguments) that the timed run launches, so no compilation is timed.
+    A warm-up of part of the workload misses some, which shows that the count can fail."""
+    cfg = TINY
+    model = LlamaModel(cfg, random_weights(cfg, seed=0, dtype=torch.bfloat16), torch.bfloat16)
+    workload = _workload(cfg.vocab_size)
+    for rehearsed, complete in ((workload, True), (workload[1:2], False)):
+        ecfg = EngineConfig(page_size=4, max_batch=max_batch, workspace_bytes=8 << 20, cuda_graph=cuda_graph)
+        with KernelVariants() as variants:
+            engine = Engine(model, kv_dtype, ecfg, num_pages=3 * 4)
+            engine.warmup(rehearsed)
+            warmed = len(variants)
+            engine.run([Request(i, list(p), g) for i, (p, g) in enumerate(workload)])
+        assert warmed > 0
+        assert (len(variants) == warmed) == complete, (len(variants), warmed)
+
+
+def test_kernel_variants_keys_and_gpu_hook(monkeypatch):
+    """The interpreter's variant key follows Triton's specialisation; on a GPU the recorder chains
+    Triton's compile hook and puts the previous one back."""
+    from triton import knobs
+    from triton.runtime.jit import JitFunctionInfo
+
+    from tritoninfer import _device
+    from tritoninfer.demo import variants as mod
+
+    spec = mod._specialisation
+    assert len({spec(x, True, True) for x in (1, 16, 17, 32, 2**40)}) == 4  # 16 and 32: same class
+    assert spec(1, False, True) == spec(17, False, True) != spec(2**40, False, True)  # do_not_specialize
+    t = torch.zeros(8, dtype=torch.float16)
+    assert spec(t, True, True) != spec(t[1:], True, True) and spec(t, True, False) == spec(t[1:], True, False)
+    assert spec(True, True, True) != spec(False, True, True) and spec(0.5, True, True) == spec(2.0, True, True)
+
+    calls = []
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kw: calls.append(kw["key"]))
+    monkeypatch.setattr(_device, "is_interpreter", lambda: False)
+    previous = knobs.runtime.jit_post_compile_hook
+    with KernelVariants() as variants:
+        for key in ("a", "b", "a"):
+            knobs.runtime.jit_post_compile_hook(key=key, repr="", fn=JitFunctionInfo(None, "k", None), compile={},
+                                                is_manual_warmup=False, already_compiled=False)
+    assert len(variants) == 2 and calls == ["a", "b", "a"]
+    assert knobs.runtime.jit_post_compile_hook is previous
 
 
 def test_main_check_fails_on_tight_tolerance(capsys):
@@ -334,8 +404,11 @@ def test_gpu_serving_loop_matches_dense_reference(kv, cuda_graph):
     ecfg = EngineConfig(page_size=16, max_batch=12, max_prefill_tokens=2048, cuda_graph=cuda_graph,
                         attn_sample_every=4)
     engine = Engine(model, KV_DTYPES[kv], ecfg, reference, num_pages=12 * 27)
-    engine.warmup(reqs[0].prompt)
-    stats = engine.run(reqs)
+    with KernelVariants() as variants:
+        engine.warmup([(r.prompt, r.max_new_tokens) for r in reqs])
+        compiled = len(variants)
+        stats = engine.run(reqs)
+    assert len(variants) == compiled  # nothing compiled while timed
     assert all(r.done for r in reqs) and stats.generated_tokens == sum(gens)
     assert stats.max_rel_diff <= default_tolerance("bf16", kv), stats.max_rel_diff
     assert engine.cache.allocator.num_free == engine.cache.num_pages

@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode with a plain wrapper, eagerly (default: per-bucket CUDA graphs on a GPU; padded fixed "
                         "buffers, the graph path run eagerly, on the CPU)")
     g.add_argument("--no-warmup", action="store_true",
-                   help="GPU: skip the warm-up (kernel compilation and graph capture then count in the timings)")
+                   help="skip the warm-up (kernel compilation and graph capture then count in the timings)")
     g = p.add_argument_group("random model (the shape options are an error with --model)")
     g.add_argument("--layers", type=_positive, metavar="N", help="decoder layers")
     g.add_argument("--hidden", type=_positive, metavar="N", help="hidden size")
@@ -227,12 +227,11 @@ def make_workload(args, vocab: int) -> List[Tuple[List[int], int]]:
 
 
 def run(args) -> int:
-    from .engine import Engine, EngineConfig
     from .hf import load_checkpoint
-    from .kv_cache import KV_DTYPES
     from .model import DTYPES, LlamaModel, ModelConfig, random_weights
     from .reference import DenseReference
-    from .scheduler import Request, pages_for
+    from .scheduler import pages_for
+    from .variants import KernelVariants
 
     device = torch.device("cpu" if args.interpreter else "cuda")
     dtype = DTYPES[args.dtype]
@@ -298,32 +297,9 @@ def run(args) -> int:
     sys.stdout.flush()
 
     results, samples = [], []
-    for kv_name in args.kv_dtype:
-        ecfg = EngineConfig(page_size=args.page_size, max_batch=args.max_batch,
-                            max_prefill_tokens=args.max_prefill_tokens, num_pages=num_pages,
-                            use_tensor_cores=args.use_tensor_cores, cuda_graph=not args.no_cuda_graph,
-                            workspace_bytes=(32 if args.interpreter else 512) * 1024 * 1024)
-        if reference is not None:
-            reference.reset()
-        engine = Engine(model, KV_DTYPES[kv_name], ecfg, reference)
-        if not args.interpreter and not args.no_warmup:
-            calib = workload[0][0][: 4 * args.page_size * 16]
-            engine.warmup(calib)
-        reqs = [Request(i, list(p), g) for i, (p, g) in enumerate(workload)]
-        total = sum(g for _, g in workload)
-        progress = Progress(total, f"kv {kv_name}", enabled=not args.quiet)
-        try:
-            stats = engine.run(reqs, on_step=progress.update)
-        finally:
-            progress.close()
-        tol = args.tolerance if args.tolerance is not None else default_tolerance(args.dtype, kv_name)
-        results.append((kv_name, stats, tol))
-        first = min(reqs, key=lambda r: r.rid)
-        samples.append(f"{kv_name} KV: request 0 ({len(first.prompt)}-token prompt) generated "
-                       f"{' '.join(map(str, first.output[:16]))}{' ...' if len(first.output) > 16 else ''}")
-        del engine
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    with KernelVariants() as variants:  # counts what each warm-up and each timed run launch first
+        for kv_name in args.kv_dtype:
+            results.append(_serve(args, model, kv_name, workload, num_pages, reference, variants, samples))
     rows = summary_rows(results, args)
     print()
     print(format_text(rows))
@@ -347,6 +323,43 @@ def run(args) -> int:
             f.write(format_markdown(rows, out, args, samples + verdicts))
         print(f"summary written to {args.out}")
     return status
+
+
+def _serve(args, model, kv_name: str, workload, num_pages: int, reference, variants, samples: List[str]):
+    """One KV dtype's run: warm-up (not timed), then the timed run. Returns ``(kv_name, stats, tol)``
+    and appends request 0's tokens to ``samples``."""
+    from .engine import Engine, EngineConfig
+    from .kv_cache import KV_DTYPES
+    from .scheduler import Request
+
+    ecfg = EngineConfig(page_size=args.page_size, max_batch=args.max_batch,
+                        max_prefill_tokens=args.max_prefill_tokens, num_pages=num_pages,
+                        use_tensor_cores=args.use_tensor_cores, cuda_graph=not args.no_cuda_graph,
+                        workspace_bytes=(32 if args.interpreter else 512) * 1024 * 1024)
+    if reference is not None:
+        reference.reset()
+    engine = Engine(model, KV_DTYPES[kv_name], ecfg, reference)
+    before_warmup = len(variants)
+    if not args.no_warmup:
+        engine.warmup(workload)
+    before_run = len(variants)
+    reqs = [Request(i, list(p), g) for i, (p, g) in enumerate(workload)]
+    total = sum(g for _, g in workload)
+    progress = Progress(total, f"kv {kv_name}", enabled=not args.quiet)
+    try:
+        stats = engine.run(reqs, on_step=progress.update)
+    finally:
+        progress.close()
+    stats.warmup_variants = before_run - before_warmup
+    stats.timed_variants = len(variants) - before_run
+    tol = args.tolerance if args.tolerance is not None else default_tolerance(args.dtype, kv_name)
+    first = min(reqs, key=lambda r: r.rid)
+    samples.append(f"{kv_name} KV: request 0 ({len(first.prompt)}-token prompt) generated "
+                   f"{' '.join(map(str, first.output[:16]))}{' ...' if len(first.output) > 16 else ''}")
+    del engine
+    if model.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return kv_name, stats, tol
 
 
 def _span(lo: int, hi: int) -> str:
@@ -376,6 +389,7 @@ def summary_rows(results, args) -> List[Tuple[str, List[str]]]:
     add("requests", lambda s, t: f"{s.requests}")
     add("prompt tokens (prefilled)", lambda s, t: f"{s.prompt_tokens:,}")
     add("generated tokens", lambda s, t: f"{s.generated_tokens:,}")
+    add("warm-up (compiles kernels, not timed)", lambda s, t: _warmup_text(s, args))
     add("prefill", lambda s, t: f"{_rate(s.prompt_tokens, s.prefill_time)} ({s.prefill_steps} steps, {s.prefill_time:.2f} s)")
     add("decode", lambda s, t: f"{_rate(s.decode_tokens, s.decode_time)} ({s.decode_steps} steps, {s.decode_time:.2f} s)")
     if not args.interpreter and not args.no_cuda_graph:
@@ -386,13 +400,19 @@ def summary_rows(results, args) -> List[Tuple[str, List[str]]]:
     add("attention share: prefill / decode / all",
         lambda s, t: f"{100 * s.prefill_attn_share:.0f} % / {100 * s.decode_attn_share:.0f} % / {100 * s.attn_share:.0f} %")
     add("KV pages used (peak)", lambda s, t: f"{s.peak_pages} of {s.num_pages} ({100 * s.peak_pages / s.num_pages:.0f} %)")
-    if not args.interpreter:
-        add("warm-up (compile, graphs)", lambda s, t: f"{s.warmup_time:.1f} s, {s.graphs_captured} graphs")
-    add("total time", lambda s, t: f"{s.wall_time:.2f} s")
+    add("new kernel variants while timed", lambda s, t: f"{s.timed_variants}")
+    add("total time (timed run)", lambda s, t: f"{s.wall_time:.2f} s")
     if args.check:
         add("check: largest logit difference", lambda s, t: f"{s.max_abs_diff:.3g} ({100 * s.max_rel_diff:.2f} %, tol {100 * t:.1f} %)")
         add("check: argmax differs", lambda s, t: f"{s.argmax_mismatches} of {s.checked_rows} steps")
     return [("KV cache dtype", [kv for kv, *_ in results])] + rows
+
+
+def _warmup_text(s, args) -> str:
+    if args.no_warmup:
+        return "skipped (--no-warmup)"
+    graphs = f", {s.graphs_captured} graphs" if s.graphs_captured else ""
+    return f"{s.warmup_time:.1f} s, {s.warmup_variants} kernel variants{graphs}"
 
 
 def format_text(rows) -> str:
