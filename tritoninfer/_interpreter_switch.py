@@ -53,9 +53,11 @@ def interpreter_switch(command: str, argv: List[str]) -> Optional[int]:
 
 @contextlib.contextmanager
 def interpreter_warnings_ignored() -> Iterator[None]:
-    """Within the block, numpy's RuntimeWarnings raised inside the interpreter are not shown: it
-    evaluates both sides of masked operations (``log2(0)`` for a row that sees no key, whose result
-    the kernel then discards), so they say nothing about the results."""
+    """Within the block, numpy's warnings raised inside the interpreter are not shown: it evaluates
+    both sides of masked operations (``log2(0)`` for a row that sees no key, whose result the kernel
+    then discards) and converts arrays to scalars in ways numpy deprecates, so they say nothing
+    about the results."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton\.runtime\.interpreter")
+        for category in (RuntimeWarning, DeprecationWarning):
+            warnings.filterwarnings("ignore", category=category, module=r"triton\.runtime\.interpreter")
         yield
