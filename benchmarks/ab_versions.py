@@ -1,7 +1,8 @@
-"""Two versions of tritoninfer in one process, on the same inputs, timed in interleaved rounds.
+"""Versions of tritoninfer in one process, on the same inputs, timed in interleaved rounds.
 
-The working tree's ``tritoninfer`` against an older checkout's (``--old DIR``: a directory that holds
-a ``tritoninfer`` package, e.g. a ``git worktree``), imported as ``tritoninfer_old``. Decode rows are
+The working tree's ``tritoninfer`` ("new") against older checkouts' (``--old DIR``, repeatable: a
+directory that holds a ``tritoninfer`` package, e.g. a ``git worktree``; the first is the baseline
+"old", the others are named by ``--old NAME=DIR``), each imported under a name of its own. Decode rows are
 median CUDA-graph replays (each graph holds ``--calls`` runs); prefill rows are eager runs timed with
 CUDA events. Rounds alternate the versions so that clock and thermal drift hit both alike.
 
@@ -26,11 +27,11 @@ DECODE_SHAPES = [(hq, hk, b, n) for hq, hk in ((32, 8), (32, 32)) for b in (1, 1
 PREFILL_SHAPES = [(32, 8, 16, 1024, True), (32, 8, 4, 4096, True), (32, 8, 1, 16384, True), (32, 8, 4, 4096, False)]
 
 
-def load_old(path: str):
+def load_old(path: str, name: str):
     tmp = tempfile.mkdtemp()
-    shutil.copytree(os.path.join(path, "tritoninfer"), os.path.join(tmp, "tritoninfer_old"))
+    shutil.copytree(os.path.join(path, "tritoninfer"), os.path.join(tmp, f"tritoninfer_{name}"))
     sys.path.insert(0, tmp)
-    return importlib.import_module("tritoninfer_old")
+    return importlib.import_module(f"tritoninfer_{name}")
 
 
 def paged_cache(batch, kv_len, hk, d, page, dtype):
@@ -89,46 +90,62 @@ def time_eager(fn, reps=10):
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--old", required=True, help="a directory holding the older tritoninfer package")
+    ap.add_argument("--old", required=True, action="append",
+                    help="[NAME=]DIR: a directory holding an older tritoninfer package (the first is the baseline)")
+    ap.add_argument("--shapes", default="all", choices=["all", "few"], help="few: 8 decode shapes")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--kv-dtype", default="bfloat16")
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    old = load_old(args.old)
-    versions = {"old": old, "new": tritoninfer}
+    versions = {}
+    for i, spec in enumerate(args.old):
+        name, _, path = spec.rpartition("=")
+        name = name or ("old" if i == 0 else f"old{i}")
+        versions[name] = load_old(path, name)
+    versions["new"] = tritoninfer
+    names = list(versions)
+    base = names[0]
     kv_dtype = getattr(torch, args.kv_dtype)
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     lines = [f"# A/B: {args.old} (old) against the working tree (new), {torch.cuda.get_device_name()}", "",
              f"decode: median of {args.rounds} interleaved rounds x 20 replays of a {args.calls}-call CUDA graph, "
              f"bf16 q, {args.kv_dtype} KV, head_dim 128, page 16", "",
-             "| heads | batch | kv_len | old µs | new µs | new/old |", "|---|---|---|---|---|---|"]
-    ratios = []
-    for hq, hk, b, n in DECODE_SHAPES:
+             "| heads | batch | kv_len | " + " | ".join(f"{k} µs" for k in names) + " | " +
+             " | ".join(f"{k}/{base}" for k in names[1:]) + " |", "|---" * (3 + 2 * len(names) - 1) + "|"]
+    ratios = {k: [] for k in names[1:]}
+    shapes = DECODE_SHAPES if args.shapes == "all" else [
+        (32, 8, 1, 4096), (32, 8, 16, 4096), (32, 8, 64, 4096), (32, 8, 64, 32768), (32, 8, 256, 4096),
+        (32, 8, 256, 32768), (32, 32, 16, 16384), (32, 32, 64, 16384)]
+    for hq, hk, b, n in shapes:
         if b * n * hk * 128 * 2 * 2 > 40e9:
             continue
         cache, indptr, indices, last = paged_cache(b, n, hk, 128, 16, kv_dtype)
         q = torch.randn((b, hq, 128), device="cuda", dtype=torch.bfloat16)
         graphs = {k: decode_graph(p, ws, cache, indptr, indices, last, q, hq, hk, 128, 16, kv_dtype, args.calls)
                   for k, p in versions.items()}
-        diff = (graphs["old"][1].float() - graphs["new"][1].float()).abs().max().item()
-        assert diff == 0.0, f"outputs differ by {diff} at {hq}/{hk} {b}x{n}"
+        for k in names[1:]:
+            diff = (graphs[base][1].float() - graphs[k][1].float()).abs().max().item()
+            assert diff == 0.0, f"outputs of {k} differ by {diff} at {hq}/{hk} {b}x{n}"
         t = {k: [] for k in versions}
         for _ in range(args.rounds):
             for k in versions:
                 t[k].append(time_graph(graphs[k][0], args.calls))
-        o, nw = statistics.median(t["old"]), statistics.median(t["new"])
-        ratios.append(nw / o)
-        lines.append(f"| {hq}/{hk} | {b} | {n} | {o:.1f} | {nw:.1f} | {nw / o:.3f} |")
+        med = {k: statistics.median(v) for k, v in t.items()}
+        for k in names[1:]:
+            ratios[k].append(med[k] / med[base])
+        lines.append(f"| {hq}/{hk} | {b} | {n} | " + " | ".join(f"{med[k]:.1f}" for k in names) + " | " +
+                     " | ".join(f"{med[k] / med[base]:.3f}" for k in names[1:]) + " |")
         print(lines[-1], flush=True)
         del graphs, cache, indices
         torch.cuda.empty_cache()
-    lines += ["", f"decode new/old: median {statistics.median(ratios):.3f}, min {min(ratios):.3f}, "
-              f"max {max(ratios):.3f} over {len(ratios)} shapes", ""]
+    lines += [""] + [f"decode {k}/{base}: median {statistics.median(r):.3f}, min {min(r):.3f}, max {max(r):.3f} "
+                     f"over {len(r)} shapes" for k, r in ratios.items()] + [""]
     if not args.skip_prefill:
         lines += ["prefill (paged, page 16, bf16, head_dim 128): median of interleaved rounds x 10 eager runs", "",
-                  "| heads | batch x len | causal | old µs | new µs | new/old |", "|---|---|---|---|---|---|"]
+                  "| heads | batch x len | causal | " + " | ".join(f"{k} µs" for k in names) + " | " +
+                  " | ".join(f"{k}/{base}" for k in names[1:]) + " |", "|---" * (3 + 2 * len(names) - 1) + "|"]
         for hq, hk, b, n, causal in PREFILL_SHAPES:
             cache, indptr, indices, last = paged_cache(b, n, hk, 128, 16, torch.bfloat16)
             q = torch.randn((b * n, hq, 128), device="cuda", dtype=torch.bfloat16)
@@ -143,14 +160,16 @@ def main(argv=None):
             for k in versions:
                 runs[k]()
             torch.cuda.synchronize()
-            diff = (outs["old"].float() - outs["new"].float()).abs().max().item()
-            assert diff == 0.0, f"prefill outputs differ by {diff}"
+            for k in names[1:]:
+                diff = (outs[base].float() - outs[k].float()).abs().max().item()
+                assert diff == 0.0, f"prefill outputs of {k} differ by {diff}"
             t = {k: [] for k in versions}
             for _ in range(args.rounds):
                 for k in versions:
                     t[k].append(time_eager(runs[k]))
-            o, nw = statistics.median(t["old"]), statistics.median(t["new"])
-            lines.append(f"| {hq}/{hk} | {b} x {n} | {causal} | {o:.1f} | {nw:.1f} | {nw / o:.3f} |")
+            med = {k: statistics.median(v) for k, v in t.items()}
+            lines.append(f"| {hq}/{hk} | {b} x {n} | {causal} | " + " | ".join(f"{med[k]:.1f}" for k in names) +
+                         " | " + " | ".join(f"{med[k] / med[base]:.3f}" for k in names[1:]) + " |")
             print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     print(text)

@@ -62,3 +62,17 @@ def _nan_poison(monkeypatch):
     monkeypatch.setattr(torch, "empty", empty)
     monkeypatch.setattr(torch, "empty_like", empty_like)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _no_fault_left():
+    """A test that makes a kernel report a bad index (tritoninfer/_errors.py) must consume the report
+    (``tritoninfer.check_errors()``); one left behind fails the test, so a spurious report cannot
+    hide in a later test's plan()."""
+    yield
+    from tritoninfer import _errors
+
+    try:
+        _errors.check_errors() if ON_GPU else _errors.raise_pending()
+    except ValueError as exc:
+        pytest.fail(f"a kernel reported a fault that the test did not check: {exc}")

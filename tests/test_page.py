@@ -363,7 +363,11 @@ def test_append_errors(valid, case, match):
         "page_id_out_of_range": dict(kv_indices=valid["kv_indices"] + 100),
     }[case]
     if case in ("pos_beyond_pages", "pos_negative", "batch_out_of_range", "page_id_out_of_range") and ON_GPU:
-        pytest.skip("value checks run only on host tensors; on the GPU such tokens are masked out")
+        # value checks need the data on the host; on the GPU the kernel skips such tokens and reports them
+        _call(valid, **over)
+        with pytest.raises(ValueError, match=f"{match}: append_paged_kv_cache"):
+            tritoninfer.check_errors()
+        return
     with pytest.raises(ValueError, match=match):
         _call(valid, **over)
 
@@ -522,6 +526,8 @@ def test_gpu_append_bad_positions_are_masked_not_written():
     bad_bi = bi.clone()
     bad_bi[1] = 7  # no such request: skipped
     page.append_paged_kv_cache(k, v, bad_bi, bad_pos, cache, batch.kv_indices, batch.kv_indptr, batch.kv_last_page_len)
+    with pytest.raises(ValueError, match="(positions|batch_indices): append_paged_kv_cache"):
+        tritoninfer.check_errors()  # both tokens are reported; one record holds one of them
     keep = torch.ones(batch.nnz, dtype=torch.bool, device=DEVICE)
     keep[:2] = False
     want = ref.append_paged_kv_cache(k[keep], v[keep], bi[keep], pos[keep], before, batch.kv_indices,

@@ -289,7 +289,7 @@ def attend_lanes(
     l_i = tl.zeros([LANES], tl.float32)
     acc = tl.zeros([LANES, BLOCK_DV], tl.float32)
     # [LANES, LANE_TOKENS]
-    bad_page = tl.zeros([LANES, LANE_TOKENS], tl.int32)
+    bad_page = tl.zeros([LANES, LANE_TOKENS], tl.uint32)
     for start in tl.range(lo, hi, LANES * LANE_TOKENS, num_stages=NUM_STAGES):
         # [LANES, LANE_TOKENS]
         offs_n = start + lane[:, None] * LANE_TOKENS + offs_t[None, :]
@@ -434,8 +434,8 @@ def attention_fwd_kernel(
         next_page = tl.load(kv_indices_ptr + page_base + offs_first // PAGE_SIZE, mask=offs_first < hi, other=0)
     if not (IS_PAGED and PREFETCH_PAGES):
         next_page = tl.zeros([BLOCK_N], tl.int32)
-    # [BLOCK_N] page ids outside the cache met so far (bound_page_ids)
-    bad_page = tl.zeros([BLOCK_N], tl.int32)
+    # [BLOCK_N] the largest page ids (unsigned) met so far (bound_page_ids)
+    bad_page = tl.zeros([BLOCK_N], tl.uint32)
     if not IS_PAGED:
         page_base = 0
     else:

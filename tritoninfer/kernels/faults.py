@@ -11,12 +11,13 @@ import triton.language as tl
 
 @triton.jit
 def bound_page_ids(page, bad_page, num_pages):
-    """Page ids [any shape] as the K/V addresses may use them: an id outside ``[0, num_pages)``
-    becomes page 0 (never read outside the cache) and is kept in ``bad_page`` for ``report_fault``.
-    Positions past the KV range load id 0, which is a page whenever the cache has one (the launcher
-    refuses an empty cache for a plan that reads KV)."""
-    fault = page.to(tl.uint32, bitcast=True) >= tl.cast(num_pages, tl.uint32)
-    return tl.where(fault, 0, page).to(tl.int64), tl.where(fault, page, bad_page)
+    """Page ids [any shape] as the K/V addresses may use them: as unsigned ints clamped to
+    ``num_pages - 1`` (a negative id is a large unsigned one), so no id reads outside the cache; and
+    ``bad_page`` (uint32, same shape) keeps the largest unsigned id seen, for ``report_bad_pages``.
+    Two integer instructions per id. Positions past the KV range load id 0, a page whenever the
+    cache has one (the launcher refuses an empty cache for a plan that reads KV)."""
+    page = page.to(tl.uint32, bitcast=True)
+    return tl.minimum(page, tl.cast(num_pages - 1, tl.uint32)).to(tl.int64), tl.maximum(bad_page, page)
 
 
 @triton.jit
@@ -30,10 +31,11 @@ def report_fault(err_ptr, code, req, value, limit):
 
 @triton.jit
 def report_bad_pages(err_ptr, bad_page, num_pages, req):
-    """Reports one of the ids ``bound_page_ids`` kept in ``bad_page`` [N], if any (code 1)."""
-    fault = bad_page.to(tl.uint32, bitcast=True) >= tl.cast(num_pages, tl.uint32)
-    if tl.max(fault.to(tl.int32), 0) > 0:
-        report_fault(err_ptr, 1, req, tl.max(tl.where(fault, bad_page, -2147483648), 0), num_pages)
+    """Reports (code 1) the largest id ``bound_page_ids`` kept in ``bad_page`` [N] if it is outside
+    ``[0, num_pages)``."""
+    largest = tl.max(bad_page, 0)
+    if largest >= tl.cast(num_pages, tl.uint32):
+        report_fault(err_ptr, 1, req, largest.to(tl.int32, bitcast=True), num_pages)
 
 
 @triton.jit(do_not_specialize=["num_pages"])
@@ -45,7 +47,7 @@ def check_page_ids_kernel(kv_indptr_ptr, kv_indices_ptr, err_ptr, num_pages, BLO
     start = tl.load(kv_indptr_ptr + req)
     end = tl.load(kv_indptr_ptr + req + 1)
     # [BLOCK]
-    bad_page = tl.zeros([BLOCK], tl.int32)
+    bad_page = tl.zeros([BLOCK], tl.uint32)
     for off in range(start, end, BLOCK):
         offs = off + tl.arange(0, BLOCK)
         page = tl.load(kv_indices_ptr + offs, mask=offs < end, other=0)
