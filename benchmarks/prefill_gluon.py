@@ -123,7 +123,7 @@ def main_paged(args):
                 w = tritoninfer.BatchPrefillWithPagedKVCacheWrapper(ws_buf)
                 w.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, hq, hk, d, page, causal=causal,
                        q_data_type=torch.bfloat16)
-                assert (w._hopper_tiles is not None) == on
+                assert (w._step.route_work is not None) == on
                 rows.append((name, lambda w=w, p=persistent: _run_with((prefill.HOPPER_STAGES,
                              prefill.HOPPER_CONSUMER_REGS, p), w, q, kv.cache)))
             _forced(True)
@@ -177,7 +177,7 @@ def main_ab(args):
             pw = tritoninfer.BatchPrefillWithPagedKVCacheWrapper(ws_buf)
             pw.plan(indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, hq, hk, d, page, causal=causal,
                     q_data_type=torch.bfloat16)
-            assert rw._hopper_tiles is not None and pw._hopper_tiles is not None
+            assert rw._step.route_work is not None and pw._step.route_work is not None
             rows = []
             for tag in args.variants.split(","):
                 v_cfg = cfg + VARIANTS[tag]
@@ -266,7 +266,7 @@ def main(argv=None):
                 _forced(on)
                 w = tritoninfer.BatchPrefillWithRaggedKVCacheWrapper(ws_buf)
                 w.plan(indptr, indptr, hq, hk, d, causal=causal, q_data_type=torch.bfloat16)
-                assert (w._hopper_tiles is not None) == on
+                assert (w._step.route_work is not None) == on
                 rows.append((name, lambda w=w, cfg=cfg: _run_with(cfg, w, q, k, v), None))
             # SDPA on [B, H, N, D] copies; its output is brought back to tokens-major outside the timing
             q4, k4, v4 = (x.view(batch, n, -1, d).transpose(1, 2).contiguous() for x in (q, k, v))

@@ -275,32 +275,40 @@ def test_private_attributes_before_and_after_plan(fi):
 
 
 def test_core_attributes_compat_relies_on(fi):
-    """The core wrapper attributes named in tritoninfer/_compat.py's docstring exist after plan()."""
+    """The compat subclasses serve FlashInfer's private attributes from the planned step and the core
+    wrappers' construction-time attributes (tritoninfer/_compat.py's docstring names them)."""
     w, kv, q = _decode_setup(fi, False, True)
-    w.plan(kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 4, 2, 32, 4)
-    for name in ("_plan", "_use_cuda_graph", "_paged_kv_indptr_buf", "_paged_kv_indices_buf",
-                 "_paged_kv_last_page_len_buf", "_cached_q_data_type", "_cached_kv_data_type", "_pos_encoding_mode",
-                 "_window_left", "_logits_soft_cap", "_sm_scale", "_rope_scale", "_rope_theta"):
-        assert hasattr(w, name), name
+    w.plan(kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 4, 2, 32, 4, sm_scale=0.25, q_data_type=torch.float16)
+    for name in ("_step", "_use_cuda_graph", "_paged_kv_indptr_buf", "_paged_kv_indices_buf",
+                 "_paged_kv_last_page_len_buf", "_float_workspace_buffer"):
+        assert name in vars(w), name
+    assert (w._cached_q_data_type, w._cached_kv_data_type) == (torch.float16, torch.float16)
+    assert (w._pos_encoding_mode, w._window_left, w._sm_scale, w._rope_scale, w._rope_theta) == ("NONE", -1, 0.25,
+                                                                                                None, None)
+    assert w._plan_info is w._step.device_plan
     p = fi.BatchPrefillWithPagedKVCacheWrapper(testing.make_workspace(1 << 20, DEVICE))
-    p.plan(torch.tensor([0, 1, 2, 3], dtype=torch.int32), kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 4, 2, 32, 4)
-    for name in ("_plan", "_causal", "_window_left", "_logits_soft_cap", "_sm_scale"):
-        assert hasattr(p, name), name
+    p.plan(torch.tensor([0, 1, 2, 3], dtype=torch.int32), kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 4, 2, 32, 4,
+           causal=True, logits_soft_cap=None)
+    assert p._causal is True and p._logits_soft_cap == 0.0 and p._window_left == -1 and p._sm_scale is None
 
 
 def test_settings_changed_after_plan_raise(fi):
-    """FlashInfer's run reads _sm_scale & co.; tritoninfer fixes them at plan time, so a change
-    after plan raises instead of being silently ignored. Writing the planned value is fine."""
+    """FlashInfer's run reads _sm_scale & co.; tritoninfer fixes them at plan time, so writing another
+    value after plan raises at once instead of being silently ignored. Writing the planned value is fine."""
     w, kv, q = _decode_setup(fi, True, False)
     w.plan(kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 4, 2, 32, 4, sm_scale=0.2)
     w._sm_scale, w._logits_soft_cap, w._window_left = 0.2, 0.0, -1
+    w._logits_soft_cap = None  # FlashInfer's None is its 0.0
+    w._cached_q_data_type = "float16"
     testing.assert_close(w.run(q, kv.cache), _ref(kv, q, sm_scale=0.2))
-    w._sm_scale = 0.3
-    with pytest.raises(ValueError, match="_sm_scale"):
-        w.run(q, kv.cache)
+    for name, value in (("_sm_scale", 0.3), ("_window_left", 5), ("_logits_soft_cap", 30.0),
+                        ("_pos_encoding_mode", "ROPE_LLAMA"), ("_cached_kv_data_type", torch.bfloat16)):
+        with pytest.raises(ValueError, match=f"{name}: tritoninfer fixes the attention settings at plan"):
+            setattr(w, name, value)
+    assert w._sm_scale == 0.2
     # the deprecated forward() sets the settings itself
     testing.assert_close(w.forward(q, kv.cache, sm_scale=0.3), _ref(kv, q, sm_scale=0.3))
-    # tritoninfer's own fast_decode_plan (not the flashinfer one) on a compat wrapper: accepted
+    assert w._sm_scale == 0.3
     tritoninfer.decode.fast_decode_plan(w, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 4, 2, 32, 4)
     testing.assert_close(w.run(q, kv.cache), _ref(kv, q))
 

@@ -122,7 +122,7 @@ def test_split_kv_is_exercised_and_correct(fixed_pages):
     wrapper = BatchDecodeWithPagedKVCacheWrapper(testing.make_workspace(1 << 20, DEVICE),
                                                  use_tensor_cores=fixed_pages is not None)
     _plan(wrapper, case, kv, fixed_split_size=fixed_pages)
-    assert wrapper._plan.has_splits
+    assert wrapper._step.device_plan.has_splits
     o, lse = wrapper.run_return_lse(q, kv.cache)
     ref_o, ref_lse = _reference(case, kv, q)
     testing.assert_close(o, ref_o, case.q_dtype)
@@ -201,7 +201,7 @@ def test_cuda_graph_mode_replan_keeps_grid():
         case = dataclasses.replace(case, kv_lens=lens)
         kv, q = _make(case, gen_seed=seed)
         _plan(wrapper, case, kv)
-        grids.append(wrapper._plan.capacity)
+        grids.append(wrapper._step.device_plan.capacity)
         o = wrapper.run(q, kv.cache)
         testing.assert_close(o, _reference(case, kv, q)[0], torch.float16)
     assert len(set(grids)) == 1
@@ -247,7 +247,7 @@ def test_bound_launches_are_kept_per_plan_and_run_variant():
     kv, q = _make(case)
     wrapper = BatchDecodeWithPagedKVCacheWrapper(testing.make_workspace(1 << 20, DEVICE), use_tensor_cores=True)
     _plan(wrapper, case, kv)
-    launches = wrapper._plan.launches
+    launches = wrapper._step.device_plan.launches
     for seed in (1, 2):
         q = testing.randn(q.shape, q.dtype, DEVICE, generator=torch.Generator().manual_seed(seed))
         testing.assert_close(wrapper.run(q, kv.cache), _reference(case, kv, q)[0], torch.float16)
@@ -265,7 +265,7 @@ def test_bound_launches_are_kept_per_plan_and_run_variant():
                          torch.float16)
     assert len(launches) == 4
     _plan(wrapper, case, kv)
-    assert wrapper._plan.launches is not launches and len(wrapper._plan.launches) == 0
+    assert wrapper._step.device_plan.launches is not launches and len(wrapper._step.device_plan.launches) == 0
 
 
 def test_fp8_close_to_unquantized_data():
@@ -343,7 +343,7 @@ def test_errors_name_the_argument():
     big = Case((300,), heads=(4, 1), page_size=16)
     kvb, qb = _make(big)
     _plan(small, big, kvb)
-    assert not small._plan.has_splits
+    assert not small._step.device_plan.has_splits
     testing.assert_close(small.run(qb, kvb.cache), _reference(big, kvb, qb)[0], torch.float16)
     with pytest.raises(ValueError, match="float_workspace_buffer"):
         _plan(small, dataclasses.replace(big, split="fixed"), kvb)

@@ -103,7 +103,7 @@ def test_paged_prefill_matches_reference(case, device=DEVICE):
                  case.head_dim, case.page_size, head_dim_vo=case.head_dim_vo, q_data_type=case.q_dtype,
                  kv_data_type=case.kv_dtype, **_opts(case), **_mask_args(case, mask))
     if case is PAGED_CASES[8]:  # one long request, one KV head: the interpreter's 4 "SMs" need splits
-        assert wrapper._plan.has_splits
+        assert wrapper._step.device_plan.has_splits
     o, lse = wrapper.run(q, kv.cache, k_scale=kv.k_scale, v_scale=kv.v_scale, sinks=sinks, return_lse=True)
     ref_o, ref_lse = reference.batch_prefill_with_paged_kv_cache(
         q, qo_indptr.to(device), kv.cache, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, case.layout,
@@ -125,7 +125,7 @@ def test_folded_softmax_scale_of_any_sign(sm_scale, k_scale):
     wrapper.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 4, 2, 32, case.page_size,
                  causal=True, sm_scale=sm_scale, q_data_type=case.q_dtype)
     o, lse = wrapper.run(q, kv.cache, k_scale=k_scale, return_lse=True)
-    bound = next(iter(wrapper._plan.launches.values()))
+    bound = next(iter(wrapper._step.device_plan.launches.values()))
     assert bound.attention.kwargs["FOLD_SCALE"] and not bound.unfolded.kwargs["FOLD_SCALE"]
     ref_o, ref_lse = reference.batch_prefill_with_paged_kv_cache(
         q, qo_indptr.to(DEVICE), kv.cache, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, "NHD", causal=True,
@@ -162,10 +162,10 @@ def test_gpu_tile_choices_match_reference(case, block_m, monkeypatch):
     wrapper.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, case.heads[0], case.heads[1],
                  case.head_dim, case.page_size, head_dim_vo=case.head_dim_vo, q_data_type=case.q_dtype,
                  kv_data_type=case.kv_dtype, **_opts(case))
-    assert wrapper._tiles.block_m == block_m
-    assert wrapper._tiles.kv_as_m == (block_m < 128 and case.kv_dtype.itemsize == 2 and case.head_dim <= 128)
+    assert wrapper._step.tiles.block_m == block_m
+    assert wrapper._step.tiles.kv_as_m == (block_m < 128 and case.kv_dtype.itemsize == 2 and case.head_dim <= 128)
     if case.split == "fixed":
-        assert wrapper._plan.has_splits
+        assert wrapper._step.device_plan.has_splits
     o, lse = wrapper.run(q, kv.cache, k_scale=kv.k_scale, v_scale=kv.v_scale, sinks=sinks, return_lse=True)
     ref_o, ref_lse = reference.batch_prefill_with_paged_kv_cache(
         q, qo_indptr.to(DEVICE), kv.cache, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, "NHD",
@@ -185,7 +185,7 @@ def test_ragged_prefill_matches_reference(case, device=DEVICE, hopper=False):
     wrapper = BatchPrefillWithRaggedKVCacheWrapper(testing.make_workspace(4 << 20, device), case.layout)
     wrapper.plan(qo_indptr, kv_indptr, case.heads[0], hk, d, head_dim_vo=case.head_dim_vo, q_data_type=case.q_dtype,
                  kv_data_type=case.kv_dtype, **_opts(case), **_mask_args(case, mask))
-    assert (wrapper._hopper_tiles is not None) == hopper
+    assert (wrapper._step.route_work is not None) == hopper
     o, lse = wrapper.run_return_lse(q, k, v)
     ref_o, ref_lse = reference.batch_prefill_with_ragged_kv_cache(
         q, k, v, qo_indptr, kv_indptr, kv_layout=case.layout, custom_mask=mask if case.mask != "none" else None,
@@ -194,116 +194,13 @@ def test_ragged_prefill_matches_reference(case, device=DEVICE, hopper=False):
     testing.assert_lse_close(lse, ref_lse, dtype=case.q_dtype)
 
 
-def test_hopper_tiles_cover_every_query_tile_heaviest_first():
-    """The Gluon kernel's work list: every 128-token query tile once, the tiles that read the most
-    KV first (causal: up to their last row's diagonal, bottom-right aligned)."""
-    tiles = prefill._hopper_tiles(np.array([300, 0, 100]), np.array([300, 5, 1000]), causal=True)
-    # request 0: tiles at 0, 128, 256 read 128, 256, 300 keys; request 2's one tile reads 1000
-    assert tiles.tolist() == [[2, 0, 0, 0], [0, 256, 128, 0]]
-    full = prefill._hopper_tiles(np.array([300, 0, 100]), np.array([300, 5, 1000]), causal=False)
-    assert full.tolist() == [[2, 0, 0, 0], [0, 0, 128, 256]]
-
-
-def test_hopper_kernel_selection(monkeypatch):
-    """The Gluon kernel only where it was measured faster and GPU-tested: sm_90, Triton 3.6, bf16,
-    head_dim 128, NHD, no mask, no CUDA graph, requests of 1024 query tokens on average (causal: 4096;
-    paged: 512 and 1024)."""
-    monkeypatch.setattr(prefill._device, "has_gpu", lambda: True)
-    monkeypatch.setattr(prefill._device, "capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(prefill, "_gluon_hopper_available", lambda: True)
-    cuda, bf16, nhd = torch.device("cuda", 0), torch.bfloat16, prefill.TensorLayout.NHD
-    base = dict(device=cuda, q_dtype=bf16, kv_dtype=bf16, head_dim_qk=128, head_dim_vo=128, layout=nhd,
-                use_cuda_graph=False, has_mask=False, causal=False, mean_qo_len=1024.0)
-    assert prefill._hopper_capable(**base)
-    assert prefill._hopper_capable(**{**base, "causal": True, "mean_qo_len": 4096.0})
-    assert prefill._hopper_capable(**{**base, "paged": True, "mean_qo_len": 512.0})
-    assert prefill._hopper_capable(**{**base, "paged": True, "causal": True})
-    for change in ({"causal": True}, {"mean_qo_len": 1000.0}, {"causal": True, "mean_qo_len": 4000.0},
-                   {"paged": True, "mean_qo_len": 500.0}, {"paged": True, "causal": True, "mean_qo_len": 1000.0},
-                   {"q_dtype": torch.float16, "kv_dtype": torch.float16},
-                   {"kv_dtype": torch.float8_e4m3fn}, {"head_dim_qk": 64, "head_dim_vo": 64}, {"head_dim_vo": 64},
-                   {"layout": prefill.TensorLayout.HND}, {"use_cuda_graph": True}, {"has_mask": True},
-                   {"device": torch.device("cpu")}):
-        assert not prefill._hopper_capable(**{**base, **change}), change
-    monkeypatch.setattr(prefill, "_gluon_hopper_available", lambda: False)  # another Triton
-    assert not prefill._hopper_capable(**base)
-    monkeypatch.setattr(prefill, "_gluon_hopper_available", lambda: True)
-    monkeypatch.setattr(prefill._device, "capability", lambda device=None: (10, 0))
-    assert not prefill._hopper_capable(**base)
-
-
-def test_hopper_kernel_needs_plain_scores(monkeypatch):
-    """Past the device checks (forced here), a plan takes the Gluon kernel only for scores it computes
-    (no soft cap, window, RoPE, ALiBi; a positive scale); forward()'s replaced settings take the core."""
-    monkeypatch.setattr(prefill, "_hopper_capable", lambda *a, **kw: True)
-    qo_indptr = torch.tensor([0, 100, 230], dtype=torch.int32)  # K/V of at least one 128-row TMA box
-    wrapper = BatchPrefillWithRaggedKVCacheWrapper(testing.make_workspace(4 << 20, DEVICE))
-    for kw, gluon in (({}, True), ({"causal": True}, True), ({"logits_soft_cap": 5.0}, False),
-                      ({"window_left": 3}, False), ({"pos_encoding_mode": "ROPE_LLAMA"}, False),
-                      ({"pos_encoding_mode": "ALIBI"}, False), ({"sm_scale": -0.1}, False)):
-        wrapper.plan(qo_indptr, qo_indptr, 4, 2, 64, q_data_type=torch.bfloat16, **kw)
-        assert (wrapper._hopper_tiles is not None) == gluon, kw
-    wrapper.plan(qo_indptr, qo_indptr, 4, 2, 64, q_data_type=torch.bfloat16)
-    wrapper._override(True, "NONE", False, -1, None, None, None, None)
-    assert wrapper._hopper_tiles is None
-    short = torch.tensor([0, 100, 127], dtype=torch.int32)  # less K/V than one TMA box
-    wrapper.plan(short, short, 4, 2, 64, q_data_type=torch.bfloat16)
-    assert wrapper._hopper_tiles is None
-
-
-@pytest.mark.parametrize("page_size,gluon", [(8, True), (16, True), (128, True), (4, False), (1, False), (48, False),
-                                             (256, False)])
-def test_hopper_paged_plan(page_size, gluon, monkeypatch):
-    """Past the device checks (forced here), a paged plan takes the Gluon kernel's paged mode for
-    pages that tile its 128-token KV tiles, with the same work list as a ragged plan; the page
-    table it reads is the plan's (uploaded or the caller's)."""
-    monkeypatch.setattr(prefill, "_hopper_capable", lambda *a, **kw: True)
-    qo_lens, kv_lens = (300, 0, 100), (300, 5, 1000)
-    qo_indptr = torch.tensor(np.concatenate([[0], np.cumsum(qo_lens)]), dtype=torch.int32)
-    kv = testing.make_paged_kv(kv_lens, page_size, 2, 64, device=DEVICE, generator=torch.Generator().manual_seed(0))
-    wrapper = BatchPrefillWithPagedKVCacheWrapper(testing.make_workspace(4 << 20, DEVICE))
-    for causal in (False, True):
-        wrapper.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 4, 2, 64, page_size,
-                     causal=causal, q_data_type=torch.bfloat16)
-        assert (wrapper._hopper_tiles is not None) == gluon
-        if gluon:
-            expected = prefill._hopper_tiles(np.array(qo_lens), np.array(kv_lens), causal)
-            assert wrapper._hopper_tiles.cpu().tolist() == expected.tolist()
-            assert torch.equal(wrapper._kv_indptr.cpu(), kv.kv_indptr.cpu().int())
-    wrapper.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 4, 2, 64, page_size,
-                 logits_soft_cap=5.0, q_data_type=torch.bfloat16)
-    assert wrapper._hopper_tiles is None
-
-
-def test_hopper_paged_descriptors():
-    """The paged mode's TMA view of a cache: K and V pages as rows of [rows, H * D], page p from row
-    p * rows_per_page (5-D: K and V pages alternate); caches that do not fit it (heads not packed,
-    page strides that are not whole rows, K and V laid out differently) get None: the core."""
-    from tritoninfer._kvcache import unpack_paged_kv_cache
-
-    nhd = prefill.TensorLayout.NHD
-    cache = torch.randn(5, 2, 16, 4, 64).to(torch.bfloat16)
-    (k_desc, v_desc), rows_per_page = prefill._paged_descriptors(unpack_paged_kv_cache(cache, nhd))
-    assert rows_per_page == 32 and k_desc.shape == [4 * 32 + 16, 256] and k_desc.block_shape == [16, 64]
-    assert k_desc.base.data_ptr() == cache.data_ptr() and v_desc.base.data_ptr() == cache[:, 1].data_ptr()
-    k, v = torch.randn(2, 7, 8, 4, 64).to(torch.bfloat16).unbind(0)
-    assert prefill._paged_descriptors(unpack_paged_kv_cache((k, v), nhd))[1] == 8
-    tokens = torch.randn(2, 30, 4, 64).to(torch.bfloat16)
-    assert prefill._paged_descriptors(unpack_paged_kv_cache((tokens[0], tokens[1]), nhd))[1] == 1  # page size 1
-    padded = torch.randn(5, 2, 16, 4, 72).to(torch.bfloat16)[..., :64]
-    heads_apart = torch.randn(5, 2, 4, 16, 64).to(torch.bfloat16).transpose(2, 3)
-    mixed = (k, torch.randn(7, 8, 4, 64).to(torch.bfloat16).transpose(0, 1).contiguous().transpose(0, 1))
-    for bad in (padded, heads_apart, mixed):
-        assert prefill._paged_descriptors(unpack_paged_kv_cache(bad, nhd)) is None
-
-
 def test_hopper_kernel_is_not_planned_off_hopper():
     """On this machine (no Hopper GPU) every ragged plan stays on the attention core."""
     case = RAGGED_CASES[0]
     g, q, qo_indptr, _, _ = _inputs(case)
     wrapper = BatchPrefillWithRaggedKVCacheWrapper(testing.make_workspace(4 << 20, DEVICE))
     wrapper.plan(qo_indptr, qo_indptr, 4, 2, 64, q_data_type=torch.bfloat16)
-    assert wrapper._hopper_tiles is None or torch.cuda.get_device_capability() == (9, 0)
+    assert wrapper._step.route_work is None or torch.cuda.get_device_capability() == (9, 0)
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
@@ -362,7 +259,7 @@ def test_tree_mask_cuda_graph_buffers_replan():
         kv = testing.make_paged_kv(kv_lens, page, hk, d, device=DEVICE, generator=g)
         wrapper.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, hq, hk, d, page,
                      custom_mask=mask, q_data_type=torch.float16)
-        capacities.append(wrapper._plan.capacity)
+        capacities.append(wrapper._step.device_plan.capacity)
         _check_graph_run(wrapper, q, qo_indptr, kv, 8, custom_mask=mask)
     assert len(set(capacities)) == 1
     with pytest.raises(ValueError, match="first plan"):
@@ -399,8 +296,8 @@ def test_cuda_graph_keeps_the_first_plans_tiles(monkeypatch):
             w.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, hq, hk, d, page, causal=True,
                    q_data_type=torch.float16)
         _check_graph_run(wrapper, q, qo_indptr, kv, 70, causal=True)
-        assert wrapper._tiles.block_m == 128
-    assert fresh._tiles.block_m == 16
+        assert wrapper._step.tiles.block_m == 128
+    assert fresh._step.tiles.block_m == 16
 
 
 def test_forward_overwrites_planned_settings():
@@ -530,9 +427,11 @@ HOPPER_PAGED_CASES = [
 
 def _count_hopper_launches(monkeypatch) -> list:
     """A list that gets an entry for each launch of the Gluon kernel (which still runs)."""
+    from tritoninfer import _hopper
+
     calls = []
-    launch = prefill._launch_hopper
-    monkeypatch.setattr(prefill, "_launch_hopper", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
+    launch = _hopper.launch
+    monkeypatch.setattr(_hopper, "launch", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
     return calls
 
 
@@ -572,7 +471,7 @@ def test_gpu_hopper_paged_fallbacks(monkeypatch):
     sinks = torch.randn(16, generator=g).cuda()
     w = BatchPrefillWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8, device="cuda"))
     w.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 16, 4, 128, 16, q_data_type=torch.bfloat16)
-    assert w._hopper_tiles is not None
+    assert w._step.route_work is not None
     args = (q, qo_indptr.cuda(), kv.cache, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, "NHD")
     for kw, gluon in (({}, True), ({"k_scale": 0.5, "v_scale": 2.0}, False), ({"sinks": sinks}, False)):
         calls.clear()

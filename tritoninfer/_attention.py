@@ -116,6 +116,8 @@ class DevicePlan:
     has_splits: bool
     always_merge: bool  # CUDA-graph mode: a later plan may split, so the merge is always launched
     reads_kv: bool = True  # some request has KV (a paged plan then needs a cache with pages)
+    # the cache size whose page ids a run checked for the Gluon kernel (_step.check_page_ids), -1: none
+    pages_checked: int = dataclasses.field(default=-1, compare=False)
     # launch_attention's bound launches for this plan (AttentionLaunch), by run variant
     launches: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
@@ -179,27 +181,19 @@ def pad_work(plan: WorkPlan, capacity: int) -> np.ndarray:
     return padded
 
 
-_scratch: dict = {}
 SCRATCH_BYTES = 32 << 20
 
 
 def scratch_workspace(device: torch.device) -> torch.Tensor:
     """A per-device float workspace for the single-request functions, which have no wrapper to
     hold one (FlashInfer keeps a 32 MiB buffer for the same purpose)."""
-    key = str(device)
-    if key not in _scratch:
-        _scratch[key] = torch.empty(SCRATCH_BYTES, dtype=torch.uint8, device=device)
-    return _scratch[key]
-
-
-_alibi_cache: dict = {}
+    return _device.per_device("scratch_workspace", device,
+                              lambda: torch.empty(SCRATCH_BYTES, dtype=torch.uint8, device=device))
 
 
 def alibi_tensor(num_heads: int, device: torch.device) -> torch.Tensor:
-    key = (num_heads, str(device))
-    if key not in _alibi_cache:
-        _alibi_cache[key] = torch.from_numpy(alibi_slopes(num_heads)).to(device)
-    return _alibi_cache[key]
+    return _device.per_device("alibi_slopes", device, lambda: torch.from_numpy(alibi_slopes(num_heads)).to(device),
+                              num_heads)
 
 
 # fp8 K/V become fp16 for the dots (one cvt.f16x2.e4m3x2 per two elements; bf16 has no direct
@@ -215,6 +209,83 @@ def dot_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype):
     if FP8_DOT_FP16 and kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         return tl.float16
     return _TL_DTYPES[q_dtype]
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionVariant:
+    """One compiled variant of ``attention_fwd_kernel``: its compile-time arguments, nothing else.
+    Built only by :func:`attention_variant`, which rejects combinations the kernel cannot run (the
+    kernel asserts the same statically); :meth:`kwargs` is the only source of the launch's keywords."""
+
+    group: int
+    head_dim_qk: int
+    head_dim_vo: int
+    block_m: int
+    block_n: int
+    is_paged: bool
+    page_size: int
+    is_causal: bool
+    has_window: bool
+    has_soft_cap: bool
+    has_alibi: bool
+    has_rope: bool
+    has_custom_mask: bool
+    has_sinks: bool
+    has_head_scales: bool
+    write_lse: bool
+    dot_dtype: object  # tl.dtype of the dots' operands
+    prefetch_pages: bool
+    kv_as_m: bool
+    mask_free_tiles: bool
+    fold_scale: bool
+    lanes: int
+    num_stages: int
+    num_warps: int
+
+    def kwargs(self) -> dict:
+        block_dqk = max(16, 1 << (self.head_dim_qk - 1).bit_length())
+        block_dv = max(16, 1 << (self.head_dim_vo - 1).bit_length())
+        return dict(
+            GROUP=self.group, HEAD_DIM_QK=self.head_dim_qk, HEAD_DIM_VO=self.head_dim_vo,
+            BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_DQK=block_dqk, BLOCK_DV=block_dv,
+            IS_PAGED=self.is_paged, PAGE_SIZE=self.page_size, IS_CAUSAL=self.is_causal,
+            HAS_WINDOW=self.has_window, HAS_SOFT_CAP=self.has_soft_cap, HAS_ALIBI=self.has_alibi,
+            HAS_ROPE=self.has_rope, HAS_CUSTOM_MASK=self.has_custom_mask, HAS_SINKS=self.has_sinks,
+            HAS_HEAD_SCALES=self.has_head_scales, WRITE_LSE=self.write_lse, DOT_DTYPE=self.dot_dtype,
+            PREFETCH_PAGES=self.prefetch_pages, KV_AS_M=self.kv_as_m, MASK_FREE_TILES=self.mask_free_tiles,
+            FOLD_SCALE=self.fold_scale, LANES=self.lanes, LANE_TOKENS=self.block_n // max(self.lanes, 1),
+            NUM_STAGES=self.num_stages, num_warps=self.num_warps, num_stages=self.num_stages,
+        )
+
+    def unfolded(self) -> "AttentionVariant":
+        """The same variant with the softmax scale applied before the max (any sign of scale)."""
+        return dataclasses.replace(self, fold_scale=False)
+
+
+def attention_variant(params: ScoreParams, tiles: Tiles, *, group: int, head_dim_qk: int, head_dim_vo: int,
+                      page_size: int, has_custom_mask: bool, has_sinks: bool, has_head_scales: bool,
+                      write_lse: bool, dot) -> AttentionVariant:
+    """The kernel variant for these scores, tiles and features. The softmax scale is folded into exp2's
+    argument only where the scores need no other transform (no soft cap, ALiBi or per-head scales).
+    Raises ``ValueError`` for a combination the kernel cannot run: the dot-free single-row path
+    (``tiles.lanes``) has no RoPE, ALiBi, custom mask or per-head scales and needs a group of one."""
+    soft_cap = params.logits_soft_cap > 0
+    if tiles.lanes:
+        missing = [name for name, on in (("RoPE", params.rope), ("ALiBi", params.alibi),
+                                          ("a custom mask", has_custom_mask), ("per-head scales", has_head_scales),
+                                          ("GQA groups", group != 1), ("KV as the dots' M", tiles.kv_as_m)) if on]
+        if missing:
+            raise ValueError(f"attention variant: the dot-free single-row tiles cannot run {', '.join(missing)}")
+    return AttentionVariant(
+        group=group, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, block_m=tiles.block_m,
+        block_n=tiles.block_n, is_paged=page_size > 0, page_size=max(page_size, 1), is_causal=params.causal,
+        has_window=params.window_left >= 0, has_soft_cap=soft_cap, has_alibi=params.alibi, has_rope=params.rope,
+        has_custom_mask=has_custom_mask, has_sinks=has_sinks, has_head_scales=has_head_scales, write_lse=write_lse,
+        dot_dtype=dot, prefetch_pages=tiles.prefetch_pages, kv_as_m=tiles.kv_as_m,
+        mask_free_tiles=tiles.mask_free_tiles,
+        fold_scale=tiles.fold_scale and not (soft_cap or params.alibi or has_head_scales),
+        lanes=tiles.lanes, num_stages=tiles.num_stages, num_warps=tiles.num_warps,
+    )
 
 
 def launch_attention(
@@ -302,11 +373,14 @@ class AttentionLaunch:
         # objects whose identities are in launch_attention's key: alive as long as this launch is
         self.keep = (params, tiles, workspace, kv.kv_indptr, kv.kv_indices, packed_mask, mask_indptr)
         self.needs_pages = kv.page_size > 0 and plan.reads_kv
-        block_dqk = max(16, 1 << (head_dim_qk - 1).bit_length())
         block_dv = max(16, 1 << (head_dim_vo - 1).bit_length())
         qo_indptr = plan.qo_indptr if plan.qo_indptr is not None else dummy
         grid = (plan.capacity, num_kv_heads, tiles.row_tiles)
-        attention = _ATTENTION.bind(grid, (
+        variant = attention_variant(
+            params, tiles, group=group, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, page_size=kv.page_size,
+            has_custom_mask=packed_mask is not None, has_sinks=has_sinks, has_head_scales=has_head_scales,
+            write_lse=has_lse, dot=dot)
+        tail = (
             part_o, part_lse, plan.work, qo_indptr, kv.kv_indptr,
             kv.kv_indices if kv.kv_indices is not None else dummy,
             plan.kv_len, plan.state_offset,
@@ -316,24 +390,15 @@ class AttentionLaunch:
             fault_record(self.device), kv.kv_indices.numel() if kv.kv_indices is not None else 0,
             q_len_per_req, tiles.tile_tokens, state_mult, num_qo_heads,
             params.logits_soft_cap, 1.0 / params.rope_scale, math.log2(params.rope_theta), params.window_left,
-        ), dict(
-            GROUP=group, HEAD_DIM_QK=head_dim_qk, HEAD_DIM_VO=head_dim_vo,
-            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_DQK=block_dqk, BLOCK_DV=block_dv,
-            IS_PAGED=kv.page_size > 0, PAGE_SIZE=max(kv.page_size, 1), IS_CAUSAL=params.causal,
-            HAS_WINDOW=params.window_left >= 0, HAS_SOFT_CAP=params.logits_soft_cap > 0, HAS_ALIBI=params.alibi,
-            HAS_ROPE=params.rope, HAS_CUSTOM_MASK=packed_mask is not None, HAS_SINKS=has_sinks,
-            HAS_HEAD_SCALES=has_head_scales, WRITE_LSE=has_lse, DOT_DTYPE=dot,
-            PREFETCH_PAGES=tiles.prefetch_pages, KV_AS_M=tiles.kv_as_m, MASK_FREE_TILES=tiles.mask_free_tiles,
-            FOLD_SCALE=tiles.fold_scale and not (params.logits_soft_cap > 0 or params.alibi or has_head_scales),
-            LANES=tiles.lanes, LANE_TOKENS=tiles.block_n // max(tiles.lanes, 1), NUM_STAGES=tiles.num_stages,
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        ))
+        )
+        self.variant = variant
+        attention = _ATTENTION.bind(grid, tail, variant.kwargs())
         # the folded softmax needs a positive scale; a call with another one (sm_scale, q_scale or
         # k_scale <= 0) takes the same launch unfolded
         self.attention = attention
         self.unfolded = attention
-        if attention.kwargs["FOLD_SCALE"]:
-            self.unfolded = _ATTENTION.bind(grid, attention.tail, {**attention.kwargs, "FOLD_SCALE": False})
+        if variant.fold_scale:
+            self.unfolded = _ATTENTION.bind(grid, tail, variant.unfolded().kwargs())
         self.merge = None
         if merge:
             # a few rows per merge program (no more than an item has), and the value columns

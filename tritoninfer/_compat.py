@@ -16,18 +16,16 @@ Submodules that are not registered (``flashinfer.comm``, ``flashinfer.fused_moe`
 ...) stay absent, so ``importlib.util.find_spec`` probes and ``try: import`` fallbacks in engines
 see them as missing, which is the truth.
 
-This module imports the public tritoninfer modules only; the wrapper subclasses rely on these
-attributes of the core wrappers (a rename there must be mirrored here; ``tests/test_compat.py``
-checks them): ``_plan``, ``_use_cuda_graph``, ``_paged_kv_indptr_buf``, ``_paged_kv_indices_buf``,
-``_paged_kv_last_page_len_buf``, ``_cached_q_data_type``, ``_cached_kv_data_type``,
-``_pos_encoding_mode``, ``_window_left``, ``_logits_soft_cap``, ``_sm_scale``, ``_rope_scale``,
-``_rope_theta``.
+This module imports the public tritoninfer modules only. The wrapper subclasses serve FlashInfer's
+private attributes from the core wrappers' planned step (``_step``, see ``tritoninfer/_step.py``) and
+their construction-time attributes (``_use_cuda_graph``, ``_paged_kv_indptr_buf``,
+``_paged_kv_indices_buf``, ``_paged_kv_last_page_len_buf``, ``_float_workspace_buffer``);
+``tests/test_compat.py`` checks them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.machinery
 import sys
 import types
@@ -36,6 +34,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
+from . import _device
 from . import activation as _activation
 from . import cascade as _cascade
 from . import decode as _decode
@@ -252,17 +251,11 @@ def has_flashinfer_jit_cache() -> bool:
     return False
 
 
-_range_bufs: Dict[Tuple[int, str], torch.Tensor] = {}
-
-
 def _get_range_buf(seq_len: int, device) -> torch.Tensor:
     """Cached ``torch.arange(seq_len, dtype=int32, device=device)`` (FlashInfer's private helper;
     vLLM builds its ``qo_indptr`` with it). Treat the result as read-only."""
-    key = (int(seq_len), str(torch.device(device)))
-    buf = _range_bufs.get(key)
-    if buf is None:
-        buf = _range_bufs[key] = torch.arange(int(seq_len), dtype=torch.int32, device=device)
-    return buf
+    return _device.per_device("range_buf", device,
+                              lambda: torch.arange(int(seq_len), dtype=torch.int32, device=device), int(seq_len))
 
 
 @contextlib.contextmanager
@@ -276,30 +269,26 @@ class MissingJITCacheError(RuntimeError):
     """FlashInfer raises it when a kernel is missing from the JIT cache; tritoninfer never does."""
 
 
-def _flashinfer_logits_soft_cap(value: Optional[float]) -> float:
-    return 0.0 if value is None else value
-
-
 # --------------------------------------------------------------------------------------------------
 # wrapper subclasses: the private attributes engines use
 # --------------------------------------------------------------------------------------------------
 
-_SETTINGS = ("_pos_encoding_mode", "_window_left", "_logits_soft_cap", "_sm_scale", "_rope_scale", "_rope_theta")
-
-
 class _CompatAttributes:
-    """Private attributes of FlashInfer's wrappers that engines read or write.
+    """Private attributes of FlashInfer's wrappers that engines read or write, as properties over the
+    wrapper's planned step (``_step``, ``tritoninfer/_step.py``) and its construction-time buffers.
 
     - ``_int_workspace_buffer`` / ``_pin_memory_int_workspace_buffer``: tritoninfer needs no int
       workspace; they are empty uint8 tensors (on the wrapper's device / the CPU), or whatever
       ``reset_workspace_buffer`` or the engine last stored.
     - ``_kv_lens_buffer``: ``None`` (FlashInfer only allocates it for the trtllm-gen backend).
-    - ``_plan_info``: read-only meaning; what an engine stores is kept, otherwise it is the plan.
-    - ``_logits_soft_cap``: ``0.0`` when planned with ``None``, as FlashInfer stores it (vLLM asserts it).
+    - ``_plan_info``: what an engine stored since the last plan, otherwise the plan's device plan.
+    - ``_cached_q_data_type``, ``_cached_kv_data_type``: the planned dtypes.
     - ``_pos_encoding_mode``, ``_window_left``, ``_logits_soft_cap``, ``_sm_scale``, ``_rope_scale``,
-      ``_rope_theta``: FlashInfer's ``run`` reads them, so engines that replan through
-      ``_cached_module.plan`` write them afterwards. tritoninfer fixes them at plan time: ``run``
-      raises ``ValueError`` if they were changed since the last plan instead of silently ignoring it.
+      ``_rope_theta`` (and prefill's ``_causal``): the planned settings (``_logits_soft_cap`` is ``0.0``
+      when planned with ``None``, as FlashInfer stores it; vLLM asserts it). FlashInfer's ``run`` reads
+      them, so engines that re-plan through ``_cached_module.plan`` write them afterwards: writing the
+      planned value is accepted, another value raises ``ValueError`` at once (tritoninfer fixes them
+      at plan time and would otherwise ignore it).
     """
 
     _kv_lens_buffer = None
@@ -326,96 +315,70 @@ class _CompatAttributes:
     def _pin_memory_int_workspace_buffer(self, value) -> None:
         self.__dict__["_compat_pin_ws"] = value
 
+    def _planned(self, name: str):
+        step = self.__dict__.get("_step")
+        if step is None:
+            raise AttributeError(f"{name}: plan() has not been called")
+        return step
+
     @property
     def _plan_info(self):
-        if "_compat_plan_info" in self.__dict__:
-            return self.__dict__["_compat_plan_info"]
-        if getattr(self, "_plan", None) is None:
-            raise AttributeError("_plan_info: plan() has not been called")
-        return self._plan
+        step = self._planned("_plan_info")
+        stored = self.__dict__.get("_compat_plan_info")
+        if stored is not None and stored[0] is step:  # stored since the last plan
+            return stored[1]
+        return step.device_plan
 
     @_plan_info.setter
     def _plan_info(self, value) -> None:
-        self.__dict__["_compat_plan_info"] = value
+        self.__dict__["_compat_plan_info"] = (self.__dict__.get("_step"), value)
 
     @property
-    def _logits_soft_cap(self) -> float:
-        if "_compat_logits_soft_cap" not in self.__dict__:
-            raise AttributeError("_logits_soft_cap: plan() has not been called")
-        return _flashinfer_logits_soft_cap(self.__dict__["_compat_logits_soft_cap"])
+    def _cached_q_data_type(self) -> torch.dtype:
+        return self._planned("_cached_q_data_type").q_dtype
 
-    @_logits_soft_cap.setter
-    def _logits_soft_cap(self, value) -> None:
-        self.__dict__["_compat_logits_soft_cap"] = value
+    @_cached_q_data_type.setter
+    def _cached_q_data_type(self, value) -> None:
+        self._check_planned("_cached_q_data_type", self._cached_q_data_type, canonicalize_dtype(value, "dtype"))
+
+    @property
+    def _cached_kv_data_type(self) -> torch.dtype:
+        return self._planned("_cached_kv_data_type").kv_dtype
+
+    @_cached_kv_data_type.setter
+    def _cached_kv_data_type(self, value) -> None:
+        self._check_planned("_cached_kv_data_type", self._cached_kv_data_type, canonicalize_dtype(value, "dtype"))
+
+    def _check_planned(self, name: str, planned, value) -> None:
+        if value != planned:
+            raise ValueError(
+                f"{name}: tritoninfer fixes the attention settings at plan() time (planned {planned!r}); "
+                f"setting it to {value!r} afterwards would be ignored. Pass it to plan() instead."
+            )
 
     def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer: torch.Tensor) -> None:
         super().reset_workspace_buffer(float_workspace_buffer, int_workspace_buffer)
         self._int_workspace_buffer = int_workspace_buffer
 
-    # settings snapshot: taken after every plan, checked by run
-    def _compat_settings(self):
-        return tuple(getattr(self, name, None) for name in _SETTINGS)
 
-    def _compat_snapshot(self) -> None:
-        self.__dict__["_compat_snap"] = (self._plan, self._compat_settings())
-        self.__dict__.pop("_compat_plan_info", None)  # a new plan: _plan_info is the new plan again
+def _setting(name: str, field: str, to_flashinfer=lambda v: v) -> property:
+    """A planned setting under FlashInfer's attribute name (see ``_CompatAttributes``)."""
 
-    def _compat_check(self) -> None:
-        snap = self.__dict__.get("_compat_snap")
-        if snap is None or snap[0] is not getattr(self, "_plan", None):
-            # planned through a path that bypassed this class (e.g. tritoninfer.fast_decode_plan)
-            if getattr(self, "_plan", None) is not None:
-                self._compat_snapshot()
-            return
-        now = self._compat_settings()
-        if now != snap[1]:
-            changed = [f"{n}: planned {a!r}, now {b!r}" for n, a, b in zip(_SETTINGS, snap[1], now) if a != b]
-            raise ValueError(
-                "tritoninfer fixes the attention settings at plan() time, but these wrapper attributes "
-                f"were changed after the last plan: {'; '.join(changed)}. Pass them to plan() instead."
-            )
+    def get(self):
+        return to_flashinfer(getattr(self._planned(name).settings, field))
 
-    def _compat_unsnapshot(self) -> None:
-        # the deprecated forward() overwrites the settings itself; the run it calls re-snapshots
-        self.__dict__["_compat_snap"] = None
+    def set(self, value) -> None:
+        self._check_planned(name, get(self), to_flashinfer(value))
+
+    return property(get, set, doc=f"The planned ``{field}`` (FlashInfer's ``{name}``).")
 
 
-def _compat_methods(core: type) -> Dict[str, Any]:
-    """plan/run/forward overrides shared by every wrapper subclass, with the core's signatures."""
-
-    @functools.wraps(core.plan)
-    def plan(self, *args, **kwargs):
-        core.plan(self, *args, **kwargs)
-        self._compat_snapshot()
-
-    @functools.wraps(core.run)
-    def run(self, *args, **kwargs):
-        self._compat_check()
-        return core.run(self, *args, **kwargs)
-
-    @functools.wraps(core.forward)
-    def forward(self, *args, **kwargs):
-        self._compat_unsnapshot()
-        return core.forward(self, *args, **kwargs)
-
-    @functools.wraps(core.forward_return_lse)
-    def forward_return_lse(self, *args, **kwargs):
-        self._compat_unsnapshot()
-        return core.forward_return_lse(self, *args, **kwargs)
-
-    methods = dict(plan=plan, begin_forward=plan, run=run, forward=forward, forward_return_lse=forward_return_lse,
-                   run_return_lse=functools.partialmethod(run, return_lse=True))
-    if "run_return_lse" in core.__dict__ and not isinstance(core.__dict__["run_return_lse"], functools.partialmethod):
-        # CUDAGraphBatchDecodeWithPagedKVCacheWrapper defines it as a method with return_lse=True
-        method = core.__dict__["run_return_lse"]
-
-        @functools.wraps(method)
-        def run_return_lse(self, *args, **kwargs):
-            self._compat_check()
-            return method(self, *args, **kwargs)
-
-        methods["run_return_lse"] = run_return_lse
-    return methods
+for _name, _field, _convert in (
+        ("_pos_encoding_mode", "pos_encoding_mode", lambda v: v), ("_window_left", "window_left", lambda v: v),
+        ("_logits_soft_cap", "logits_soft_cap", lambda v: 0.0 if v is None else v),
+        ("_sm_scale", "sm_scale", lambda v: v), ("_rope_scale", "rope_scale", lambda v: v),
+        ("_rope_theta", "rope_theta", lambda v: v), ("_causal", "causal", bool)):
+    setattr(_CompatAttributes, _name, _setting(_name, _field, _convert))
 
 
 class _DecodeModule:
@@ -497,8 +460,7 @@ class _DecodeModule:
             fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
             global_override_indptr_cpu=indptr_host.to(torch.int32),
         )
-        w._compat_snapshot()
-        return w._plan
+        return w._step.device_plan
 
     def run(self, *args, **kwargs):
         raise NotImplementedError(_message("_cached_module.run", "FlashInfer's compiled-module entry point") +
@@ -508,7 +470,7 @@ class _DecodeModule:
 
 
 def _cached_module(self) -> _DecodeModule:
-    if getattr(self, "_plan", None) is None:
+    if self.__dict__.get("_step") is None:
         raise AttributeError("_cached_module: FlashInfer creates it in plan(); call plan() first")
     module = self.__dict__.get("_compat_cached_module")
     if module is None:
@@ -516,48 +478,25 @@ def _cached_module(self) -> _DecodeModule:
     return module
 
 
-def _namespace(core: type, module: str) -> Dict[str, Any]:
-    return {
+def _subclass(core: type, module: str, extra: Optional[Dict[str, Any]] = None, bases: tuple = ()) -> type:
+    namespace = {
         "__module__": module,
         "__qualname__": core.__name__,
         "__doc__": (core.__doc__ or "") + "\n\n(Registered by tritoninfer.install_as_flashinfer(): adds the private "
                    "attributes FlashInfer engines use, see tritoninfer._compat._CompatAttributes.)",
+        **(extra or {}),
     }
-
-
-def _subclass(core: type, module: str, extra: Optional[Dict[str, Any]] = None) -> type:
-    namespace = _namespace(core, module)
-    namespace.update(_compat_methods(core))
-    namespace.update(extra or {})
-    return type(core.__name__, (_CompatAttributes, core), namespace)
+    return type(core.__name__, bases + (_CompatAttributes, core), namespace)
 
 
 BatchDecodeWithPagedKVCacheWrapper = _subclass(_decode.BatchDecodeWithPagedKVCacheWrapper, "flashinfer.decode",
                                                {"_cached_module": property(_cached_module)})
-
-
-def _cuda_graph_decode_class() -> type:
-    # a subclass of the compat BatchDecodeWithPagedKVCacheWrapper, as in FlashInfer
-    core = _decode.CUDAGraphBatchDecodeWithPagedKVCacheWrapper
-    namespace = _namespace(core, "flashinfer.decode")
-    methods = _compat_methods(core)
-    namespace["run_return_lse"] = methods["run_return_lse"]
-    return type(core.__name__, (BatchDecodeWithPagedKVCacheWrapper, core), namespace)
-
-
-CUDAGraphBatchDecodeWithPagedKVCacheWrapper = _cuda_graph_decode_class()
+# a subclass of the compat BatchDecodeWithPagedKVCacheWrapper, as in FlashInfer
+CUDAGraphBatchDecodeWithPagedKVCacheWrapper = _subclass(_decode.CUDAGraphBatchDecodeWithPagedKVCacheWrapper,
+                                                        "flashinfer.decode", bases=(BatchDecodeWithPagedKVCacheWrapper,))
 BatchPrefillWithPagedKVCacheWrapper = _subclass(_prefill.BatchPrefillWithPagedKVCacheWrapper, "flashinfer.prefill")
 BatchPrefillWithRaggedKVCacheWrapper = _subclass(_prefill.BatchPrefillWithRaggedKVCacheWrapper, "flashinfer.prefill")
-
-
-@functools.wraps(_decode.fast_decode_plan)
-def fast_decode_plan(self, *args, **kwargs) -> None:
-    _decode.fast_decode_plan(self, *args, **kwargs)
-    if isinstance(self, _CompatAttributes):
-        self._compat_snapshot()
-
-
-fast_decode_plan.__module__ = "flashinfer.decode"
+fast_decode_plan = _decode.fast_decode_plan
 
 
 # --------------------------------------------------------------------------------------------------

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Callable, Dict, Tuple, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 # What the planner assumes when there is no GPU to ask (interpreter runs): small, so that CPU tests
 # exercise split-KV with tiny shapes.
@@ -85,3 +88,32 @@ def check_launchable(device: torch.device, name: str) -> None:
     without the interpreter."""
     if torch.device(device).type != "cuda" and not is_interpreter():
         raise ValueError(f"{name}: the tensors are on {device}. {CPU_TENSORS_HINT}")
+
+
+_PER_DEVICE: Dict[Tuple, object] = {}
+
+
+def device_key(device) -> str:
+    """``"cpu"`` or ``"cuda:N"`` (``"cuda"`` alone means the current device)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
+
+
+def per_device(name: str, device, make: Callable[[], T], *key) -> T:
+    """The process's one ``name`` object for ``device`` (and ``key``), made by ``make()`` on first use and
+    kept for the process: the single-request functions' scratch workspace and plan uploader, ALiBi
+    slopes, the kernels' fault record, FlashInfer's range buffers. Objects that captured CUDA graphs
+    point into are never dropped."""
+    full = (name, device_key(device)) + key
+    value = _PER_DEVICE.get(full)
+    if value is None:
+        value = _PER_DEVICE[full] = make()
+    return value
+
+
+def per_device_values(name: str, device=None) -> list:
+    """The ``name`` objects ``per_device`` made, for ``device`` (every device when None)."""
+    wanted = None if device is None else device_key(device)
+    return [v for k, v in list(_PER_DEVICE.items()) if k[0] == name and (wanted is None or k[1] == wanted)]

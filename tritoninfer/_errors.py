@@ -16,7 +16,7 @@ for the device, so it sees faults of every kernel launched so far.
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 
@@ -29,26 +29,11 @@ FAULT_APPEND_PAGE_ID = 3  # append_paged_kv_cache: a page id outside [0, num_pag
 FAULT_APPEND_POSITION = 4  # append_paged_kv_cache: a position beyond the pages the request owns
 FAULT_APPEND_REQUEST = 5  # append_paged_kv_cache: a batch index outside [0, batch_size) other than -1
 
-_records: Dict[str, torch.Tensor] = {}
-
-
-def _key(device) -> str:
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return str(device)
-
-
 def fault_record(device: torch.device) -> torch.Tensor:
     """int64 [2] fault record that kernels launched on ``device`` write (kept for the process: captured
     CUDA graphs hold its address)."""
-    key = _key(device)
-    record = _records.get(key)
-    if record is None:
-        pinned = device.type == "cuda" and _device.can_pin_memory()
-        record = torch.zeros(2, dtype=torch.int64, pin_memory=pinned)
-        _records[key] = record
-    return record
+    pinned = torch.device(device).type == "cuda" and _device.can_pin_memory()
+    return _device.per_device("fault_record", device, lambda: torch.zeros(2, dtype=torch.int64, pin_memory=pinned))
 
 
 def describe(fault: int, limit: int) -> str:
@@ -78,10 +63,7 @@ def describe(fault: int, limit: int) -> str:
 def raise_pending(device: Optional[torch.device] = None) -> None:
     """Raises the fault recorded on ``device`` (every device when None) as a ``ValueError``, and clears
     it. Reads host memory only: a kernel still running may report after this returns."""
-    wanted = None if device is None else _key(device)
-    for key, record in list(_records.items()):
-        if wanted is not None and key != wanted:
-            continue
+    for record in _device.per_device_values("fault_record", device):
         values = record.numpy()
         if values[0] != 0:
             fault, limit = int(values[0]), int(values[1])

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from . import _device, _errors
-from ._attention import DevicePlan, KVSource, PlanUploader, launch_attention, pad_work, score_params, scratch_workspace
+from ._attention import KVSource, PlanUploader, score_params, scratch_workspace
 from ._kvcache import PagedKVCache, host_page_table, page_table_from_block_tables, unpack_paged_kv_cache
 from ._options import (
     KV_DTYPES,
@@ -37,7 +37,7 @@ from ._options import (
     parse_layout,
 )
 from . import _plan
-from ._plan import WORK_FIELDS, kv_split_chunk
+from ._step import GraphBuffers, PlannedStep, Settings, plan_single, plan_work, run_step, upload_plan
 
 __all__ = [
     "single_decode_with_kv_cache",
@@ -124,27 +124,17 @@ def single_decode_with_kv_cache(
 
     device = q.device
     _device.check_launchable(device, "single_decode_with_kv_cache")
-    num_sms = _device.num_sms(device)
     tiles = _decode_tiles(num_qo_heads // num_kv_heads, 1, head_dim, k.element_size(), _lanes_ok(params))
-    kv_lens = np.array([kv_len], np.int64)
-    chunk = kv_split_chunk(kv_lens, np.ones(1, np.int64), num_kv_heads, num_sms, tiles.block_n, 1, None, False,
-                           tiles.programs_per_sm)
-    workspace = scratch_workspace(device)
-    work = _plan.fit_work(np.ones(1, np.int64), kv_lens, 1, chunk, workspace.numel(), num_qo_heads, head_dim_vo, False)
-    work_d, kv_len_d, state_offset_d, kv_indptr_d = _uploader(device).upload(
-        [work.work, kv_lens, work.state_offset, np.zeros(1, np.int32)]
-    )
-    plan = DevicePlan(work_d.view(-1, WORK_FIELDS), kv_len_d, state_offset_d, None, work.work.shape[0],
-                      work.num_states, work.num_states, work.has_splits, False, bool(kv_lens.any()))
+    settings = Settings(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta)
+    step = plan_single(device, settings=settings, params=params, q_dtype=q.dtype, kv_dtype=k.dtype,
+                       num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim,
+                       head_dim_vo=head_dim_vo, qo_len=1, kv_len=kv_len, tiles=tiles, q_len_per_req=1)
     kv = KVSource(k, v, (k.stride(tok_dim), 0, k.stride(head_axis)), (v.stride(tok_dim), 0, v.stride(head_axis)),
-                  0, kv_indptr_d)
+                  0, step.kv_indptr)
     out = torch.empty((1, num_qo_heads, head_dim_vo), dtype=q.dtype, device=device)
     lse = torch.empty((1, num_qo_heads), dtype=torch.float32, device=device) if return_lse else None
-    launch_attention(
-        q=q.unsqueeze(0), out=out, lse=lse, kv=kv, plan=plan, tiles=tiles, num_kv_heads=num_kv_heads,
-        head_dim_qk=head_dim, head_dim_vo=head_dim_vo, params=params, q_len_per_req=1, state_mult=1,
-        workspace=workspace, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
-    )
+    run_step(step, q=q.unsqueeze(0), kv=kv, out=out, lse=lse, workspace=scratch_workspace(device), q_len_per_req=1,
+             state_mult=1, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
     if return_lse:
         return out[0], lse[0]
     return out[0]
@@ -227,11 +217,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._paged_kv_indptr_buf = paged_kv_indptr_buffer
         self._paged_kv_indices_buf = paged_kv_indices_buffer
         self._paged_kv_last_page_len_buf = paged_kv_last_page_len_buffer
-        self._plan_buf: Optional[torch.Tensor] = None  # CUDA-graph mode: fixed-capacity plan arrays
-        self._plan_capacity = 0
+        self._graph = GraphBuffers(self.device) if use_cuda_graph else None
         self._uploader = PlanUploader(self.device)
         self._num_sms = _device.num_sms(self.device)
-        self._plan: Optional[DevicePlan] = None
+        self._step: Optional[PlannedStep] = None  # what the last plan() fixed; all run() reads
 
     @property
     def use_tensor_cores(self) -> bool:
@@ -373,64 +362,37 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 )
 
         tiles = _decode_tiles(group, 1, head_dim, kv_dtype.itemsize, _lanes_ok(params))
-        num_sms = self._num_sms
         ones = np.ones(batch, np.int64)
-        chunk = kv_split_chunk(kv_lens, ones, num_kv_heads, num_sms, tiles.block_n, page_size,
-                               fixed_split_size, disable_split_kv, tiles.programs_per_sm)
-        if self._use_cuda_graph:
+        workspace_bytes = self._float_workspace_buffer.numel()
+        graph = self._graph
+        if graph is not None and not graph.sized:
             # depends on the batch only, so the buffers (and captured graphs) survive any re-plan
-            max_splits = max(1, -(-tiles.programs_per_sm * num_sms // max(1, batch)))
-            # the state layout is fixed by the capacity: keep it within the workspace
-            per_split = max(1, batch) * _plan.state_bytes(1, num_qo_heads, head_dim)
-            max_splits = max(1, min(max_splits, self._float_workspace_buffer.numel() // per_split))
-            if fixed_split_size is not None and chunk is not None and (-(-kv_lens // chunk)).max() > max_splits:
-                raise ValueError(
-                    f"fixed_split_size={fixed_split_size} needs more splits per request than the CUDA-graph "
-                    f"buffers allow ({max_splits}); use a larger fixed_split_size"
-                )
-            work = _plan.fit_work(ones, kv_lens, 1, chunk, self._float_workspace_buffer.numel(), num_qo_heads,
-                                  head_dim, fixed_split_size is not None, max_splits=max_splits)
-            capacity = batch * max_splits
-            if self._plan_buf is None or self._plan_capacity != capacity:
-                # fixed for the wrapper's life: captured graphs hold pointers into it
-                self._plan_capacity = capacity
-                self._plan_buf = torch.empty(capacity * WORK_FIELDS + 4 * batch + 1, dtype=torch.int32, device=self.device)
-            work_d, kv_len_d, state_offset_d, indptr_d, last_d = self._uploader.upload(
-                [pad_work(work, capacity), kv_lens, work.state_offset, ind, lpl], non_blocking, out=self._plan_buf)
+            graph.size(rows=batch, q_tiles=batch, batch=batch, tiles=tiles, num_sms=self._num_sms,
+                       workspace_bytes=workspace_bytes, num_qo_heads=num_qo_heads, head_dim_vo=head_dim)
+        work = plan_work(qo_lens=ones, kv_lens=kv_lens, tiles=tiles, num_qo_heads=num_qo_heads,
+                         num_kv_heads=num_kv_heads, head_dim_vo=head_dim, page_size=page_size,
+                         fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
+                         workspace_bytes=workspace_bytes, num_sms=self._num_sms, graph=graph)
+        # the kernels read the plan's own indptr (checked above); in CUDA-graph mode the fixed buffers
+        extra = [ind, lpl] if graph is not None else [ind]
+        plan, (indptr_d, *rest) = upload_plan(self._uploader, graph, work, kv_lens, None, extra, non_blocking)
+        if graph is not None:
             if copy_page_table:
                 copy_into(self._paged_kv_indptr_buf, indptr_d, non_blocking)
                 copy_into(self._paged_kv_indices_buf[:num_pages_used], indices[:num_pages_used], non_blocking)
-                copy_into(self._paged_kv_last_page_len_buf, last_d, non_blocking)
+                copy_into(self._paged_kv_last_page_len_buf, rest[0], non_blocking)
             kv_indptr_d, kv_indices_d = self._paged_kv_indptr_buf, self._paged_kv_indices_buf
-            plan = DevicePlan(work_d.view(capacity, WORK_FIELDS), kv_len_d, state_offset_d, None, capacity,
-                              work.num_states, capacity, work.has_splits, True, bool(kv_lens.any()))
         else:
-            work = _plan.fit_work(ones, kv_lens, 1, chunk, self._float_workspace_buffer.numel(), num_qo_heads,
-                                  head_dim, fixed_split_size is not None)
-            host_arrays = [work.work, kv_lens, work.state_offset]
-            if indptr.device != self.device:
-                host_arrays.append(ind)
-            uploaded = self._uploader.upload(host_arrays, non_blocking)
-            work_d, kv_len_d, state_offset_d = uploaded[:3]
-            kv_indptr_d = uploaded[3] if len(uploaded) > 3 else indptr.to(torch.int32)
+            kv_indptr_d = indptr_d
             kv_indices_d = indices if indices.device == self.device else indices.to(self.device, non_blocking=non_blocking)
             kv_indices_d = kv_indices_d.to(torch.int32)
-            plan = DevicePlan(work_d.view(-1, WORK_FIELDS), kv_len_d, state_offset_d, None, work.work.shape[0],
-                              work.num_states, work.num_states, work.has_splits, False, bool(kv_lens.any()))
-
-        self._plan = plan
-        self._page_table = table
-        self._kv_indptr, self._kv_indices = kv_indptr_d, kv_indices_d
-        self._batch_size = batch
-        self._min_kv_len = int(kv_lens.min()) if batch else 0
-        self._num_qo_heads, self._num_kv_heads, self._head_dim = num_qo_heads, num_kv_heads, head_dim
-        self._page_size = page_size
-        self._cached_q_data_type, self._cached_kv_data_type = q_dtype, kv_dtype
-        self._params = params
-        self._pos_encoding_mode = pos_encoding_mode
-        self._window_left = window_left
-        self._logits_soft_cap = 0.0 if logits_soft_cap is None else logits_soft_cap  # as FlashInfer stores it
-        self._sm_scale, self._rope_scale, self._rope_theta = sm_scale, rope_scale, rope_theta
+        self._step = PlannedStep(
+            settings=Settings(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta),
+            params=params, q_dtype=q_dtype, kv_dtype=kv_dtype, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+            head_dim_qk=head_dim, head_dim_vo=head_dim, page_size=page_size, batch=batch, total_rows=batch,
+            total_kv=0, min_kv_len=int(kv_lens.min()) if batch else 0, tiles=tiles, device_plan=plan,
+            kv_indptr=kv_indptr_d, kv_indices=kv_indices_d, page_table=table,
+        )
 
     def run(
         self,
@@ -488,54 +450,53 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 "run(): options after paged_kv_cache must be passed by keyword; positional extras are "
                 "FlashInfer's custom-JIT arguments, which tritoninfer does not have"
             )
-        if self._plan is None:
+        step = self._step
+        if step is None:
             raise ValueError("run() was called before plan()")
-        if window_left is not None and window_left != self._window_left:
-            raise ValueError(f"window_left: run() got {window_left} but plan() used {self._window_left}")
+        if window_left is not None and window_left != step.settings.window_left:
+            raise ValueError(f"window_left: run() got {window_left} but plan() used {step.settings.window_left}")
         L = 1 if q_len_per_req is None else int(q_len_per_req)
         if L < 1:
             raise ValueError(f"q_len_per_req: expected a positive int, got {q_len_per_req!r}")
         if L > 1:
             if not self._use_tensor_cores:
                 raise ValueError("q_len_per_req > 1 requires use_tensor_cores=True")
-            if self._min_kv_len < L:
+            if step.min_kv_len < L:
                 raise ValueError(f"q_len_per_req={L} requires kv_len >= q_len_per_req for every request")
         check_tensor(q, "q", ndim=3)
-        check_same_dtype_as_plan(q, self._cached_q_data_type, "q", "q_data_type")
-        expected = (self._batch_size * L, self._num_qo_heads, self._head_dim)
+        check_same_dtype_as_plan(q, step.q_dtype, "q", "q_data_type")
+        expected = (step.batch * L, step.num_qo_heads, step.head_dim_qk)
         if tuple(q.shape) != expected:
             raise ValueError(f"q: expected shape {expected} (batch_size * q_len_per_req, num_qo_heads, head_dim), got {tuple(q.shape)}")
         if q.stride(-1) != 1:
             raise ValueError("q: the last dimension must be contiguous")
         kv = unpack_paged_kv_cache(paged_kv_cache, self._kv_layout)
-        if kv.dtype != self._cached_kv_data_type:
+        if kv.dtype != step.kv_dtype:
             raise ValueError(
                 f"The dtype of paged_kv_cache {kv.dtype} does not match the kv_data_type "
-                f"{self._cached_kv_data_type} specified in plan function."
+                f"{step.kv_dtype} specified in plan function."
             )
-        if (kv.page_size, kv.num_heads, kv.head_dim_qk) != (self._page_size, self._num_kv_heads, self._head_dim):
+        if (kv.page_size, kv.num_heads, kv.head_dim_qk) != (step.page_size, step.num_kv_heads, step.head_dim_qk):
             raise ValueError(
                 f"paged_kv_cache: page_size/num_kv_heads/head_dim are {kv.page_size}/{kv.num_heads}/{kv.head_dim_qk}, "
-                f"plan() used {self._page_size}/{self._num_kv_heads}/{self._head_dim}"
+                f"plan() used {step.page_size}/{step.num_kv_heads}/{step.head_dim_qk}"
             )
         if kv.device != q.device:
             raise ValueError("paged_kv_cache and q must be on the same device")
-        self._page_table.check_cache(kv.k.shape[0])
-        out = check_out(out, (q.shape[0], self._num_qo_heads, kv.head_dim_vo), q.dtype, q.device, "out")
+        step.page_table.check_cache(kv.k.shape[0])
+        out = check_out(out, (q.shape[0], step.num_qo_heads, kv.head_dim_vo), q.dtype, q.device, "out")
         if lse is not None or return_lse:
             # a caller's lse buffer is written whether or not it is returned, as in FlashInfer
-            lse = check_out(lse, (q.shape[0], self._num_qo_heads), torch.float32, q.device, "lse")
-        sinks = check_sinks(sinks, self._num_qo_heads, q.device)
-        params = self._params if L == 1 else _causal(self._params)
-        launch_attention(
-            q=q, out=out, lse=lse,
-            kv=KVSource(kv.k, kv.v, kv.k_strides, kv.v_strides, kv.page_size, self._kv_indptr, self._kv_indices,
-                              kv.k.shape[0]),
-            plan=self._plan, tiles=_decode_tiles(self._num_qo_heads // self._num_kv_heads, L, self._head_dim,
-                               self._cached_kv_data_type.itemsize, _lanes_ok(params)),
-            num_kv_heads=self._num_kv_heads, head_dim_qk=self._head_dim, head_dim_vo=kv.head_dim_vo,
-            params=params, q_len_per_req=L, state_mult=L, workspace=self._float_workspace_buffer,
-            q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
+            lse = check_out(lse, (q.shape[0], step.num_qo_heads), torch.float32, q.device, "lse")
+        sinks = check_sinks(sinks, step.num_qo_heads, q.device)
+        params = step.params if L == 1 else _causal(step.params)
+        run_step(
+            step, q=q, out=out, lse=lse, workspace=self._float_workspace_buffer,
+            kv=KVSource(kv.k, kv.v, kv.k_strides, kv.v_strides, kv.page_size, step.kv_indptr, step.kv_indices,
+                        kv.k.shape[0]),
+            params=params, tiles=step.tiles if L == 1 else _decode_tiles(
+                step.group, L, step.head_dim_qk, step.kv_dtype.itemsize, _lanes_ok(params)),
+            q_len_per_req=L, state_mult=L, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
         )
         return (out, lse) if return_lse else out
 
@@ -579,12 +540,14 @@ class BatchDecodeWithPagedKVCacheWrapper:
         return self.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, return_lse=True)
 
     def _override(self, pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta) -> None:
-        if self._plan is None:
+        if self._step is None:
             raise ValueError("forward() was called before plan()")
-        self._params = score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
-                                     rope_theta, self._head_dim)
-        self._pos_encoding_mode, self._window_left, self._logits_soft_cap = pos_encoding_mode, window_left, logits_soft_cap
-        self._sm_scale, self._rope_scale, self._rope_theta = sm_scale, rope_scale, rope_theta
+        params = score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
+                              self._step.head_dim_qk)
+        tiles = _decode_tiles(self._step.group, 1, self._step.head_dim_qk, self._step.kv_dtype.itemsize,
+                              _lanes_ok(params))
+        settings = Settings(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta)
+        self._step = dataclasses.replace(self._step.with_scores(settings, params), tiles=tiles)
 
     def end_forward(self) -> None:
         """No-op, kept for compatibility."""
@@ -690,13 +653,3 @@ def _decode_tiles(group: int, q_len_per_req: int, head_dim: int, kv_elem_bytes: 
 def _lanes_ok(params) -> bool:
     """Whether the dot-free single-row path computes these scores (it has no RoPE or ALiBi)."""
     return not (params.rope or params.alibi)
-
-
-_uploaders: dict = {}
-
-
-def _uploader(device: torch.device) -> PlanUploader:
-    key = str(device)
-    if key not in _uploaders:
-        _uploaders[key] = PlanUploader(device)
-    return _uploaders[key]

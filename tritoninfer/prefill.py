@@ -13,20 +13,18 @@ tokens); everything else runs the attention core.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import math
-import os
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
 
 from . import _device, _errors
-from ._errors import fault_record
-from ._launch import CachedLauncher
-from .kernels.faults import check_page_ids_kernel
-from ._attention import DevicePlan, KVSource, PlanUploader, launch_attention, pad_work, score_params, scratch_workspace
-from ._kvcache import PagedKV, PagedKVCache, host_page_table, page_table_from_block_tables, unpack_paged_kv_cache
+from ._attention import KVSource, PlanUploader, score_params, scratch_workspace
+from ._route import PREFILL, PlanFacts
+from ._step import GraphBuffers, PlannedStep, Settings, plan_single, plan_work, run_step, upload_plan
+from ._kvcache import PagedKVCache, host_page_table, page_table_from_block_tables, unpack_paged_kv_cache
 from ._options import (
     KV_DTYPES,
     Q_DTYPES,
@@ -45,8 +43,7 @@ from ._options import (
     host_index,
     parse_layout,
 )
-from . import _plan
-from ._plan import WORK_FIELDS, kv_split_chunk, prefill_tiles
+from ._plan import prefill_tiles
 
 __all__ = [
     "single_prefill_with_kv_cache",
@@ -90,142 +87,6 @@ def _pack_mask(custom_mask: torch.Tensor, bit_indptr: np.ndarray) -> torch.Tenso
     return packed
 
 
-_CHECK_PAGE_IDS = CachedLauncher(check_page_ids_kernel)
-
-# The Gluon prefill for Hopper (kernels/prefill_hopper.py): on by default where it applies
-# (_hopper_capable); TRITONINFER_HOPPER_PREFILL=0 keeps every prefill on the attention core.
-HOPPER_PREFILL = os.environ.get("TRITONINFER_HOPPER_PREFILL", "1") != "0"
-HOPPER_TILE = 128  # query tokens per work item: two consumer warpgroups of 64
-HOPPER_STAGES = 3  # K/V ring depth: 3 x 64 KB at head_dim 128, with Q 224 KB of the H200's 227
-HOPPER_CONSUMER_REGS = 240  # per consumer thread; the producer warpgroup keeps 24
-HOPPER_PERSISTENT = True  # one program per SM running work items in turn (False: one item per program)
-
-
-def hopper_maxnreg(consumer_regs: int) -> int:
-    """The kernel-wide register limit that leaves ``consumer_regs`` to each consumer thread:
-    registers are handed out per warpgroup, two consumers and the producer's, 12 warps in all."""
-    return (2 * 4 * consumer_regs + 4 * 24) // 12 // 8 * 8
-
-
-# mean query tokens per request from which a plan takes the Gluon kernel, by (paged, causal): the
-# shortest measured faster than the core on the same KV (benchmarks/NOTES.md, session 6; the paged core
-# is slower than the ragged one, so paged plans switch earlier)
-HOPPER_MIN_LEN = {(False, False): 1024, (False, True): 4096, (True, False): 512, (True, True): 1024}
-# smallest page the paged mode takes: a TMA box per page lands in an 8-row slice of the 128-byte
-# swizzled K/V stage; Triton 3.6 cannot slice one below its 8-row swizzle pattern
-HOPPER_MIN_PAGE = 8
-
-
-@functools.lru_cache(maxsize=None)
-def _gluon_hopper_available() -> bool:
-    """Gluon's Hopper API as the kernel uses it: Triton 3.6 (the version it was written and measured
-    with; Gluon is experimental and its API moves between releases)."""
-    import triton
-
-    if tuple(int(x) for x in triton.__version__.split(".")[:2]) != (3, 6):
-        return False
-    try:
-        from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma  # noqa: F401
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _hopper_capable(device: torch.device, q_dtype, kv_dtype, head_dim_qk, head_dim_vo, layout, use_cuda_graph,
-                    has_mask, causal: bool, mean_qo_len: float, paged: bool = False) -> bool:
-    """Whether a plan may take the Gluon Hopper kernel (the wrapper then checks its KV geometry, the
-    plan the scores, the run its tensors). Only where it was measured faster than the core and
-    tested on the H200 (benchmarks/NOTES.md, sessions 5 and 6): bf16, head_dim 128 (at 64 it is
-    7-12 % slower), requests of ``HOPPER_MIN_LEN[paged, causal]`` query tokens or more on average."""
-    return (HOPPER_PREFILL and not use_cuda_graph and not has_mask and layout == TensorLayout.NHD
-            and q_dtype == torch.bfloat16 and kv_dtype == q_dtype and head_dim_qk == head_dim_vo == 128
-            and mean_qo_len >= HOPPER_MIN_LEN[paged, causal]
-            and device.type == "cuda" and _device.has_gpu() and _device.capability(device) == (9, 0)
-            and _gluon_hopper_available())
-
-
-def _hopper_tiles(qo_lens: np.ndarray, kv_lens: np.ndarray, causal: bool) -> np.ndarray:
-    """int32 [2, tiles]: request and first query token of every 128-token query tile, the tiles that
-    read the most KV first: the attention core's work list (no splits), heaviest first."""
-    plan = _plan.heaviest_first(_plan.build_work(qo_lens, kv_lens, HOPPER_TILE, None), qo_lens, kv_lens,
-                                HOPPER_TILE, causal)
-    return np.ascontiguousarray(plan.work[:, :2].T)
-
-
-def _tma_ready(t: torch.Tensor) -> bool:
-    """A [tokens, H, D] tensor that a 2-D TMA box can read as [tokens, H * D]."""
-    elem = t.element_size()
-    return (t.stride(2) == 1 and t.stride(1) == t.shape[2] and (t.stride(0) * elem) % 16 == 0
-            and t.data_ptr() % 16 == 0)
-
-
-@functools.lru_cache(maxsize=None)
-def _smem_layout(rows: int, head_dim: int, dtype: torch.dtype):
-    from triton.experimental.gluon import language as gl
-
-    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], {torch.float16: gl.float16,
-                                                                   torch.bfloat16: gl.bfloat16}[dtype])
-
-
-def _ragged_descriptors(k: torch.Tensor, v: torch.Tensor):
-    """TMA descriptors of contiguous NHD K/V for the Gluon kernel (128-token boxes of one head), or
-    None where a 2-D TMA view does not fit them (the run then takes the core)."""
-    if not (_tma_ready(k) and _tma_ready(v)):
-        return None
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    n, h, d = k.shape
-    layout = _smem_layout(HOPPER_TILE, d, k.dtype)
-    return tuple(TensorDescriptor(t, [n, h * d], [t.stride(0), 1], [HOPPER_TILE, d], layout) for t in (k, v)), 0
-
-
-def _paged_descriptors(kv: PagedKV):
-    """TMA descriptors of an NHD paged cache for the Gluon kernel's paged mode: K and V as 2-D views
-    [rows, H * D] with a box of one page of one head, page p starting at row p * rows_per_page (in a
-    5-D cache K and V pages alternate: rows_per_page = 2 * page). None where the cache does not fit
-    that view (heads or slots not packed, page strides that are not whole rows or differ)."""
-    page, h, d = kv.page_size, kv.num_heads, kv.head_dim_qk
-    row = h * d
-    page_stride, slot, head = kv.k_strides
-    if (kv.k_strides != kv.v_strides or (page > 1 and slot != row) or head != d or page_stride % row
-            or (page_stride * kv.k.element_size()) % 16 or kv.k.data_ptr() % 16 or kv.v.data_ptr() % 16):
-        return None
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    rows_per_page = page_stride // row
-    rows = (kv.k.shape[0] - 1) * rows_per_page + page
-    layout = _smem_layout(page, d, kv.k.dtype)
-    return tuple(TensorDescriptor(t, [rows, row], [row, 1], [page, d], layout) for t in (kv.k, kv.v)), rows_per_page
-
-
-def _launch_hopper(q, kv_descriptors, out, lse, qo_indptr, kv_indptr, kv_len, tiles: torch.Tensor,
-                   num_kv_heads: int, sm_scale: float, causal: bool, kv_indices=None) -> None:
-    """The Gluon kernel over ``kv_descriptors`` (from ``_ragged_descriptors`` with token offsets
-    ``kv_indptr``, or ``_paged_descriptors`` with the page table ``kv_indptr`` / ``kv_indices``);
-    ``kv_len`` int32 [batch]."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    from .kernels.prefill_hopper import prefill_hopper_kernel
-
-    (k_desc, v_desc), rows_per_page = kv_descriptors
-    tokens, hq, d = q.shape
-    q_desc = TensorDescriptor(q, [tokens, hq * d], [q.stride(0), 1], [64, d], _smem_layout(64, d, q.dtype))
-    if lse is None:  # the kernel always writes one (see kernels/prefill_hopper.py)
-        lse = torch.empty((tokens, hq), dtype=torch.float32, device=q.device)
-    paged = kv_indices is not None
-    num_items = tiles.shape[1] * hq
-    grid = min(num_items, _device.num_sms(q.device)) if HOPPER_PERSISTENT else num_items
-    prefill_hopper_kernel[(grid,)](
-        q_desc, k_desc, v_desc, out, out.stride(0), out.stride(1), lse, lse.stride(0),
-        qo_indptr, kv_indptr, kv_len, tiles[0], tiles[1], hq, num_items, sm_scale * math.log2(math.e),
-        kv_indices if paged else kv_indptr, rows_per_page,
-        GROUP=hq // num_kv_heads, STAGES=HOPPER_STAGES, IS_CAUSAL=causal, CONSUMER_REGS=HOPPER_CONSUMER_REGS,
-        PAGE_SIZE=k_desc.block_shape[0] if paged else 0, num_warps=4,
-        maxnreg=hopper_maxnreg(HOPPER_CONSUMER_REGS),
-    )
-
-
 class _BatchPrefillBase:
     """Plan and run shared by the paged and the ragged prefill wrappers."""
 
@@ -260,12 +121,8 @@ class _BatchPrefillBase:
         self._custom_mask_buf = custom_mask_buf
         self._mask_indptr_buf = mask_indptr_buf
         self._uploader = PlanUploader(self.device)
-        self._plan_buf: Optional[torch.Tensor] = None
-        self._plan_capacity = 0
-        self._max_total_rows = 0
-        self._plan: Optional[DevicePlan] = None
-        # ragged plans on Hopper: the Gluon kernel's query tiles (int32 [2, tiles]), else None
-        self._hopper_tiles: Optional[torch.Tensor] = None
+        self._graph = GraphBuffers(self.device) if use_cuda_graph else None
+        self._step: Optional[PlannedStep] = None  # what the last plan() fixed; all run() reads
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -281,13 +138,14 @@ class _BatchPrefillBase:
         """No-op, kept for compatibility."""
 
     def _plan_common(
-        self, *, qo_indptr_host: torch.Tensor, qo_indptr: torch.Tensor, kv_lens: np.ndarray, kv_extra: list,
-        num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, custom_mask, packed_custom_mask, causal,
-        pos_encoding_mode, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta, q_data_type,
-        kv_data_type, non_blocking, fixed_split_size, disable_split_kv,
-    ) -> list:
-        """Everything but the KV page table. ``kv_extra`` are host arrays to upload with the plan;
-        their device views are returned."""
+        self, *, qo_indptr_host: torch.Tensor, kv_lens: np.ndarray, kv_extra: list, num_qo_heads, num_kv_heads,
+        head_dim_qk, head_dim_vo, page_size, custom_mask, packed_custom_mask, causal, pos_encoding_mode, sm_scale,
+        window_left, logits_soft_cap, rope_scale, rope_theta, q_data_type, kv_data_type, non_blocking,
+        fixed_split_size, disable_split_kv,
+    ) -> Tuple[dict, list]:
+        """The plan skeleton of both prefill wrappers: checks, mask, tiles, route, work list, upload.
+        ``kv_extra`` are the K/V page table's host arrays to upload with the plan. Returns the fields of
+        the ``PlannedStep`` but its K/V tensors, and the device views of ``kv_extra``."""
         group = check_heads(num_qo_heads, num_kv_heads)
         check_head_dim(head_dim_qk, "head_dim_qk")
         head_dim_vo = head_dim_qk if head_dim_vo is None else check_head_dim(head_dim_vo, "head_dim_vo")
@@ -314,7 +172,7 @@ class _BatchPrefillBase:
         # custom mask: FlashInfer's flat bool [sum qo_i*kv_i] or its little-endian packing
         packed = None
         byte_indptr = None
-        if custom_mask is not None or packed_custom_mask is not None:
+        if has_mask:
             bit_indptr, byte_indptr = _mask_layout(qo_lens, kv_lens)
             if packed_custom_mask is not None:
                 check_tensor(packed_custom_mask, "packed_custom_mask", ndim=1, dtype=torch.uint8)
@@ -333,50 +191,48 @@ class _BatchPrefillBase:
                 packed = _pack_mask(custom_mask, bit_indptr)
             packed = packed.to(self.device)
 
-        tiles = prefill_tiles(group, max(head_dim_qk, head_dim_vo), total_rows * group / max(batch, 1),
-                              kv_dtype.itemsize)
-        if self._use_cuda_graph and self._plan_buf is not None:
-            # captured graphs hold the first plan's kernel, tile size and buffer layout: keep them
-            tiles = self._tiles
-        q_tiles = -(-qo_lens // tiles.tile_tokens)
+        graph = self._graph
+        workspace_bytes = self._float_workspace_buffer.numel()
         num_sms = _device.num_sms(self.device)
-        chunk = kv_split_chunk(kv_lens, q_tiles, num_kv_heads, num_sms, tiles.block_n, max(page_size, 1),
-                               fixed_split_size, disable_split_kv, tiles.programs_per_sm)
-
-        mask_arrays = [byte_indptr] if byte_indptr is not None else []
-        if self._use_cuda_graph:
+        if graph is not None:
             if batch != self._fixed_batch_size:
                 raise ValueError(
                     f"The batch size should be fixed in cudagraph mode, the runtime batch size {batch} "
                     f"mismatches the batch size set during initialization {self._fixed_batch_size}"
                 )
-            if self._plan_buf is None:
+            if not graph.sized:
                 # sized once, from the first plan's total rows (as FlashInfer does); captured graphs
-                # keep pointers into it
-                self._max_total_rows = total_rows
-                max_splits = max(1, -(-tiles.programs_per_sm * num_sms // max(1, batch)))
-                # the state layout is fixed by the first plan: keep it within the workspace
-                per_split = max(1, total_rows) * _plan.state_bytes(1, num_qo_heads, head_dim_vo)
-                max_splits = max(1, min(max_splits, self._float_workspace_buffer.numel() // per_split))
-                self._max_splits = max_splits
-                self._plan_capacity = (-(-total_rows // tiles.tile_tokens) + batch) * max_splits
-                extra = sum(a.size for a in kv_extra)
-                self._plan_buf = torch.empty(self._plan_capacity * WORK_FIELDS + 2 * batch + extra + batch + 1,
-                                             dtype=torch.int32, device=self.device)
-            if total_rows > self._max_total_rows:
+                # keep its tiles, grid and pointers into its buffer
+                tiles = prefill_tiles(group, max(head_dim_qk, head_dim_vo), total_rows * group / max(batch, 1),
+                                      kv_dtype.itemsize)
+                graph.size(rows=total_rows, q_tiles=-(-total_rows // tiles.tile_tokens) + batch, batch=batch,
+                           tiles=tiles, num_sms=num_sms, workspace_bytes=workspace_bytes, num_qo_heads=num_qo_heads,
+                           head_dim_vo=head_dim_vo)
+            if total_rows > graph.max_rows:
                 raise ValueError(
-                    f"qo_indptr: {total_rows} query rows exceed the {self._max_total_rows} of the first plan "
+                    f"qo_indptr: {total_rows} query rows exceed the {graph.max_rows} of the first plan "
                     "in cuda graph mode"
                 )
-            work = _plan.fit_work(qo_lens, kv_lens, tiles.tile_tokens, chunk, self._float_workspace_buffer.numel(),
-                                  num_qo_heads, head_dim_vo, fixed_split_size is not None, max_splits=self._max_splits)
-            work = _plan.heaviest_first(work, qo_lens, kv_lens, tiles.tile_tokens, params.causal)
-            capacity = self._plan_capacity
-            views = self._uploader.upload([pad_work(work, capacity), kv_lens, work.state_offset, qo] + kv_extra,
-                                          non_blocking, out=self._plan_buf)
-            work_d, kv_len_d, state_offset_d, qo_d = views[:4]
-            copy_into(self._qo_indptr_buf, qo_d, non_blocking)
-            qo_indptr_d = self._qo_indptr_buf
+            tiles = graph.tiles
+        else:
+            tiles = prefill_tiles(group, max(head_dim_qk, head_dim_vo), total_rows * group / max(batch, 1),
+                                  kv_dtype.itemsize)
+        route = PREFILL.at_plan(PlanFacts(
+            device=self.device, q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
+            layout=self._kv_layout, use_cuda_graph=graph is not None, has_mask=has_mask, params=params,
+            qo_lens=qo_lens, kv_lens=kv_lens, page_size=page_size))
+        work = plan_work(qo_lens=qo_lens, kv_lens=kv_lens, tiles=tiles, num_qo_heads=num_qo_heads,
+                         num_kv_heads=num_kv_heads, head_dim_vo=head_dim_vo, page_size=page_size,
+                         fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
+                         workspace_bytes=workspace_bytes, num_sms=num_sms, graph=graph, heaviest_first=params.causal)
+        mask_arrays = [byte_indptr] if byte_indptr is not None and graph is None else []
+        route_arrays = [] if route.is_core else [route.work]
+        plan, views = upload_plan(self._uploader, graph, work, kv_lens, qo, mask_arrays + kv_extra + route_arrays,
+                                  non_blocking)
+        mask_indptr_d = views[0] if mask_arrays else None
+        if graph is not None:
+            copy_into(self._qo_indptr_buf, plan.qo_indptr, non_blocking)
+            plan = dataclasses.replace(plan, qo_indptr=self._qo_indptr_buf)
             if packed is not None:
                 if self._custom_mask_buf is None or self._mask_indptr_buf is None:
                     raise ValueError("custom masks in cuda graph mode need custom_mask_buf and mask_indptr_buf")
@@ -385,128 +241,70 @@ class _BatchPrefillBase:
                 copy_into(self._custom_mask_buf[:packed.numel()], packed, non_blocking)
                 copy_into(self._mask_indptr_buf[:batch + 1], torch.from_numpy(byte_indptr.astype(np.int32)), non_blocking)
                 packed, mask_indptr_d = self._custom_mask_buf, self._mask_indptr_buf
-            plan = DevicePlan(work_d.view(capacity, WORK_FIELDS), kv_len_d, state_offset_d, qo_indptr_d, capacity,
-                              work.num_states, self._max_total_rows * self._max_splits, work.has_splits, True,
-                              bool(kv_lens.any()))
-            kv_views = views[4:]
-        else:
-            work = _plan.fit_work(qo_lens, kv_lens, tiles.tile_tokens, chunk, self._float_workspace_buffer.numel(),
-                                  num_qo_heads, head_dim_vo, fixed_split_size is not None)
-            work = _plan.heaviest_first(work, qo_lens, kv_lens, tiles.tile_tokens, params.causal)
-            views = self._uploader.upload([work.work, kv_lens, work.state_offset, qo] + mask_arrays + kv_extra,
-                                          non_blocking)
-            work_d, kv_len_d, state_offset_d, qo_indptr_d = views[:4]
-            mask_indptr_d = views[4] if mask_arrays else None
-            plan = DevicePlan(work_d.view(-1, WORK_FIELDS), kv_len_d, state_offset_d, qo_indptr_d, work.work.shape[0],
-                              work.num_states, work.num_states, work.has_splits, False, bool(kv_lens.any()))
-            kv_views = views[4 + len(mask_arrays):]
-
-        self._plan = plan
-        self._tiles = tiles
-        self._packed_mask = packed
-        self._mask_indptr = mask_indptr_d if packed is not None else None
-        self._total_rows = total_rows
-        self._num_qo_heads, self._num_kv_heads = num_qo_heads, num_kv_heads
-        self._head_dim_qk, self._head_dim_vo = head_dim_qk, head_dim_vo
-        self._cached_q_data_type, self._cached_kv_data_type = q_dtype, kv_dtype
-        self._params = params
-        self._causal = bool(causal)
-        self._pos_encoding_mode, self._window_left = pos_encoding_mode, window_left
-        self._logits_soft_cap = 0.0 if logits_soft_cap is None else logits_soft_cap  # as FlashInfer stores it
-        self._sm_scale, self._rope_scale, self._rope_theta = sm_scale, rope_scale, rope_theta
-        return kv_views
-
-    def _hopper_work(self, qo: np.ndarray, kv_lens: np.ndarray, q_data_type, kv_data_type, head_dim_qk, head_dim_vo,
-                     has_mask: bool, causal, paged: bool) -> Optional[np.ndarray]:
-        """The Gluon kernel's work list (``_hopper_tiles``) if ``_hopper_capable`` lets this plan take
-        it, else None. ``qo``: int64 qo_indptr on the host; a batch that disagrees with ``kv_lens``
-        gets None (``_plan_common`` reports it)."""
-        if qo.size != kv_lens.size + 1:
-            return None
-        q_dtype = canonicalize_dtype(q_data_type, "q_data_type")
-        kv_dtype = q_dtype if kv_data_type is None else canonicalize_dtype(kv_data_type, "kv_data_type")
-        if not _hopper_capable(self.device, q_dtype, kv_dtype, head_dim_qk,
-                               head_dim_qk if head_dim_vo is None else head_dim_vo, self._kv_layout,
-                               self._use_cuda_graph, has_mask, bool(causal), qo[-1] / max(qo.size - 1, 1), paged=paged):
-            return None
-        return _hopper_tiles(qo[1:] - qo[:-1], kv_lens, bool(causal))
-
-    def _keep_hopper_tiles(self, tiles: Optional[torch.Tensor]) -> None:
-        """Keeps the Gluon kernel's uploaded work list (int32 [2 * tiles]) if the planned scores are
-        ones it computes: no RoPE, ALiBi, soft cap or window, and a positive scale (folded into exp2)."""
-        p = self._params
-        plain = not (p.rope or p.alibi or p.logits_soft_cap > 0 or p.window_left >= 0) and p.sm_scale > 0
-        self._hopper_tiles = tiles.view(2, -1) if tiles is not None and plain else None
+        fields = dict(
+            settings=Settings(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
+                              bool(causal)),
+            params=params, q_dtype=q_dtype, kv_dtype=kv_dtype, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+            head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, page_size=page_size, batch=batch, total_rows=total_rows,
+            min_kv_len=int(kv_lens.min()) if batch else 0, tiles=tiles, device_plan=plan, packed_mask=packed,
+            mask_indptr=mask_indptr_d if packed is not None else None, route=route,
+            route_work=None if route.is_core else views[-1].view(2, -1),
+        )
+        return fields, views[len(mask_arrays):len(views) - len(route_arrays)]
 
     def _override(self, causal, pos_encoding_mode, use_fp16_qk_reduction, window_left, logits_soft_cap, sm_scale,
                   rope_scale, rope_theta) -> None:
         """The deprecated forward(): its arguments, defaults included, replace the planned settings."""
-        if self._plan is None:
+        step = self._step
+        if step is None:
             raise ValueError("forward() was called before plan()")
         _reject_unsupported(use_fp16_qk_reduction)
-        self._params = score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
-                                    rope_theta, self._head_dim_qk, causal=bool(causal) and self._packed_mask is None)
-        self._hopper_tiles = None  # chosen for the planned settings: the replaced ones take the core
-        self._causal = bool(causal)
-        self._pos_encoding_mode, self._window_left, self._logits_soft_cap = pos_encoding_mode, window_left, logits_soft_cap
-        self._sm_scale, self._rope_scale, self._rope_theta = sm_scale, rope_scale, rope_theta
+        params = score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
+                              step.head_dim_qk, causal=bool(causal) and step.packed_mask is None)
+        settings = Settings(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
+                            bool(causal))
+        self._step = step.with_scores(settings, params)
 
     def _run_common(self, q, kv: KVSource, kv_dtype, head_dim_qk, head_dim_vo, out, lse, return_lse, *,
-                    q_scale=None, k_scale=None, v_scale=None, sinks=None, window_left=None, head_scales=None,
-                    out_dtype=None, hopper_kv=None):
-        """``hopper_kv``: the Gluon kernel's K/V descriptors (``_ragged_descriptors`` or
-        ``_paged_descriptors``), given only when the plan chose it and the K/V fit."""
-        if self._plan is None:
-            raise ValueError("run() was called before plan()")
-        if window_left is not None and window_left != self._window_left:
-            raise ValueError(f"window_left: run() got {window_left} but plan() used {self._window_left}")
+                    route_kv=None, q_scale=None, k_scale=None, v_scale=None, sinks=None, window_left=None):
+        """Checks of ``q``, ``out`` and ``lse`` against the plan, then the step's kernel (``route_kv``:
+        the K/V as the route's ``at_run`` takes them)."""
+        step = self._step
+        if window_left is not None and window_left != step.settings.window_left:
+            raise ValueError(f"window_left: run() got {window_left} but plan() used {step.settings.window_left}")
         check_tensor(q, "q", ndim=3)
-        check_same_dtype_as_plan(q, self._cached_q_data_type, "q", "q_data_type")
-        if kv_dtype != self._cached_kv_data_type:
+        check_same_dtype_as_plan(q, step.q_dtype, "q", "q_data_type")
+        if kv_dtype != step.kv_dtype:
             raise ValueError(
-                f"The dtype of k/v {kv_dtype} does not match the kv_data_type {self._cached_kv_data_type} specified in plan function."
+                f"The dtype of k/v {kv_dtype} does not match the kv_data_type {step.kv_dtype} specified in plan function."
             )
-        rows_ok = q.shape[0] >= self._total_rows if self._use_cuda_graph else q.shape[0] == self._total_rows
-        if not rows_ok or q.shape[1] != self._num_qo_heads or q.shape[2] != self._head_dim_qk:
+        graph = self._graph is not None
+        rows_ok = q.shape[0] >= step.total_rows if graph else q.shape[0] == step.total_rows
+        if not rows_ok or q.shape[1] != step.num_qo_heads or q.shape[2] != step.head_dim_qk:
             raise ValueError(
-                f"q: expected shape ({self._total_rows}, {self._num_qo_heads}, {self._head_dim_qk}) "
+                f"q: expected shape ({step.total_rows}, {step.num_qo_heads}, {step.head_dim_qk}) "
                 f"(qo_indptr[-1], num_qo_heads, head_dim_qk), got {tuple(q.shape)}"
             )
         if q.stride(-1) != 1:
             raise ValueError("q: the last dimension must be contiguous")
-        if (head_dim_qk, head_dim_vo) != (self._head_dim_qk, self._head_dim_vo):
+        if (head_dim_qk, head_dim_vo) != (step.head_dim_qk, step.head_dim_vo):
             raise ValueError(
-                f"k/v head dims {head_dim_qk}/{head_dim_vo} do not match the planned {self._head_dim_qk}/{self._head_dim_vo}"
+                f"k/v head dims {head_dim_qk}/{head_dim_vo} do not match the planned {step.head_dim_qk}/{step.head_dim_vo}"
             )
         if kv.k.device != q.device:
             raise ValueError("k/v and q must be on the same device")
-        shape = (q.shape[0], self._num_qo_heads, self._head_dim_vo)
-        out_dtype = q.dtype if out_dtype is None else out_dtype
-        if out is None and (self._use_cuda_graph or q.shape[0] > self._total_rows):
+        shape = (q.shape[0], step.num_qo_heads, step.head_dim_vo)
+        if out is None and (graph or q.shape[0] > step.total_rows):
             # rows beyond the plan are 0; in cuda graph mode a later plan may have fewer rows than
             # the captured one, so the captured zero-fill covers them on every replay
-            out = torch.zeros(shape, dtype=out_dtype, device=q.device)
-        out = check_out(out, shape, out_dtype, q.device, "out")
+            out = torch.zeros(shape, dtype=q.dtype, device=q.device)
+        out = check_out(out, shape, q.dtype, q.device, "out")
         if lse is not None or return_lse:
             # a caller's lse buffer is written whether or not it is returned, as in FlashInfer
             lse = check_out(lse, shape[:2], torch.float32, q.device, "lse")
-        sinks = check_sinks(sinks, self._num_qo_heads, q.device)
-        if hopper_kv is not None and sinks is None and head_scales is None and _tma_ready(q):
-            if kv.page_size > 0 and self._pages_checked != kv.num_pages:
-                # TMA keeps the kernel's reads inside the cache; this reports the ids it would miss
-                _CHECK_PAGE_IDS[(self._plan.kv_len.numel(),)](kv.kv_indptr, kv.kv_indices, fault_record(q.device),
-                                                             kv.num_pages, BLOCK=256)
-                self._pages_checked = kv.num_pages
-            _launch_hopper(q, hopper_kv, out, lse, self._plan.qo_indptr, kv.kv_indptr, self._plan.kv_len,
-                           self._hopper_tiles, self._num_kv_heads, self._params.sm_scale, self._params.causal,
-                           kv_indices=kv.kv_indices if kv.page_size > 0 else None)
-            return (out, lse) if return_lse else out
-        launch_attention(
-            q=q, out=out, lse=lse, kv=kv, plan=self._plan, tiles=self._tiles, num_kv_heads=self._num_kv_heads,
-            head_dim_qk=self._head_dim_qk, head_dim_vo=self._head_dim_vo, params=self._params, q_len_per_req=0,
-            state_mult=1, workspace=self._float_workspace_buffer, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
-            sinks=sinks, packed_mask=self._packed_mask, mask_indptr=self._mask_indptr, head_scales=head_scales,
-        )
+        sinks = check_sinks(sinks, step.num_qo_heads, q.device)
+        run_step(step, q=q, kv=kv, out=out, lse=lse, workspace=self._float_workspace_buffer, route_kv=route_kv,
+                 q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks)
         return (out, lse) if return_lse else out
 
 
@@ -686,15 +484,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             raise ValueError(f"paged_kv_indices: {num_pages_used} pages exceed paged_kv_indices_buf ({len(self._paged_kv_indices_buf)})")
         # the plan's own indptr (checked above) is what the kernels read, never the caller's tensor
         kv_extra = [ind, lpl] if self._use_cuda_graph else [ind]
-        work = None
-        if HOPPER_TILE % page_size == 0 and page_size >= HOPPER_MIN_PAGE:  # pages tile the KV tile
-            work = self._hopper_work(qo, kv_lens, q_data_type, kv_data_type, head_dim_qk, head_dim_vo,
-                                     custom_mask is not None or packed_custom_mask is not None, causal, paged=True)
-        hopper = work is not None
-        if hopper:
-            kv_extra.append(work)
-        views = self._plan_common(
-            qo_indptr_host=qo_indptr_host, qo_indptr=qo_indptr, kv_lens=kv_lens, kv_extra=kv_extra,
+        fields, views = self._plan_common(
+            qo_indptr_host=qo_indptr_host, kv_lens=kv_lens, kv_extra=kv_extra,
             num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
             page_size=page_size, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, causal=causal,
             pos_encoding_mode=pos_encoding_mode, sm_scale=sm_scale, window_left=window_left,
@@ -706,15 +497,11 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             copy_into(self._paged_kv_indptr_buf, views[0], non_blocking)
             copy_into(self._paged_kv_last_page_len_buf, views[1], non_blocking)
             copy_into(self._paged_kv_indices_buf[:num_pages_used], paged_kv_indices[:num_pages_used], non_blocking)
-            self._kv_indptr, self._kv_indices = self._paged_kv_indptr_buf, self._paged_kv_indices_buf
+            kv_indptr, kv_indices = self._paged_kv_indptr_buf, self._paged_kv_indices_buf
         else:
-            self._kv_indptr = views[0]
-            indices = paged_kv_indices.to(self.device, non_blocking=non_blocking)
-            self._kv_indices = indices.to(torch.int32)
-        self._page_size = page_size
-        self._page_table = table
-        self._pages_checked = -1  # cache size whose page ids a run checked for the Gluon kernel
-        self._keep_hopper_tiles(views[-1] if hopper else None)
+            kv_indptr = views[0]
+            kv_indices = paged_kv_indices.to(self.device, non_blocking=non_blocking).to(torch.int32)
+        self._step = PlannedStep(**fields, total_kv=0, kv_indptr=kv_indptr, kv_indices=kv_indices, page_table=table)
 
     begin_forward = plan
 
@@ -759,23 +546,21 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         """
         if args:
             raise TypeError("run(): options after paged_kv_cache must be passed by keyword")
-        if self._plan is None:
+        step = self._step
+        if step is None:
             raise ValueError("run() was called before plan()")
         kv = unpack_paged_kv_cache(paged_kv_cache, self._kv_layout)
-        if (kv.page_size, kv.num_heads) != (self._page_size, self._num_kv_heads):
+        if (kv.page_size, kv.num_heads) != (step.page_size, step.num_kv_heads):
             raise ValueError(
                 f"paged_kv_cache: page_size/num_kv_heads are {kv.page_size}/{kv.num_heads}, "
-                f"plan() used {self._page_size}/{self._num_kv_heads}"
+                f"plan() used {step.page_size}/{step.num_kv_heads}"
             )
-        self._page_table.check_cache(kv.k.shape[0])
-        source = KVSource(kv.k, kv.v, kv.k_strides, kv.v_strides, kv.page_size, self._kv_indptr, self._kv_indices,
-                              kv.k.shape[0])
-        # the Gluon kernel has no fp8 scales: a run that passes them takes the core
-        plain = q_scale is None and k_scale is None and v_scale is None
-        hopper_kv = _paged_descriptors(kv) if self._hopper_tiles is not None and plain else None
+        step.page_table.check_cache(kv.k.shape[0])
+        source = KVSource(kv.k, kv.v, kv.k_strides, kv.v_strides, kv.page_size, step.kv_indptr, step.kv_indices,
+                          kv.k.shape[0])
         return self._run_common(q, source, kv.dtype, kv.head_dim_qk, kv.head_dim_vo, out, lse, return_lse,
-                                q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks, window_left=window_left,
-                                hopper_kv=hopper_kv)
+                                route_kv=kv, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
+                                window_left=window_left)
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
 
@@ -916,18 +701,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         kv_indptr_host = host_index(kv_indptr, "kv_indptr")
         check_indptr_host(kv_indptr_host, "kv_indptr")
         kv = kv_indptr_host.numpy().astype(np.int64)
-        check_indptr_host(qo_indptr_host, "qo_indptr")
-        qo = qo_indptr_host.numpy().astype(np.int64)
-        work = None
-        if kv[-1] >= HOPPER_TILE:  # K/V fill one TMA box
-            work = self._hopper_work(qo, kv[1:] - kv[:-1], q_data_type, kv_data_type, head_dim_qk, head_dim_vo,
-                                     custom_mask is not None or packed_custom_mask is not None, causal, paged=False)
-        hopper = work is not None
-        kv_extra = [kv]
-        if hopper:
-            kv_extra.append(work)
-        views = self._plan_common(
-            qo_indptr_host=qo_indptr_host, qo_indptr=qo_indptr, kv_lens=kv[1:] - kv[:-1], kv_extra=kv_extra,
+        fields, views = self._plan_common(
+            qo_indptr_host=qo_indptr_host, kv_lens=kv[1:] - kv[:-1], kv_extra=[kv],
             num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
             page_size=0, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, causal=causal,
             pos_encoding_mode=pos_encoding_mode, sm_scale=sm_scale, window_left=window_left,
@@ -935,13 +710,11 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
             kv_data_type=kv_data_type, non_blocking=non_blocking, fixed_split_size=fixed_split_size,
             disable_split_kv=disable_split_kv,
         )
+        kv_indptr_d = views[0]
         if self._use_cuda_graph:
-            copy_into(self._kv_indptr_buf, views[0], non_blocking)
-            self._kv_indptr = self._kv_indptr_buf
-        else:
-            self._kv_indptr = views[0]
-        self._total_kv = int(kv[-1])
-        self._keep_hopper_tiles(views[1] if hopper else None)
+            copy_into(self._kv_indptr_buf, kv_indptr_d, non_blocking)
+            kv_indptr_d = self._kv_indptr_buf
+        self._step = PlannedStep(**fields, total_kv=int(kv[-1]), kv_indptr=kv_indptr_d)
 
     begin_forward = plan
 
@@ -970,13 +743,13 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         """
         if args:
             raise TypeError("run(): options after v must be passed by keyword")
-        if self._plan is None:
+        step = self._step
+        if step is None:
             raise ValueError("run() was called before plan()")
-        source, heads, dqk, dvo, nnz = _ragged_kv(k, v, self._kv_layout, self._kv_indptr)
-        if heads != self._num_kv_heads or (nnz < self._total_kv if self._use_cuda_graph else nnz != self._total_kv):
-            raise ValueError(f"k: expected {self._total_kv} rows (kv_indptr[-1]) of {self._num_kv_heads} heads, got {tuple(k.shape)}")
-        hopper_kv = _ragged_descriptors(k, v) if self._hopper_tiles is not None else None
-        return self._run_common(q, source, k.dtype, dqk, dvo, out, lse, return_lse, hopper_kv=hopper_kv)
+        source, heads, dqk, dvo, nnz = _ragged_kv(k, v, self._kv_layout, step.kv_indptr)
+        if heads != step.num_kv_heads or (nnz < step.total_kv if self._use_cuda_graph else nnz != step.total_kv):
+            raise ValueError(f"k: expected {step.total_kv} rows (kv_indptr[-1]) of {step.num_kv_heads} heads, got {tuple(k.shape)}")
+        return self._run_common(q, source, k.dtype, dqk, dvo, out, lse, return_lse, route_kv=(k, v))
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
 
@@ -1074,32 +847,56 @@ def single_prefill_with_kv_cache(
     _check_backend(backend)
     _reject_unsupported(use_fp16_qk_reduction)
     check_tensor(q, "q", ndim=3, dtype=Q_DTYPES)
-    check_tensor(k, "k", ndim=3)
     layout = parse_layout(kv_layout)
     device = q.device
-    qo_len = q.shape[0]
-    kv_len, num_kv_heads = (k.shape[0], k.shape[1]) if layout == TensorLayout.NHD else (k.shape[1], k.shape[0])
+    qo_len, num_qo_heads = q.shape[0], q.shape[1]
+    source, num_kv_heads, head_dim_qk, head_dim_vo, kv_len = _ragged_kv(k, v, layout, None)
+    group = check_heads(num_qo_heads, num_kv_heads)
+    check_head_dim(head_dim_qk, "head_dim_qk")
+    check_head_dim(head_dim_vo, "head_dim_vo")
+    if q.shape[2] != head_dim_qk:
+        raise ValueError(f"q: head_dim {q.shape[2]} does not match k's head_dim {head_dim_qk}")
+    if q.stride(-1) != 1:
+        raise ValueError("q: the last dimension must be contiguous")
     o_dtype = q.dtype if o_dtype is None else check_dtype_in(canonicalize_dtype(o_dtype, "o_dtype"), O_DTYPES, "o_dtype")
-    if custom_mask is not None:
+    _device.check_launchable(device, "single_prefill_with_kv_cache")
+    packed = None
+    bit_indptr, byte_indptr = _mask_layout(np.array([qo_len]), np.array([kv_len]))
+    if packed_custom_mask is not None:
+        check_tensor(packed_custom_mask, "packed_custom_mask", ndim=1, dtype=torch.uint8)
+        if packed_custom_mask.numel() != int(byte_indptr[-1]):
+            raise ValueError(f"packed_custom_mask: expected {int(byte_indptr[-1])} bytes (qo_len*kv_len bits), "
+                             f"got {packed_custom_mask.numel()}")
+        packed = packed_custom_mask.to(device)
+    elif custom_mask is not None:
         check_tensor(custom_mask, "custom_mask", ndim=2)
         if tuple(custom_mask.shape) != (qo_len, kv_len):
             raise ValueError(f"custom_mask: expected shape ({qo_len}, {kv_len}), got {tuple(custom_mask.shape)}")
-        custom_mask = custom_mask.reshape(-1)
-    wrapper = BatchPrefillWithRaggedKVCacheWrapper(scratch_workspace(device), kv_layout)
-    wrapper.plan(torch.tensor([0, qo_len], dtype=torch.int32), torch.tensor([0, kv_len], dtype=torch.int32),
-                 q.shape[1], num_kv_heads, q.shape[2], head_dim_vo=v.shape[2], custom_mask=custom_mask,
-                 packed_custom_mask=packed_custom_mask, causal=causal, pos_encoding_mode=pos_encoding_mode,
-                 window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
-                 rope_theta=rope_theta, q_data_type=q.dtype, kv_data_type=k.dtype)
+        packed = _pack_mask(custom_mask.reshape(-1), bit_indptr).to(device)
+    # a custom mask replaces the causal mask (FlashInfer 0.5.3's MaskMode.CUSTOM)
+    params = score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
+                          head_dim_qk, causal=bool(causal) and packed is None)
+    tiles = prefill_tiles(group, max(head_dim_qk, head_dim_vo), qo_len * group, k.element_size())
+    route = PREFILL.at_plan(PlanFacts(
+        device=device, q_dtype=q.dtype, kv_dtype=k.dtype, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
+        layout=layout, use_cuda_graph=False, has_mask=packed is not None, params=params,
+        qo_lens=np.array([qo_len]), kv_lens=np.array([kv_len]), page_size=0))
+    settings = Settings(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta, bool(causal))
+    step = plan_single(device, settings=settings, params=params, q_dtype=q.dtype, kv_dtype=k.dtype,
+                       num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk,
+                       head_dim_vo=head_dim_vo, qo_len=qo_len, kv_len=kv_len, tiles=tiles, q_len_per_req=0,
+                       packed_mask=packed, route=route)
+    source.kv_indptr = step.kv_indptr
     head_scales = None
     if scale_q is not None or scale_k is not None or scale_v is not None:
         head_scales = tuple(_head_scale(s, n, name, device) for s, n, name in
-                            ((scale_q, q.shape[1], "scale_q"), (scale_k, num_kv_heads, "scale_k"),
+                            ((scale_q, num_qo_heads, "scale_q"), (scale_k, num_kv_heads, "scale_k"),
                              (scale_v, num_kv_heads, "scale_v")))
-    source, _, dqk, dvo, _ = _ragged_kv(k, v, layout, wrapper._kv_indptr)
-    hopper_kv = _ragged_descriptors(k, v) if wrapper._hopper_tiles is not None and head_scales is None else None
-    return wrapper._run_common(q, source, k.dtype, dqk, dvo, None, None, return_lse, head_scales=head_scales,
-                               out_dtype=o_dtype, hopper_kv=hopper_kv)
+    out = torch.empty((qo_len, num_qo_heads, head_dim_vo), dtype=o_dtype, device=device)
+    lse = torch.empty((qo_len, num_qo_heads), dtype=torch.float32, device=device) if return_lse else None
+    run_step(step, q=q, kv=source, out=out, lse=lse, workspace=scratch_workspace(device), route_kv=(k, v),
+             head_scales=head_scales)
+    return (out, lse) if return_lse else out
 
 
 def _head_scale(s: Optional[torch.Tensor], n: int, name: str, device) -> torch.Tensor:

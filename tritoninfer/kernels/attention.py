@@ -353,6 +353,9 @@ def attention_fwd_kernel(
     MASK_FREE_TILES: tl.constexpr, FOLD_SCALE: tl.constexpr, LANES: tl.constexpr, LANE_TOKENS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
+    # the dot-free single-row path computes plain (or soft-capped) scores of one row (_attention.attention_variant)
+    tl.static_assert(LANES == 0 or not (HAS_ROPE or HAS_ALIBI or HAS_CUSTOM_MASK or HAS_HEAD_SCALES or KV_AS_M
+                                        or GROUP != 1), "LANES: no RoPE, ALiBi, custom mask, head scales or groups")
     i_item = tl.program_id(0)
     i_kvh = tl.program_id(1)
     i_rows = tl.program_id(2)

@@ -1,0 +1,187 @@
+"""The kernel route (``tritoninfer/_route.py``): every gate of the Gluon Hopper prefill, checked on the
+CPU with the device checks forced; and what a plan stores (the route, its uploaded work list)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from conftest import DEVICE
+
+from tritoninfer import _attention, _hopper, _route, testing
+from tritoninfer._options import TensorLayout
+from tritoninfer.prefill import BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper
+
+
+_REAL_WORK_TILES = _hopper.work_tiles
+
+
+@pytest.fixture
+def hopper_gpu(monkeypatch):
+    """The device checks as on an H200 with Triton 3.6."""
+    monkeypatch.setattr(_route._device, "has_gpu", lambda: True)
+    monkeypatch.setattr(_route._device, "capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(_hopper, "gluon_available", lambda: True)
+    monkeypatch.setattr(_hopper, "work_tiles", lambda qo, kv, causal: np.zeros((2, 1), np.int32))
+
+
+@pytest.fixture
+def hopper_plans(hopper_gpu, monkeypatch):
+    """Wrappers on this machine's device planned as on an H200."""
+    monkeypatch.setattr(_route, "is_sm90", lambda device: True)
+
+
+def _facts(**change):
+    params = _attention.score_params("NONE", -1, None, None, None, None, 128, causal=change.pop("causal", False))
+    base = dict(device=torch.device("cuda", 0), q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, head_dim_qk=128,
+                head_dim_vo=128, layout=TensorLayout.NHD, use_cuda_graph=False, has_mask=False, params=params,
+                qo_lens=np.array([1024, 1024]), kv_lens=np.array([1024, 1024]), page_size=0)
+    mean = change.pop("mean", None)
+    if mean is not None:
+        base["qo_lens"] = np.array([mean, mean])
+    score_change = change.pop("scores", None)
+    if score_change:
+        base["params"] = dataclasses.replace(params, **score_change)
+    return _route.PlanFacts(**{**base, **change})
+
+
+def test_route_takes_the_gluon_kernel_only_where_measured(hopper_gpu):
+    """sm_90, Triton 3.6, bf16, head_dim 128, NHD, no mask, no CUDA graph, plain scores, requests of
+    1024 query tokens on average (causal: 4096; paged: 512 and 1024, pages of 8-128 dividing 128)."""
+    at_plan = _route.PREFILL.at_plan
+    assert at_plan(_facts()).kernel == "hopper"
+    assert at_plan(_facts(causal=True, mean=4096)).kernel == "hopper"
+    assert at_plan(_facts(page_size=16, mean=512)).kernel == "hopper"
+    assert at_plan(_facts(page_size=16, causal=True)).kernel == "hopper"
+    for change, reason in (
+            ({"causal": True}, "below 4096"), ({"mean": 1000}, "below 1024"), ({"causal": True, "mean": 4000}, "below"),
+            ({"page_size": 16, "mean": 500}, "below 512"), ({"page_size": 16, "causal": True, "mean": 1000}, "below"),
+            ({"q_dtype": torch.float16, "kv_dtype": torch.float16}, "bf16"), ({"kv_dtype": torch.float8_e4m3fn}, "bf16"),
+            ({"head_dim_qk": 64, "head_dim_vo": 64}, "head_dim"), ({"head_dim_vo": 64}, "head_dim"),
+            ({"layout": TensorLayout.HND}, "HND"), ({"use_cuda_graph": True}, "CUDA-graph"),
+            ({"has_mask": True}, "mask"), ({"device": torch.device("cpu")}, "sm_90"),
+            ({"page_size": 4}, "page size 4"), ({"page_size": 1}, "page size 1"), ({"page_size": 48}, "page size 48"),
+            ({"page_size": 256}, "page size 256"), ({"kv_lens": np.array([60, 60])}, "TMA box"),
+            ({"scores": {"logits_soft_cap": 5.0}}, "soft cap"), ({"scores": {"window_left": 3}}, "window"),
+            ({"scores": {"rope": True}}, "RoPE"), ({"scores": {"alibi": True}}, "ALiBi"),
+            ({"scores": {"sm_scale": -0.1}}, "not positive")):
+        route = at_plan(_facts(**change))
+        assert route.is_core and reason in route.reason, (change, route)
+        assert repr(route).startswith("Route(core: ")
+
+
+def test_route_off_hopper_or_other_triton(hopper_gpu, monkeypatch):
+    monkeypatch.setattr(_hopper, "gluon_available", lambda: False)
+    assert "Triton 3.6" in _route.PREFILL.at_plan(_facts()).reason
+    monkeypatch.setattr(_hopper, "gluon_available", lambda: True)
+    monkeypatch.setattr(_route._device, "capability", lambda device=None: (10, 0))
+    assert _route.PREFILL.at_plan(_facts()).is_core
+    monkeypatch.setattr(_route, "HOPPER_PREFILL", False)
+    assert "TRITONINFER_HOPPER_PREFILL=0" in _route.PREFILL.at_plan(_facts()).reason
+
+
+def test_route_at_run(hopper_gpu):
+    """At run, the call's tensors: sinks, scales and strides a TMA view cannot read take the core."""
+    route = _route.Route("hopper", "forced")
+    k = torch.randn(256, 2, 128).to(torch.bfloat16)
+    q = torch.randn(256, 4, 128).to(torch.bfloat16)
+    assert _route.PREFILL.at_run(route, q, (k, k)) is not None
+    assert _route.PREFILL.at_run(route, q, (k, k), sinks=torch.zeros(4)) is None
+    assert _route.PREFILL.at_run(route, q, (k, k), head_scales=(q, q, q)) is None
+    assert _route.PREFILL.at_run(route, q, (k, k), scaled=True) is None
+    padded_q = torch.randn(256, 4, 136).to(torch.bfloat16)[..., :128]
+    assert _route.PREFILL.at_run(route, padded_q, (k, k)) is None  # q's heads not packed
+    assert _route.PREFILL.at_run(route, q, (k.transpose(0, 1).contiguous().transpose(0, 1), k)) is None
+    assert _route.PREFILL.at_run(_route.core("x"), q, (k, k)) is None
+
+
+def test_plans_store_the_route_and_its_work_list(hopper_plans):
+    """A ragged plan the route sends to the Gluon kernel uploads its work list; scores it cannot compute,
+    or forward()'s replaced settings that it cannot compute, take the core."""
+    qo_indptr = torch.tensor([0, 1100, 2300], dtype=torch.int32)
+    wrapper = BatchPrefillWithRaggedKVCacheWrapper(testing.make_workspace(4 << 20, DEVICE))
+    # head_dim 64 would be refused: the fixture's facts check needs 128
+    wrapper.plan(qo_indptr, qo_indptr, 4, 2, 128, q_data_type=torch.bfloat16)
+    step = wrapper._step
+    assert step.route.kernel == "hopper" and step.route_work is not None and tuple(step.route_work.shape) == (2, 1)
+    wrapper._override(False, "NONE", False, -1, None, None, None, None)
+    assert wrapper._step.route.kernel == "hopper"
+    wrapper._override(False, "NONE", False, -1, 30.0, None, None, None)
+    assert wrapper._step.route.is_core and "soft cap" in wrapper._step.route.reason
+    wrapper.plan(qo_indptr, qo_indptr, 4, 2, 128, q_data_type=torch.bfloat16, window_left=7)
+    assert wrapper._step.route.is_core and wrapper._step.route_work is None
+
+
+@pytest.mark.parametrize("page_size,gluon", [(8, True), (16, True), (128, True), (4, False), (1, False), (48, False)])
+def test_paged_plan_route(hopper_plans, monkeypatch, page_size, gluon):
+    """Past the device checks, a paged plan takes the kernel's paged mode for pages that tile its
+    128-token KV tiles, with the same work list as a ragged plan; the page table it reads is the plan's."""
+    monkeypatch.setattr(_hopper, "work_tiles", _REAL_WORK_TILES)
+    monkeypatch.setattr(_route, "HOPPER_MIN_LEN", dict.fromkeys(_route.HOPPER_MIN_LEN, 0))
+    qo_lens, kv_lens = (300, 0, 100), (300, 5, 1000)
+    qo_indptr = torch.tensor(np.concatenate([[0], np.cumsum(qo_lens)]), dtype=torch.int32)
+    kv = testing.make_paged_kv(kv_lens, page_size, 2, 128, device=DEVICE, generator=torch.Generator().manual_seed(0))
+    wrapper = BatchPrefillWithPagedKVCacheWrapper(testing.make_workspace(4 << 20, DEVICE))
+    for causal in (False, True):
+        wrapper.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 4, 2, 128, page_size,
+                     causal=causal, q_data_type=torch.bfloat16)
+        step = wrapper._step
+        assert (step.route.kernel == "hopper") == gluon, step.route
+        if gluon:
+            expected = _hopper.work_tiles(np.array(qo_lens), np.array(kv_lens), causal)
+            assert step.route_work.cpu().tolist() == expected.tolist()
+            assert torch.equal(step.kv_indptr.cpu(), kv.kv_indptr.cpu().int())
+
+
+def test_work_tiles_cover_every_query_tile_heaviest_first():
+    """The Gluon kernel's work list: every 128-token query tile once, the tiles that read the most
+    KV first (causal: up to their last row's diagonal, bottom-right aligned)."""
+    tiles = _hopper.work_tiles(np.array([300, 0, 100]), np.array([300, 5, 1000]), causal=True)
+    # request 0: tiles at 0, 128, 256 read 128, 256, 300 keys; request 2's one tile reads 1000
+    assert tiles.tolist() == [[2, 0, 0, 0], [0, 256, 128, 0]]
+    full = _hopper.work_tiles(np.array([300, 0, 100]), np.array([300, 5, 1000]), causal=False)
+    assert full.tolist() == [[2, 0, 0, 0], [0, 0, 128, 256]]
+
+
+def test_paged_descriptors():
+    """The paged mode's TMA view of a cache: K and V pages as rows of [rows, H * D], page p from row
+    p * rows_per_page (5-D: K and V pages alternate); caches that do not fit it (heads not packed,
+    page strides that are not whole rows, K and V laid out differently) get None: the core."""
+    from tritoninfer._kvcache import unpack_paged_kv_cache
+
+    nhd = TensorLayout.NHD
+    cache = torch.randn(5, 2, 16, 4, 64).to(torch.bfloat16)
+    (k_desc, v_desc), rows_per_page = _hopper.paged_descriptors(unpack_paged_kv_cache(cache, nhd))
+    assert rows_per_page == 32 and k_desc.shape == [4 * 32 + 16, 256] and k_desc.block_shape == [16, 64]
+    assert k_desc.base.data_ptr() == cache.data_ptr() and v_desc.base.data_ptr() == cache[:, 1].data_ptr()
+    k, v = torch.randn(2, 7, 8, 4, 64).to(torch.bfloat16).unbind(0)
+    assert _hopper.paged_descriptors(unpack_paged_kv_cache((k, v), nhd))[1] == 8
+    tokens = torch.randn(2, 30, 4, 64).to(torch.bfloat16)
+    assert _hopper.paged_descriptors(unpack_paged_kv_cache((tokens[0], tokens[1]), nhd))[1] == 1  # page size 1
+    padded = torch.randn(5, 2, 16, 4, 72).to(torch.bfloat16)[..., :64]
+    heads_apart = torch.randn(5, 2, 4, 16, 64).to(torch.bfloat16).transpose(2, 3)
+    mixed = (k, torch.randn(7, 8, 4, 64).to(torch.bfloat16).transpose(0, 1).contiguous().transpose(0, 1))
+    for bad in (padded, heads_apart, mixed):
+        assert _hopper.paged_descriptors(unpack_paged_kv_cache(bad, nhd)) is None
+
+
+def test_attention_variant_rejects_what_the_kernel_cannot_run():
+    """The kernel variant is built in one place, which refuses the dot-free single-row tiles with
+    features that path lacks, and folds the scale only for plain scores."""
+    from tritoninfer import _plan
+
+    lanes = _plan.Tiles(1, 16, 1, 1, 1, 1, prefetch_pages=False, lanes=4)
+    plain = _attention.score_params("NONE", -1, None, None, None, None, 64)
+    kw = dict(group=1, head_dim_qk=64, head_dim_vo=64, page_size=16, has_custom_mask=False, has_sinks=False,
+              has_head_scales=False, write_lse=True, dot=None)
+    assert _attention.attention_variant(plain, lanes, **kw).lanes == 4
+    for change, extra in (({"rope": True}, {}), ({"alibi": True}, {}), ({}, {"has_custom_mask": True}),
+                          ({}, {"has_head_scales": True}), ({}, {"group": 2})):
+        with pytest.raises(ValueError, match="dot-free single-row"):
+            _attention.attention_variant(dataclasses.replace(plain, **change), lanes, **{**kw, **extra})
+    folding = _plan.Tiles(128, 64, 8, 3, 32, 1, mask_free_tiles=True, fold_scale=True)
+    assert _attention.attention_variant(plain, folding, **{**kw, "group": 4}).fold_scale
+    capped = dataclasses.replace(plain, logits_soft_cap=5.0)
+    variant = _attention.attention_variant(capped, folding, **{**kw, "group": 4})
+    assert not variant.fold_scale and variant.kwargs()["FOLD_SCALE"] is False
+    assert variant.unfolded() == variant

@@ -1,0 +1,144 @@
+"""Launcher of the warp-specialised Gluon prefill kernel for Hopper (``kernels/prefill_hopper.py``):
+its work list, its TMA descriptors and its launch. Whether a plan takes it is decided in
+``_route.py``, nowhere else.
+
+The kernel runs plain 16-bit attention (no mask, window, soft cap, RoPE, ALiBi, sinks or scales)
+over contiguous NHD K/V or over an NHD paged cache (one TMA box per page), FlashAttention-3's
+schedule: a producer warp loading K/V tiles into a ring of shared-memory stages and two consumer
+warpgroups, each a 64-row half of a 128-token query tile.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional, Tuple
+
+import numpy as np
+import torch
+
+from . import _device, _plan
+from ._errors import fault_record
+from ._kvcache import PagedKV
+from ._launch import CachedLauncher
+
+TILE = 128  # query tokens per work item: two consumer warpgroups of 64
+STAGES = 3  # K/V ring depth: 3 x 64 KB at head_dim 128, with Q 224 KB of the H200's 227
+CONSUMER_REGS = 240  # per consumer thread; the producer warpgroup keeps 24
+PERSISTENT = True  # one program per SM running work items in turn (False: one item per program)
+
+
+def maxnreg(consumer_regs: int) -> int:
+    """The kernel-wide register limit that leaves ``consumer_regs`` to each consumer thread:
+    registers are handed out per warpgroup, two consumers and the producer's, 12 warps in all."""
+    return (2 * 4 * consumer_regs + 4 * 24) // 12 // 8 * 8
+
+
+@functools.lru_cache(maxsize=None)
+def gluon_available() -> bool:
+    """Gluon's Hopper API as the kernel uses it: Triton 3.6 (the version it was written and measured
+    with; Gluon is experimental and its API moves between releases)."""
+    import triton
+
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) != (3, 6):
+        return False
+    try:
+        from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma  # noqa: F401
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def work_tiles(qo_lens: np.ndarray, kv_lens: np.ndarray, causal: bool) -> np.ndarray:
+    """int32 [2, tiles]: request and first query token of every 128-token query tile, the tiles that
+    read the most KV first: the attention core's work list (no splits), heaviest first."""
+    plan = _plan.heaviest_first(_plan.build_work(qo_lens, kv_lens, TILE, None), qo_lens, kv_lens, TILE, causal)
+    return np.ascontiguousarray(plan.work[:, :2].T)
+
+
+def tma_ready(t: torch.Tensor) -> bool:
+    """A [tokens, H, D] tensor that a 2-D TMA box can read as [tokens, H * D]."""
+    elem = t.element_size()
+    return (t.stride(2) == 1 and t.stride(1) == t.shape[2] and (t.stride(0) * elem) % 16 == 0
+            and t.data_ptr() % 16 == 0)
+
+
+@functools.lru_cache(maxsize=None)
+def smem_layout(rows: int, head_dim: int, dtype: torch.dtype):
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], {torch.float16: gl.float16,
+                                                                   torch.bfloat16: gl.bfloat16}[dtype])
+
+
+def ragged_descriptors(k: torch.Tensor, v: torch.Tensor) -> Optional[Tuple[tuple, int]]:
+    """TMA descriptors of contiguous NHD K/V (128-token boxes of one head) and rows per page (0), or
+    None where a 2-D TMA view does not fit them (the run then takes the core)."""
+    if not (tma_ready(k) and tma_ready(v)):
+        return None
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    n, h, d = k.shape
+    layout = smem_layout(TILE, d, k.dtype)
+    return tuple(TensorDescriptor(t, [n, h * d], [t.stride(0), 1], [TILE, d], layout) for t in (k, v)), 0
+
+
+def paged_descriptors(kv: PagedKV) -> Optional[Tuple[tuple, int]]:
+    """TMA descriptors of an NHD paged cache for the kernel's paged mode: K and V as 2-D views
+    [rows, H * D] with a box of one page of one head, page p starting at row p * rows_per_page (in a
+    5-D cache K and V pages alternate: rows_per_page = 2 * page). None where the cache does not fit
+    that view (heads or slots not packed, page strides that are not whole rows or differ)."""
+    page, h, d = kv.page_size, kv.num_heads, kv.head_dim_qk
+    row = h * d
+    page_stride, slot, head = kv.k_strides
+    if (kv.k_strides != kv.v_strides or (page > 1 and slot != row) or head != d or page_stride % row
+            or (page_stride * kv.k.element_size()) % 16 or kv.k.data_ptr() % 16 or kv.v.data_ptr() % 16):
+        return None
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    rows_per_page = page_stride // row
+    rows = (kv.k.shape[0] - 1) * rows_per_page + page
+    layout = smem_layout(page, d, kv.k.dtype)
+    return tuple(TensorDescriptor(t, [rows, row], [row, 1], [page, d], layout) for t in (kv.k, kv.v)), rows_per_page
+
+
+def _check_page_ids_launcher():
+    from .kernels.faults import check_page_ids_kernel
+
+    return CachedLauncher(check_page_ids_kernel)
+
+
+def check_page_ids(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, batch: int, num_pages: int) -> None:
+    """Reports (``tritoninfer/_errors.py``) a page id outside the cache: the kernel reads pages through
+    TMA boxes, which the hardware keeps inside the cache, so it would not see a bad id itself.
+    ``kv_indptr`` is the plan's own, checked on the host."""
+    launcher = _device.per_device("check_page_ids", kv_indices.device, _check_page_ids_launcher)
+    launcher[(batch,)](kv_indptr, kv_indices, fault_record(kv_indices.device), num_pages, BLOCK=256)
+
+
+def launch(q, kv_descriptors, out, lse, qo_indptr, kv_indptr, kv_len, tiles: torch.Tensor, num_kv_heads: int,
+           sm_scale: float, causal: bool, kv_indices=None) -> None:
+    """The kernel over ``kv_descriptors`` (from ``ragged_descriptors`` with token offsets ``kv_indptr``,
+    or ``paged_descriptors`` with the page table ``kv_indptr`` / ``kv_indices``); ``kv_len`` int32
+    [batch]; ``tiles`` the uploaded ``work_tiles`` (int32 [2, tiles])."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .kernels.prefill_hopper import prefill_hopper_kernel
+
+    (k_desc, v_desc), rows_per_page = kv_descriptors
+    tokens, hq, d = q.shape
+    q_desc = TensorDescriptor(q, [tokens, hq * d], [q.stride(0), 1], [64, d], smem_layout(64, d, q.dtype))
+    if lse is None:  # the kernel always writes one (see kernels/prefill_hopper.py)
+        lse = torch.empty((tokens, hq), dtype=torch.float32, device=q.device)
+    paged = kv_indices is not None
+    num_items = tiles.shape[1] * hq
+    grid = min(num_items, _device.num_sms(q.device)) if PERSISTENT else num_items
+    prefill_hopper_kernel[(grid,)](
+        q_desc, k_desc, v_desc, out, out.stride(0), out.stride(1), lse, lse.stride(0),
+        qo_indptr, kv_indptr, kv_len, tiles[0], tiles[1], hq, num_items, sm_scale * math.log2(math.e),
+        kv_indices if paged else kv_indptr, rows_per_page,
+        GROUP=hq // num_kv_heads, STAGES=STAGES, IS_CAUSAL=causal, CONSUMER_REGS=CONSUMER_REGS,
+        PAGE_SIZE=k_desc.block_shape[0] if paged else 0, num_warps=4,
+        maxnreg=maxnreg(CONSUMER_REGS),
+    )

@@ -1,0 +1,163 @@
+"""Which kernel runs a plan: the one place that chooses between the attention core and a specialised
+kernel (today the Gluon prefill for Hopper, ``_hopper.py``).
+
+A route is asked twice: once by ``plan()`` (:meth:`PrefillRoute.at_plan`, with what the plan knows:
+device, dtypes, head dims, layout, mask, scores, lengths; it may return the core) and once by
+``run()`` (:meth:`PrefillRoute.at_run`, with the call's tensors: strides that a TMA view can read,
+sinks, scales). Every gate lives here. The decision says why (``repr``, and a debug record on the
+``tritoninfer.route`` logger), and ``tests/test_route.py`` checks each gate on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Optional
+
+import numpy as np
+import torch
+
+from . import _device, _hopper
+from ._options import TensorLayout
+
+log = logging.getLogger("tritoninfer.route")
+
+# TRITONINFER_HOPPER_PREFILL=0 keeps every prefill on the attention core.
+HOPPER_PREFILL = os.environ.get("TRITONINFER_HOPPER_PREFILL", "1") != "0"
+# mean query tokens per request from which a plan takes the Gluon kernel, by (paged, causal): the
+# shortest measured faster than the core on the same KV (benchmarks/NOTES.md, session 6; the paged core
+# is slower than the ragged one, so paged plans switch earlier)
+HOPPER_MIN_LEN = {(False, False): 1024, (False, True): 4096, (True, False): 512, (True, True): 1024}
+# smallest page the paged mode takes: a TMA box per page lands in an 8-row slice of the 128-byte
+# swizzled K/V stage; Triton 3.6 cannot slice one below its 8-row swizzle pattern
+HOPPER_MIN_PAGE = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """A route's decision: the kernel, why, and (Gluon) the host work list the plan uploads."""
+
+    kernel: str  # "core" or "hopper"
+    reason: str
+    work: Optional[np.ndarray] = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def is_core(self) -> bool:
+        return self.kernel == "core"
+
+    def __repr__(self) -> str:
+        return f"Route({self.kernel}: {self.reason})"
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanFacts:
+    """What a prefill ``plan()`` knows when it asks the route."""
+
+    device: torch.device
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    head_dim_qk: int
+    head_dim_vo: int
+    layout: TensorLayout
+    use_cuda_graph: bool
+    has_mask: bool
+    params: object  # _attention.ScoreParams
+    qo_lens: np.ndarray
+    kv_lens: np.ndarray
+    page_size: int  # 0: ragged K/V
+
+
+def core(reason: str) -> Route:
+    return Route("core", reason)
+
+
+def is_sm90(device: torch.device) -> bool:
+    """A Hopper GPU (the kernel uses wgmma and TMA as sm_90 has them)."""
+    return device.type == "cuda" and _device.has_gpu() and _device.capability(device) == (9, 0)
+
+
+class PrefillRoute:
+    """Prefill (paged and ragged): the Gluon Hopper kernel where it was measured faster than the core
+    and tested on the H200 (benchmarks/NOTES.md, sessions 5 and 6), the attention core elsewhere."""
+
+    def at_plan(self, facts: PlanFacts) -> Route:
+        route = self._at_plan(facts)
+        log.debug("prefill plan: %r", route)
+        return route
+
+    def _at_plan(self, f: PlanFacts) -> Route:
+        if not HOPPER_PREFILL:
+            return core("TRITONINFER_HOPPER_PREFILL=0")
+        if not is_sm90(f.device):
+            return core("not an sm_90 GPU")
+        if not _hopper.gluon_available():
+            return core("the Gluon kernel needs Triton 3.6")
+        if f.use_cuda_graph:
+            return core("CUDA-graph mode (the kernel's grid is not fixed)")
+        if f.has_mask:
+            return core("custom mask")
+        if f.layout != TensorLayout.NHD:
+            return core("HND layout")
+        if not (f.q_dtype == torch.bfloat16 and f.kv_dtype == f.q_dtype):
+            return core("not bf16 q and KV")
+        if not f.head_dim_qk == f.head_dim_vo == 128:
+            return core("head_dim is not 128 (at 64 the kernel measured 7-12 % slower)")
+        reason = self.scores_unsupported(f.params)
+        if reason:
+            return core(reason)
+        paged = f.page_size > 0
+        if paged and (_hopper.TILE % f.page_size or f.page_size < HOPPER_MIN_PAGE):
+            return core(f"page size {f.page_size} (the paged mode takes {HOPPER_MIN_PAGE}-{_hopper.TILE}, dividing "
+                        f"{_hopper.TILE})")
+        if not paged and int(f.kv_lens.sum()) < _hopper.TILE:
+            return core("K/V shorter than one TMA box")
+        causal = bool(f.params.causal)
+        mean = int(f.qo_lens.sum()) / max(f.qo_lens.size, 1)
+        need = HOPPER_MIN_LEN[paged, causal]
+        if mean < need:
+            return core(f"{mean:.0f} query tokens per request on average, below {need}")
+        return Route("hopper", f"{'paged' if paged else 'ragged'}, {mean:.0f} query tokens per request",
+                     _hopper.work_tiles(f.qo_lens, f.kv_lens, causal))
+
+    @staticmethod
+    def scores_unsupported(params) -> str:
+        """Why the kernel cannot compute these scores ('' when it can): it has no RoPE, ALiBi, soft
+        cap or window, and folds a positive scale into exp2."""
+        if params.rope or params.alibi:
+            return "RoPE or ALiBi"
+        if params.logits_soft_cap > 0:
+            return "soft cap"
+        if params.window_left >= 0:
+            return "sliding window"
+        if not params.sm_scale > 0:
+            return "a scale that is not positive"
+        return ""
+
+    def keep_for(self, route: Route, params) -> Route:
+        """The route for a step whose scores were replaced after planning (the deprecated ``forward()``):
+        the Gluon kernel only if it computes the new scores (its work list was planned already)."""
+        if route.is_core:
+            return route
+        reason = self.scores_unsupported(params)
+        return core(f"forward() settings: {reason}") if reason else route
+
+    def at_run(self, route: Route, q: torch.Tensor, kv, *, sinks=None, head_scales=None, scaled: bool = False):
+        """The Gluon kernel's K/V descriptors for this call, or None: the core runs it. ``kv`` is a
+        ``PagedKV`` (paged) or a ``(k, v)`` pair (ragged); ``scaled``: fp8 scales were passed."""
+        if route.is_core:
+            return None
+        if sinks is not None or head_scales is not None or scaled:
+            why = "sinks, per-head or fp8 scales"
+        elif not _hopper.tma_ready(q):
+            why = "q's strides do not fit a TMA view"
+        else:
+            descriptors = _hopper.ragged_descriptors(*kv) if isinstance(kv, tuple) else _hopper.paged_descriptors(kv)
+            if descriptors is not None:
+                return descriptors
+            why = "K/V strides do not fit a TMA view"
+        log.debug("prefill run: core (%s)", why)
+        return None
+
+
+PREFILL = PrefillRoute()
