@@ -9,7 +9,7 @@ that led to it.
     PYTHONPATH=. python benchmarks/prefill_gluon.py --compile [--page 16]                # no GPU
 
 A config is ``STAGES-CONSUMER_REGS``, with ``-1`` appended for one work item per program (not
-persistent). The GPU modes force the Gluon kernel for every length (past ``prefill.HOPPER_MIN_LEN``,
+persistent). The GPU modes force the Gluon kernel for every length (past ``_route.HOPPER_MIN_LEN``,
 to place the thresholds). ``--paged`` runs the paged wrapper on the kernel's paged mode (a TMA box
 per page) against the same wrapper on the attention core over one page table, and the ragged
 kernel on contiguous copies of the same K/V (paging's cost). ``--ab`` times kernel variants in
@@ -25,7 +25,7 @@ import tempfile
 import torch
 import triton
 
-from tritoninfer import prefill
+from tritoninfer import _hopper, _route
 
 
 def compile_only(configs, page=0):
@@ -45,7 +45,7 @@ def compile_only(configs, page=0):
                 host = torch.empty(1024, 32 * d, dtype=torch.bfloat16)
 
                 def desc(rows, box):
-                    layout = prefill._smem_layout(rows, d, torch.bfloat16)
+                    layout = _hopper.smem_layout(rows, d, torch.bfloat16)
                     return mangle_type(TensorDescriptor(host, list(host.shape), list(host.stride()), [box, d], layout))
 
                 kv_box = page or 128
@@ -61,7 +61,7 @@ def compile_only(configs, page=0):
                 sig.update({name: "constexpr" for name in const})
                 k = triton.compile(GluonASTSource(prefill_hopper_kernel, sig, const, attrs),
                                    target=GPUTarget("cuda", 90, 32),
-                                   options=dict(num_warps=4, maxnreg=prefill.hopper_maxnreg(regs)))
+                                   options=dict(num_warps=4, maxnreg=_hopper.maxnreg(regs)))
                 with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
                     f.write(k.asm["cubin"])
                     f.flush()
@@ -74,13 +74,13 @@ def compile_only(configs, page=0):
                       f"HGMMA {len(re.findall('HGMMA', sass))}")
 
 
-DEFAULT_MIN_LEN = dict(prefill.HOPPER_MIN_LEN)
+DEFAULT_MIN_LEN = dict(_route.HOPPER_MIN_LEN)
 
 
 def _forced(on: bool) -> None:
     """The Gluon kernel on for every length (past the measured thresholds), or off, for the next plans."""
-    prefill.HOPPER_PREFILL = on
-    prefill.HOPPER_MIN_LEN = dict.fromkeys(DEFAULT_MIN_LEN, 0) if on else dict(DEFAULT_MIN_LEN)
+    _route.HOPPER_PREFILL = on
+    _route.HOPPER_MIN_LEN = dict.fromkeys(DEFAULT_MIN_LEN, 0) if on else dict(DEFAULT_MIN_LEN)
 
 
 def _paged_and_ragged(batch, n, hq, hk, d, page):
@@ -124,12 +124,12 @@ def main_paged(args):
                 w.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, hq, hk, d, page, causal=causal,
                        q_data_type=torch.bfloat16)
                 assert (w._step.route_work is not None) == on
-                rows.append((name, lambda w=w, p=persistent: _run_with((prefill.HOPPER_STAGES,
-                             prefill.HOPPER_CONSUMER_REGS, p), w, q, kv.cache)))
+                rows.append((name, lambda w=w, p=persistent: _run_with((_hopper.STAGES,
+                             _hopper.CONSUMER_REGS, p), w, q, kv.cache)))
             _forced(True)
             rw = tritoninfer.BatchPrefillWithRaggedKVCacheWrapper(ws_buf)
             rw.plan(qo_indptr, qo_indptr, hq, hk, d, causal=causal, q_data_type=torch.bfloat16)
-            rows.append(("gluon, ragged", lambda rw=rw: _run_with((prefill.HOPPER_STAGES, prefill.HOPPER_CONSUMER_REGS,
+            rows.append(("gluon, ragged", lambda rw=rw: _run_with((_hopper.STAGES, _hopper.CONSUMER_REGS,
                                                                    True), rw, q, k, v)))
             if args.fa3:
                 import flashinfer
@@ -163,7 +163,7 @@ def main_ab(args):
 
     ws_buf = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     hq, hk, d, page = 32, 8, 128, 16
-    cfg = (prefill.HOPPER_STAGES, prefill.HOPPER_CONSUMER_REGS)
+    cfg = (_hopper.STAGES, _hopper.CONSUMER_REGS)
     print(f"| shape | causal | kernel | µs (median of {args.rounds} rounds) | round medians min–max | TFLOP/s | "
           "rel err |")
     print("|---|---|---|---|---|---|---|")
@@ -216,7 +216,7 @@ def _run_with(cfg, wrapper, *args):
     """Runs with the Hopper kernel's (stages, consumer registers, persistent) set to ``cfg`` (module
     settings read at launch)."""
     if cfg:
-        prefill.HOPPER_STAGES, prefill.HOPPER_CONSUMER_REGS, prefill.HOPPER_PERSISTENT = cfg
+        _hopper.STAGES, _hopper.CONSUMER_REGS, _hopper.PERSISTENT = cfg
     return wrapper.run(*args)
 
 

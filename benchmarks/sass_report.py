@@ -10,6 +10,7 @@ marked so here too; without that Triton emits scalar loads and the report would 
 
 import argparse
 import collections
+import hashlib
 import os
 import re
 import subprocess
@@ -80,6 +81,7 @@ def main(argv=None):
     ap.add_argument("--lanes", type=int, default=0, help="the dot-free single-row path with this many lanes "
                     "(block-m 1, group 1)")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--sha", action="store_true", help="print only a SHA-256 of the SASS (compare two checkouts)")
     args = ap.parse_args(argv)
     kernel = compile_kernel(args)
     ptx = kernel.asm["ptx"]
@@ -89,6 +91,9 @@ def main(argv=None):
         usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-resource-usage", f.name],
                                capture_output=True, text=True).stdout
         sass = subprocess.run([os.path.join(BIN, "nvdisasm"), "-c", f.name], capture_output=True, text=True).stdout
+    if args.sha:
+        print(hashlib.sha256(sass.encode()).hexdigest()[:16], len(sass.splitlines()), "lines of SASS")
+        return
     ops = collections.Counter(m.group(1).split(".")[0] for m in
                               re.finditer(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P[0-9T]+\s+)?([A-Z0-9_.]+)", sass, re.M))
     print(f"shared memory (Triton metadata): {kernel.metadata.shared} bytes")

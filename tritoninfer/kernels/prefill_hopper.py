@@ -2,7 +2,7 @@
 schedule, written out. Used by ``BatchPrefillWithRaggedKVCacheWrapper`` (and so
 ``single_prefill_with_kv_cache``), and in its paged mode by ``BatchPrefillWithPagedKVCacheWrapper``,
 when the attention is plain: 16-bit Q/K/V of one dtype, causal or not, no mask/window/soft
-cap/ALiBi/RoPE/sinks/scales (``prefill._hopper_capable``; it runs head_dim 64 too, but is selected at 128).
+cap/ALiBi/RoPE/sinks/scales (``_route.PrefillRoute``; it runs head_dim 64 too, but is selected at 128).
 Everything else, and every other GPU, runs the shared attention core.
 
 A work item: 128 query tokens of one query head. A program (one per SM, persistent) runs items in
