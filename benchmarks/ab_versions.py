@@ -97,6 +97,7 @@ def main(argv=None):
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--kv-dtype", default="bfloat16")
     ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     versions = {}
@@ -115,7 +116,7 @@ def main(argv=None):
              "| heads | batch | kv_len | " + " | ".join(f"{k} µs" for k in names) + " | " +
              " | ".join(f"{k}/{base}" for k in names[1:]) + " |", "|---" * (3 + 2 * len(names) - 1) + "|"]
     ratios = {k: [] for k in names[1:]}
-    shapes = DECODE_SHAPES if args.shapes == "all" else [
+    shapes = [] if args.skip_decode else DECODE_SHAPES if args.shapes == "all" else [
         (32, 8, 1, 4096), (32, 8, 16, 4096), (32, 8, 64, 4096), (32, 8, 64, 32768), (32, 8, 256, 4096),
         (32, 8, 256, 32768), (32, 32, 16, 16384), (32, 32, 64, 16384)]
     for hq, hk, b, n in shapes:
@@ -141,7 +142,7 @@ def main(argv=None):
         del graphs, cache, indices
         torch.cuda.empty_cache()
     lines += [""] + [f"decode {k}/{base}: median {statistics.median(r):.3f}, min {min(r):.3f}, max {max(r):.3f} "
-                     f"over {len(r)} shapes" for k, r in ratios.items()] + [""]
+                     f"over {len(r)} shapes" for k, r in ratios.items() if r] + [""]
     if not args.skip_prefill:
         lines += ["prefill (paged, page 16, bf16, head_dim 128): median of interleaved rounds x 10 eager runs", "",
                   "| heads | batch x len | causal | " + " | ".join(f"{k} µs" for k in names) + " | " +

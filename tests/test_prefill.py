@@ -9,7 +9,7 @@ import torch
 from conftest import DEVICE
 
 import tritoninfer
-from tritoninfer import prefill, reference, testing
+from tritoninfer import reference, testing
 from tritoninfer.prefill import BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper
 from tritoninfer.quantization import segment_packbits
 
