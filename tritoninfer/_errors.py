@@ -71,6 +71,19 @@ def raise_pending(device: Optional[torch.device] = None) -> None:
             raise ValueError(describe(fault, limit))
 
 
+class FaultWatch:
+    """A wrapper's view of its device's fault record: ``plan()`` calls :meth:`raise_pending`, one host
+    memory read when nothing is recorded."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.values = fault_record(device).numpy()
+
+    def raise_pending(self) -> None:
+        if self.values[0] != 0:
+            raise_pending(self.device)
+
+
 def check_errors(device: Optional[torch.device | str | int] = None) -> None:
     """Waits for the GPU, then raises a ``ValueError`` for a bad index a tritoninfer kernel met since the
     last check: a ``kv_indices`` entry outside the paged KV cache, a page table that runs past

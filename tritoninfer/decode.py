@@ -221,6 +221,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._uploader = PlanUploader(self.device)
         self._num_sms = _device.num_sms(self.device)
         self._step: Optional[PlannedStep] = None  # what the last plan() fixed; all run() reads
+        self._faults = _errors.FaultWatch(self.device)
 
     @property
     def use_tensor_cores(self) -> bool:
@@ -324,7 +325,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         disable_split_kv, copy_page_table,
     ) -> None:
         _device.check_launchable(self.device, "plan()")
-        _errors.raise_pending(self.device)
+        self._faults.raise_pending()
         if data_type is not None:
             q_data_type = data_type if q_data_type is None else q_data_type
             kv_data_type = data_type if kv_data_type is None else kv_data_type

@@ -123,6 +123,7 @@ class _BatchPrefillBase:
         self._uploader = PlanUploader(self.device)
         self._graph = GraphBuffers(self.device) if use_cuda_graph else None
         self._step: Optional[PlannedStep] = None  # what the last plan() fixed; all run() reads
+        self._faults = _errors.FaultWatch(self.device)
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -456,7 +457,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             Never split KV (batch-invariant).
         """
         _device.check_launchable(self.device, "plan()")
-        _errors.raise_pending(self.device)
+        self._faults.raise_pending()
         _reject_unsupported(use_fp16_qk_reduction, prefix_len_ptr, token_pos_in_items_ptr, token_pos_in_items_len,
                             max_item_len_ptr)
         check_positive_int(page_size, "page_size")
@@ -694,7 +695,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         ``kv_indptr`` (int32 ``[batch+1]``) giving each request's K/V rows. (Note FlashInfer's
         order here: ``window_left, logits_soft_cap, sm_scale``.)"""
         _device.check_launchable(self.device, "plan()")
-        _errors.raise_pending(self.device)
+        self._faults.raise_pending()
         _reject_unsupported(use_fp16_qk_reduction, prefix_len_ptr, token_pos_in_items_ptr, token_pos_in_items_len,
                             max_item_len_ptr)
         qo_indptr_host = host_index(qo_indptr, "qo_indptr")
