@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from . import _device
+from . import _device, _ops
 from ._launch import CachedLauncher
 from ._plan import cdiv, next_pow2
 from .kernels.activation import act_and_mul_kernel
@@ -38,7 +38,17 @@ def _as_2d(t: torch.Tensor) -> Optional[torch.Tensor]:
         return None
 
 
+@_ops.custom_op("act_and_mul", mutates_args=("out",))
+def _act_and_mul_op(input: torch.Tensor, out: torch.Tensor, act: int) -> None:
+    _act_and_mul(input, out, act)
+
+
 def _act_and_mul(input, out, act: int) -> torch.Tensor:
+    if _ops.compiling():
+        if out is None:
+            out = torch.empty(input.shape[:-1] + (input.shape[-1] // 2,), dtype=input.dtype, device=input.device)
+        _act_and_mul_op(input, out, act)
+        return out
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"input: expected a torch.Tensor, got {type(input).__name__}")
     if input.dim() < 1:

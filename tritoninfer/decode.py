@@ -16,7 +16,7 @@ from typing import Any, List, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from . import _device, _errors
+from . import _device, _errors, _ops
 from ._attention import KVSource, PlanUploader, score_params, scratch_workspace
 from ._kvcache import PagedKVCache, host_page_table, page_table_from_block_tables, unpack_paged_kv_cache
 from ._options import (
@@ -222,6 +222,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._num_sms = _device.num_sms(self.device)
         self._step: Optional[PlannedStep] = None  # what the last plan() fixed; all run() reads
         self._faults = _errors.FaultWatch(self.device)
+        self._handle = _ops.register_wrapper(self)  # for run() under torch.compile (_ops.wrapper_run)
 
     @property
     def use_tensor_cores(self) -> bool:
@@ -451,6 +452,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 "run(): options after paged_kv_cache must be passed by keyword; positional extras are "
                 "FlashInfer's custom-JIT arguments, which tritoninfer does not have"
             )
+        if _ops.compiling():
+            return _ops.traced_run(self, q, paged_kv_cache, out, lse, return_lse, sinks=sinks, q_scale=q_scale,
+                                   k_scale=k_scale, v_scale=v_scale, window_left=window_left,
+                                   q_len_per_req=1 if q_len_per_req is None else q_len_per_req)
         step = self._step
         if step is None:
             raise ValueError("run() was called before plan()")
@@ -502,6 +507,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
         return (out, lse) if return_lse else out
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
+
+    def _run_into(self, q, paged_kv_cache, out, lse, *, sinks, q_scale, k_scale, v_scale, window_left,
+                  q_len_per_req) -> None:
+        """``run()`` into ``out``/``lse``, eagerly: the implementation of ``_ops.wrapper_run``."""
+        self.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
+                 window_left=window_left, sinks=sinks, q_len_per_req=q_len_per_req)
 
     def forward(
         self,

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from . import _device
+from . import _device, _ops
 from ._launch import CachedLauncher
 from ._plan import cdiv, next_pow2
 from .kernels.norm import rmsnorm_kernel
@@ -102,7 +102,22 @@ def _launch(input, residual, weight, out, eps: float, weight_bias: float) -> Non
     )
 
 
+@_ops.custom_op("rmsnorm", mutates_args=("out",))
+def _rmsnorm_op(input: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float, weight_bias: float) -> None:
+    _rmsnorm(input, weight, eps, out, weight_bias)
+
+
+@_ops.custom_op("fused_add_rmsnorm", mutates_args=("input", "residual"))
+def _fused_add_rmsnorm_op(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                          weight_bias: float) -> None:
+    _fused_add_rmsnorm(input, residual, weight, eps, weight_bias)
+
+
 def _rmsnorm(input, weight, eps, out, weight_bias):
+    if _ops.compiling():
+        out = torch.empty_like(input) if out is None else out
+        _rmsnorm_op(input, weight, out, float(eps), float(weight_bias))
+        return out
     _check_input(input, "input")
     _check_weight(weight, input)
     if out is None:
@@ -114,6 +129,9 @@ def _rmsnorm(input, weight, eps, out, weight_bias):
 
 
 def _fused_add_rmsnorm(input, residual, weight, eps, weight_bias):
+    if _ops.compiling():
+        _fused_add_rmsnorm_op(input, residual, weight, float(eps), float(weight_bias))
+        return
     _check_input(input, "input")
     _check_like(residual, "residual", input)
     _check_weight(weight, input)

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from . import _device, _errors
+from . import _device, _errors, _ops
 from ._attention import KVSource, PlanUploader, score_params, scratch_workspace
 from ._route import PREFILL, PlanFacts
 from ._step import GraphBuffers, PlannedStep, Settings, plan_single, plan_work, run_step, upload_plan
@@ -124,6 +124,7 @@ class _BatchPrefillBase:
         self._graph = GraphBuffers(self.device) if use_cuda_graph else None
         self._step: Optional[PlannedStep] = None  # what the last plan() fixed; all run() reads
         self._faults = _errors.FaultWatch(self.device)
+        self._handle = _ops.register_wrapper(self)  # for run() under torch.compile (_ops.wrapper_run)
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -252,6 +253,15 @@ class _BatchPrefillBase:
             route_work=None if route.is_core else views[-1].view(2, -1),
         )
         return fields, views[len(mask_arrays):len(views) - len(route_arrays)]
+
+    def _run_into(self, q, kv, out, lse, *, sinks, q_scale, k_scale, v_scale, window_left, q_len_per_req) -> None:
+        """``run()`` into ``out``/``lse``, eagerly: the implementation of ``_ops.wrapper_run`` (``kv``: the
+        paged cache, or the ragged ``(k, v)``)."""
+        if self._paged:
+            self.run(q, kv, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
+                     window_left=window_left, sinks=sinks)
+        else:
+            self.run(q, *kv, out=out, lse=lse)
 
     def _override(self, causal, pos_encoding_mode, use_fp16_qk_reduction, window_left, logits_soft_cap, sm_scale,
                   rope_scale, rope_theta) -> None:
@@ -547,6 +557,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         """
         if args:
             raise TypeError("run(): options after paged_kv_cache must be passed by keyword")
+        if _ops.compiling():
+            return _ops.traced_run(self, q, paged_kv_cache, out, lse, return_lse, zero_out=self._use_cuda_graph,
+                                   sinks=sinks, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+                                   window_left=window_left)
         step = self._step
         if step is None:
             raise ValueError("run() was called before plan()")
@@ -744,6 +758,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         """
         if args:
             raise TypeError("run(): options after v must be passed by keyword")
+        if _ops.compiling():
+            return _ops.traced_run(self, q, (k, v), out, lse, return_lse, zero_out=self._use_cuda_graph)
         step = self._step
         if step is None:
             raise ValueError("run() was called before plan()")

@@ -31,7 +31,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import _device
+from . import _device, _ops
 from ._launch import CachedLauncher
 from ._plan import cdiv, next_pow2
 from .kernels.rope import rope_kernel
@@ -200,8 +200,46 @@ def _launch(
     )
 
 
+@_ops.custom_op("rope", mutates_args=("q_out", "k_out"))
+def _rope_op(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor, indptr: Optional[torch.Tensor],
+             offsets: Optional[torch.Tensor], pos_ids: Optional[torch.Tensor], rotary_dim: Optional[int],
+             interleave: bool, rope_scale: float, rope_theta: float, smooth_a: float, smooth_b: float) -> None:
+    """RoPE of ``q``/``k`` into ``q_out``/``k_out`` (ragged: ``indptr``/``offsets``; else ``pos_ids``)."""
+    args = (rotary_dim, interleave, rope_scale, rope_theta, smooth_a, smooth_b)
+    if pos_ids is None:
+        _ragged(q, k, indptr, offsets, *args, in_place=False, outs=(q_out, k_out))
+    else:
+        _pos_ids(q, k, pos_ids, *args, in_place=False, outs=(q_out, k_out))
+
+
+@_ops.custom_op("rope_inplace", mutates_args=("q", "k"))
+def _rope_inplace_op(q: torch.Tensor, k: torch.Tensor, indptr: Optional[torch.Tensor], offsets: Optional[torch.Tensor],
+                     pos_ids: Optional[torch.Tensor], rotary_dim: Optional[int], interleave: bool, rope_scale: float,
+                     rope_theta: float, smooth_a: float, smooth_b: float) -> None:
+    args = (rotary_dim, interleave, rope_scale, rope_theta, smooth_a, smooth_b)
+    if pos_ids is None:
+        _ragged(q, k, indptr, offsets, *args, in_place=True)
+    else:
+        _pos_ids(q, k, pos_ids, *args, in_place=True)
+
+
+def _traced(q, k, indptr, offsets, pos_ids, rotary_dim, interleave, rope_scale, rope_theta, smooth_a, smooth_b,
+            in_place):
+    """Under torch.compile: the custom ops above (``_ops.py``)."""
+    args = (rotary_dim, bool(interleave), float(rope_scale), float(rope_theta), float(smooth_a), float(smooth_b))
+    if in_place:
+        _rope_inplace_op(q, k, indptr, offsets, pos_ids, *args)
+        return q, k
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    _rope_op(q, k, q_out, k_out, indptr, offsets, pos_ids, *args)
+    return q_out, k_out
+
+
 def _ragged(q, k, indptr, offsets, rotary_dim, interleave, rope_scale, rope_theta,
-            smooth_a, smooth_b, in_place: bool):
+            smooth_a, smooth_b, in_place: bool, outs=None):
+    if _ops.compiling():
+        return _traced(q, k, indptr, offsets, None, rotary_dim, interleave, rope_scale, rope_theta, smooth_a,
+                       smooth_b, in_place)
     nnz, _, _, head_dim = _check_qk(q, k)
     _check_index_tensor(indptr, "indptr", None, q.device)
     if indptr.numel() < 1:
@@ -210,8 +248,7 @@ def _ragged(q, k, indptr, offsets, rotary_dim, interleave, rope_scale, rope_thet
     rotary_dim = _resolve_rotary_dim(rotary_dim, head_dim)
     scale = _check_positive(rope_scale, "rope_scale")
     theta = _check_positive(rope_theta, "rope_theta")
-    q_out = q if in_place else torch.empty_like(q)
-    k_out = k if in_place else torch.empty_like(k)
+    q_out, k_out = (q, k) if in_place else outs if outs is not None else (torch.empty_like(q), torch.empty_like(k))
     _launch(q, k, q_out, k_out, rotary_dim=rotary_dim, interleave=interleave,
             indptr=indptr, offsets=offsets, rope_scale=scale, rope_theta=theta,
             smooth_a=smooth_a, smooth_b=smooth_b)
@@ -219,14 +256,16 @@ def _ragged(q, k, indptr, offsets, rotary_dim, interleave, rope_scale, rope_thet
 
 
 def _pos_ids(q, k, pos_ids, rotary_dim, interleave, rope_scale, rope_theta,
-             smooth_a, smooth_b, in_place: bool):
+             smooth_a, smooth_b, in_place: bool, outs=None):
+    if _ops.compiling():
+        return _traced(q, k, None, None, pos_ids, rotary_dim, interleave, rope_scale, rope_theta, smooth_a,
+                       smooth_b, in_place)
     nnz, _, _, head_dim = _check_qk(q, k)
     _check_index_tensor(pos_ids, "pos_ids", nnz, q.device)
     rotary_dim = _resolve_rotary_dim(rotary_dim, head_dim)
     scale = _check_positive(rope_scale, "rope_scale")
     theta = _check_positive(rope_theta, "rope_theta")
-    q_out = q if in_place else torch.empty_like(q)
-    k_out = k if in_place else torch.empty_like(k)
+    q_out, k_out = (q, k) if in_place else outs if outs is not None else (torch.empty_like(q), torch.empty_like(k))
     _launch(q, k, q_out, k_out, rotary_dim=rotary_dim, interleave=interleave,
             pos_ids=pos_ids, rope_scale=scale, rope_theta=theta,
             smooth_a=smooth_a, smooth_b=smooth_b)
