@@ -91,3 +91,66 @@ def test_prefill_wrappers_compile(monkeypatch):
     testing.assert_close(o1, paged.run(q, kv.cache), torch.float16, tol=0.0)
     testing.assert_lse_close(lse1, paged.run(q, kv.cache, return_lse=True)[1], atol=0.0, rtol=0.0)
     testing.assert_close(o2, ragged.run(q, k, v), torch.float16, tol=0.0)
+
+
+def test_single_functions_merges_and_append_compile():
+    """single decode/prefill, the state merges, the cascade wrapper and the append under fullgraph
+    compile give the eager results (outputs compared bit for bit: the same kernels run)."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(4)
+    q1 = testing.randn((HQ, D), torch.float16, DEVICE, g)
+    qs = testing.randn((5, HQ, D), torch.float16, DEVICE, g)
+    k = testing.randn((9, HK, D), torch.float16, DEVICE, g)
+    v = testing.randn((9, HK, D), torch.float16, DEVICE, g)
+    mask = torch.rand(5, 9, generator=g) < 0.7
+
+    def singles(q1, qs, k, v, mask):
+        o1, l1 = tritoninfer.single_decode_with_kv_cache(q1, k, v, return_lse=True)
+        o2 = tritoninfer.single_prefill_with_kv_cache(qs, k, v, causal=True)
+        o3, l3 = tritoninfer.single_prefill_with_kv_cache(qs, k, v, custom_mask=mask, return_lse=True)
+        return o1, l1, o2, o3, l3
+
+    got = torch.compile(singles, fullgraph=True, backend="aot_eager")(q1, qs, k, v, mask)
+    want = singles(q1, qs, k, v, mask)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+    va, vb = testing.randn((6, HQ, D), torch.float16, DEVICE, g), testing.randn((6, HQ, D), torch.float16, DEVICE, g)
+    sa, sb = testing.randn((6, HQ), torch.float32, DEVICE, g), testing.randn((6, HQ), torch.float32, DEVICE, g)
+    vs, ss = testing.randn((6, 3, HQ, D), torch.float16, DEVICE, g), testing.randn((6, 3, HQ), torch.float32, DEVICE, g)
+
+    def merges(va, sa, vb, sb, vs, ss):
+        v1, s1 = tritoninfer.merge_state(va, sa, vb, sb)
+        v2, s2 = tritoninfer.merge_states(vs, ss)
+        v3, s3 = va.clone(), sa.clone()
+        tritoninfer.merge_state_in_place(v3, s3, vb, sb)
+        return v1, s1, v2, s2, v3, s3
+
+    got = torch.compile(merges, fullgraph=True, backend="aot_eager")(va, sa, vb, sb, vs, ss)
+    for a, b in zip(got, merges(va, sa, vb, sb, vs, ss)):
+        assert torch.equal(a, b)
+
+    kv = testing.make_paged_kv((6, 10), PAGE, HK, D, device=DEVICE, generator=g)
+    cascade = tritoninfer.MultiLevelCascadeAttentionWrapper(2, testing.make_workspace(8 << 20, DEVICE))
+    shared_pages = kv.kv_indices[:1].clone()
+    cascade.plan([torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32)],
+                 [torch.tensor([0, 1], dtype=torch.int32), kv.kv_indptr], [shared_pages, kv.kv_indices],
+                 [torch.tensor([PAGE], dtype=torch.int32), kv.kv_last_page_len], HQ, HK, D, PAGE)
+    q2 = testing.randn((2, HQ, D), torch.float16, DEVICE, g)
+    compiled_cascade = torch.compile(lambda q, c: cascade.run(q, c), fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled_cascade(q2, kv.cache), cascade.run(q2, kv.cache))
+
+    lens = torch.tensor(kv.kv_lens, dtype=torch.int32, device=DEVICE)
+    append_indptr = torch.tensor([0, 2, 3], dtype=torch.int32, device=DEVICE)
+    bi, pos = tritoninfer.get_batch_indices_positions(append_indptr, lens, 3)
+    new_k = testing.randn((3, HK, D), torch.float16, DEVICE, g)
+
+    def append(cache):
+        tritoninfer.append_paged_kv_cache(new_k, new_k, bi, pos, cache, kv.kv_indices, kv.kv_indptr,
+                                          kv.kv_last_page_len)
+        return cache
+
+    eager_cache = kv.cache.clone()
+    append(eager_cache)
+    compiled_cache = torch.compile(append, fullgraph=True, backend="aot_eager")(kv.cache.clone())
+    assert torch.equal(compiled_cache, eager_cache)

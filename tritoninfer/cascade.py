@@ -19,6 +19,7 @@ from typing import List, Optional, Tuple, Union
 
 import torch
 
+from . import _ops
 from ._launch import CachedLauncher
 from ._kvcache import PagedKVCache, unpack_paged_kv_cache
 from ._options import (
@@ -82,6 +83,32 @@ def _launch_merge_two(v_a, s_a, v_b, s_b, v_out, s_out, mask: Optional[torch.Ten
     )
 
 
+@_ops.custom_op("merge_state", mutates_args=("v_out", "s_out"))
+def _merge_state_op(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor, v_out: torch.Tensor,
+                    s_out: torch.Tensor) -> None:
+    _merge_state_checks(v_a, s_a, v_b, s_b)
+    _launch_merge_two(v_a, s_a, v_b, s_b, v_out, s_out, None)
+
+
+@_ops.custom_op("merge_state_in_place", mutates_args=("v", "s"))
+def _merge_state_in_place_op(v: torch.Tensor, s: torch.Tensor, v_other: torch.Tensor, s_other: torch.Tensor,
+                             mask: Optional[torch.Tensor]) -> None:
+    merge_state_in_place(v, s, v_other, s_other, mask)
+
+
+@_ops.custom_op("merge_states", mutates_args=("out", "lse"))
+def _merge_states_op(v: torch.Tensor, s: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    _merge_states_checks(v, s)
+    _merge_states_into(v, s, out, lse)
+
+
+def _merge_state_checks(v_a, s_a, v_b, s_b) -> None:
+    _check_pair(v_a, s_a, "v_a", "s_a")
+    _check_pair(v_b, s_b, "v_b", "s_b")
+    if v_a.shape != v_b.shape or v_a.dtype != v_b.dtype:
+        raise ValueError(f"v_b: expected shape {tuple(v_a.shape)} and dtype {v_a.dtype} like v_a, got {tuple(v_b.shape)}, {v_b.dtype}")
+
+
 def merge_state(
     v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor
 ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -98,13 +125,15 @@ def merge_state(
     -------
     ``(v, s)``: merged output in ``v_a``'s dtype and float32 LSE.
     """
-    _check_pair(v_a, s_a, "v_a", "s_a")
-    _check_pair(v_b, s_b, "v_b", "s_b")
-    if v_a.shape != v_b.shape or v_a.dtype != v_b.dtype:
-        raise ValueError(f"v_b: expected shape {tuple(v_a.shape)} and dtype {v_a.dtype} like v_a, got {tuple(v_b.shape)}, {v_b.dtype}")
+    compiling = _ops.compiling()
+    if not compiling:
+        _merge_state_checks(v_a, s_a, v_b, s_b)
     v = torch.empty_like(v_a, memory_format=torch.contiguous_format)
     s = torch.empty(s_a.shape, dtype=torch.float32, device=s_a.device)
-    _launch_merge_two(v_a, s_a, v_b, s_b, v, s, None)
+    if compiling:
+        _merge_state_op(v_a, s_a, v_b, s_b, v, s)
+    else:
+        _launch_merge_two(v_a, s_a, v_b, s_b, v, s, None)
     return v, s
 
 
@@ -123,6 +152,9 @@ def merge_state_in_place(
         bool ``[seq_len]`` on the same device: rows where it is False are left unchanged (lets a
         CUDA graph skip rows without changing shapes).
     """
+    if _ops.compiling():
+        _merge_state_in_place_op(v, s, v_other, s_other, mask)
+        return
     _check_pair(v, s, "v", "s")
     _check_pair(v_other, s_other, "v_other", "s_other")
     if v.shape != v_other.shape:
@@ -148,17 +180,31 @@ def merge_states(v: torch.Tensor, s: torch.Tensor) -> Tuple[torch.Tensor, torch.
     -------
     ``(v, s)``: ``[seq_len, num_heads, head_dim]`` in ``v``'s dtype and float32 ``[seq_len, num_heads]``.
     """
+    compiling = _ops.compiling()
+    if not compiling:
+        _merge_states_checks(v, s)
+    out = torch.empty((v.shape[0], v.shape[2], v.shape[3]), dtype=v.dtype, device=v.device)
+    lse = torch.empty((v.shape[0], v.shape[2]), dtype=torch.float32, device=v.device)
+    if compiling:
+        _merge_states_op(v, s, out, lse)
+    else:
+        _merge_states_into(v, s, out, lse)
+    return out, lse
+
+
+def _merge_states_checks(v: torch.Tensor, s: torch.Tensor) -> None:
     check_tensor(v, "v", ndim=4, dtype=_V_DTYPES)
     check_tensor(s, "s", ndim=3, dtype=torch.float32)
     if tuple(s.shape) != tuple(v.shape[:3]) or s.device != v.device:
         raise ValueError(f"s: expected shape {tuple(v.shape[:3])} on {v.device}, got {tuple(s.shape)} on {s.device}")
     if v.stride(-1) != 1:
         raise ValueError("v: the last dimension must be contiguous")
+
+
+def _merge_states_into(v: torch.Tensor, s: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
     n, num_states, num_heads, head_dim = v.shape
-    out = torch.empty((n, num_heads, head_dim), dtype=v.dtype, device=v.device)
-    lse = torch.empty((n, num_heads), dtype=torch.float32, device=v.device)
     if n == 0:
-        return out, lse
+        return
     block_h, block_d = _blocks(num_heads, head_dim)
     _MERGE_STATES[(n, cdiv(num_heads, block_h))](
         v, v.stride(0), v.stride(1), v.stride(2),
@@ -168,7 +214,6 @@ def merge_states(v: torch.Tensor, s: torch.Tensor) -> Tuple[torch.Tensor, torch.
         lse, num_heads, num_states,
         HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, HAS_MASK=False,
     )
-    return out, lse
 
 
 # --------------------------------------------------------------------------------------------------

@@ -97,6 +97,12 @@ def single_decode_with_kv_cache(
     ``o`` ``[num_qo_heads, head_dim]`` in q's dtype, and ``lse`` when ``return_lse``. An empty KV
     gives output 0 and LSE -inf.
     """
+    if _ops.compiling():
+        out = torch.empty((q.shape[0], v.shape[-1]), dtype=q.dtype, device=q.device)
+        lse = torch.empty((q.shape[0],), dtype=torch.float32, device=q.device) if return_lse else None
+        _single_decode_op(q, k, v, out, lse, kv_layout, str(pos_encoding_mode), q_scale, k_scale, v_scale, window_left,
+                          logits_soft_cap, sm_scale, rope_scale, rope_theta)
+        return (out, lse) if return_lse else out
     check_tensor(q, "q", ndim=2, dtype=Q_DTYPES)
     check_tensor(k, "k", ndim=3, dtype=KV_DTYPES)
     check_tensor(v, "v", ndim=3, dtype=KV_DTYPES)
@@ -138,6 +144,23 @@ def single_decode_with_kv_cache(
     if return_lse:
         return out[0], lse[0]
     return out[0]
+
+
+@_ops.custom_op("single_decode", mutates_args=("out", "lse"))
+def _single_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: Optional[torch.Tensor],
+                      kv_layout: str, pos_encoding_mode: str, q_scale: Optional[float], k_scale: Optional[float],
+                      v_scale: Optional[float], window_left: int, logits_soft_cap: Optional[float],
+                      sm_scale: Optional[float], rope_scale: Optional[float], rope_theta: Optional[float]) -> None:
+    """``single_decode_with_kv_cache`` into ``out`` (and ``lse``), for torch.compile (``_ops.py``)."""
+    result = single_decode_with_kv_cache(
+        q, k, v, kv_layout, pos_encoding_mode, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+        window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
+        rope_theta=rope_theta, return_lse=lse is not None)
+    if lse is not None:
+        out.copy_(result[0])
+        lse.copy_(result[1])
+    else:
+        out.copy_(result)
 
 
 class BatchDecodeWithPagedKVCacheWrapper:

@@ -14,11 +14,11 @@ tensors. Strided views work as long as the last (head_dim) dimension is contiguo
 
 from __future__ import annotations
 
-from typing import Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 
-from . import _device
+from . import _device, _ops
 from ._errors import fault_record
 from ._launch import CachedLauncher
 from ._options import KV_DTYPES, FP8_DTYPES, TensorLayout, check_int_index_tensor, check_tensor, parse_layout
@@ -174,6 +174,17 @@ def _append_block_sizes(head_dim: int, head_dim_v: int) -> Tuple[int, int, int, 
     return block_t, block_d, block_dv, 4
 
 
+@_ops.custom_op("append_paged_kv_cache", mutates_args=("cache", "v_cache"))
+def _append_op(append_key: torch.Tensor, append_value: torch.Tensor, batch_indices: torch.Tensor,
+               positions: torch.Tensor, cache: torch.Tensor, v_cache: Optional[torch.Tensor], kv_indices: torch.Tensor,
+               kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, kv_layout: str) -> None:
+    """``append_paged_kv_cache`` for torch.compile (``_ops.py``): ``cache`` is the single-tensor cache, or
+    the K cache of a ``(k_cache, v_cache)`` pair."""
+    append_paged_kv_cache(append_key, append_value, batch_indices, positions,
+                          cache if v_cache is None else (cache, v_cache), kv_indices, kv_indptr, kv_last_page_len,
+                          kv_layout)
+
+
 def append_paged_kv_cache(
     append_key: torch.Tensor,
     append_value: torch.Tensor,
@@ -241,6 +252,11 @@ def append_paged_kv_cache(
       last dimension is strided; K/V converted to an fp8 cache's dtype (FlashInfer reinterprets the
       bytes instead).
     """
+    if _ops.compiling():
+        pair = isinstance(paged_kv_cache, (tuple, list))
+        _append_op(append_key, append_value, batch_indices, positions, paged_kv_cache[0] if pair else paged_kv_cache,
+                   paged_kv_cache[1] if pair else None, kv_indices, kv_indptr, kv_last_page_len, kv_layout)
+        return
     layout = parse_layout(kv_layout)
     k_cache, v_cache = _unpack_paged_kv_cache(paged_kv_cache, layout)
     _check_append_inputs(append_key, append_value, batch_indices, positions, k_cache, v_cache,

@@ -861,6 +861,14 @@ def single_prefill_with_kv_cache(
     return_lse : bool
         Also return the float32 base-2 LSE ``[qo_len, num_qo_heads]``.
     """
+    if _ops.compiling():
+        out = torch.empty((q.shape[0], q.shape[1], v.shape[-1]), dtype=q.dtype if o_dtype is None else o_dtype,
+                          device=q.device)
+        lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device) if return_lse else None
+        _single_prefill_op(q, k, v, out, lse, scale_q, scale_k, scale_v, custom_mask, packed_custom_mask, causal,
+                           kv_layout, str(pos_encoding_mode), use_fp16_qk_reduction, sm_scale, window_left,
+                           logits_soft_cap, rope_scale, rope_theta, backend)
+        return (out, lse) if return_lse else out
     _check_backend(backend)
     _reject_unsupported(use_fp16_qk_reduction)
     check_tensor(q, "q", ndim=3, dtype=Q_DTYPES)
@@ -914,6 +922,25 @@ def single_prefill_with_kv_cache(
     run_step(step, q=q, kv=source, out=out, lse=lse, workspace=scratch_workspace(device), route_kv=(k, v),
              head_scales=head_scales)
     return (out, lse) if return_lse else out
+
+
+@_ops.custom_op("single_prefill", mutates_args=("out", "lse"))
+def _single_prefill_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: Optional[torch.Tensor],
+                       scale_q: Optional[torch.Tensor], scale_k: Optional[torch.Tensor], scale_v: Optional[torch.Tensor],
+                       custom_mask: Optional[torch.Tensor], packed_custom_mask: Optional[torch.Tensor], causal: bool,
+                       kv_layout: str, pos_encoding_mode: str, use_fp16_qk_reduction: bool, sm_scale: Optional[float],
+                       window_left: int, logits_soft_cap: Optional[float], rope_scale: Optional[float],
+                       rope_theta: Optional[float], backend: str) -> None:
+    """``single_prefill_with_kv_cache`` into ``out`` (and ``lse``), for torch.compile (``_ops.py``)."""
+    result = single_prefill_with_kv_cache(
+        q, k, v, scale_q, scale_k, scale_v, out.dtype, custom_mask, packed_custom_mask, causal, kv_layout,
+        pos_encoding_mode, use_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta,
+        backend, return_lse=lse is not None)
+    if lse is not None:
+        out.copy_(result[0])
+        lse.copy_(result[1])
+    else:
+        out.copy_(result)
 
 
 def _head_scale(s: Optional[torch.Tensor], n: int, name: str, device) -> torch.Tensor:
