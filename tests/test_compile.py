@@ -154,3 +154,20 @@ def test_single_functions_merges_and_append_compile():
     append(eager_cache)
     compiled_cache = torch.compile(append, fullgraph=True, backend="aot_eager")(kv.cache.clone())
     assert torch.equal(compiled_cache, eager_cache)
+
+
+def test_run_compiled_in_place_of_the_class_attribute(monkeypatch):
+    """FlashInfer's compile tests replace ``Wrapper.run`` on the class by ``torch.compile(run)``: the op
+    must run the wrapper's own work, not the (now compiled) ``run`` attribute again."""
+    torch._dynamo.reset()
+    cls = tritoninfer.BatchDecodeWithPagedKVCacheWrapper
+    original = cls.run
+    compiled = torch.compile(original, fullgraph=True, backend="aot_eager")
+    monkeypatch.setattr(cls, "run", lambda self, *args, **kwargs: compiled(self, *args, **kwargs))
+    x, w_norm, w_up, pos, kv, residual = _inputs(5, (5, 9, 3))
+    wrapper = cls(testing.make_workspace(8 << 20, DEVICE))
+    wrapper.plan(kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, HQ, HK, D, PAGE)
+    q = testing.randn((B, HQ, D), torch.float16, DEVICE, torch.Generator().manual_seed(6))
+    o, lse = wrapper.run(q, kv.cache, return_lse=True)
+    o_ref, lse_ref = original(wrapper, q, kv.cache, return_lse=True)
+    assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref)

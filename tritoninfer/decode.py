@@ -479,6 +479,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
             return _ops.traced_run(self, q, paged_kv_cache, out, lse, return_lse, sinks=sinks, q_scale=q_scale,
                                    k_scale=k_scale, v_scale=v_scale, window_left=window_left,
                                    q_len_per_req=1 if q_len_per_req is None else q_len_per_req)
+        return self._run(q, paged_kv_cache, q_scale, k_scale, v_scale, out, lse, return_lse, window_left, sinks,
+                         q_len_per_req)
+
+    def _run(self, q, paged_kv_cache, q_scale, k_scale, v_scale, out, lse, return_lse, window_left, sinks,
+             q_len_per_req):
+        """``run()``'s work (``_ops.wrapper_run`` calls this, never the ``run`` attribute, which a caller
+        may have wrapped in ``torch.compile``)."""
         step = self._step
         if step is None:
             raise ValueError("run() was called before plan()")
@@ -534,8 +541,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
     def _run_into(self, q, paged_kv_cache, out, lse, *, sinks, q_scale, k_scale, v_scale, window_left,
                   q_len_per_req) -> None:
         """``run()`` into ``out``/``lse``, eagerly: the implementation of ``_ops.wrapper_run``."""
-        self.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
-                 window_left=window_left, sinks=sinks, q_len_per_req=q_len_per_req)
+        self._run(q, paged_kv_cache, q_scale, k_scale, v_scale, out, lse, False, window_left, sinks, q_len_per_req)
 
     def forward(
         self,

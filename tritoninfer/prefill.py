@@ -258,10 +258,9 @@ class _BatchPrefillBase:
         """``run()`` into ``out``/``lse``, eagerly: the implementation of ``_ops.wrapper_run`` (``kv``: the
         paged cache, or the ragged ``(k, v)``)."""
         if self._paged:
-            self.run(q, kv, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
-                     window_left=window_left, sinks=sinks)
+            self._run(q, kv, q_scale, k_scale, v_scale, out, lse, False, window_left, sinks)
         else:
-            self.run(q, *kv, out=out, lse=lse)
+            self._run(q, *kv, out, lse, False)
 
     def _override(self, causal, pos_encoding_mode, use_fp16_qk_reduction, window_left, logits_soft_cap, sm_scale,
                   rope_scale, rope_theta) -> None:
@@ -561,6 +560,11 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             return _ops.traced_run(self, q, paged_kv_cache, out, lse, return_lse, zero_out=self._use_cuda_graph,
                                    sinks=sinks, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
                                    window_left=window_left)
+        return self._run(q, paged_kv_cache, q_scale, k_scale, v_scale, out, lse, return_lse, window_left, sinks)
+
+    def _run(self, q, paged_kv_cache, q_scale, k_scale, v_scale, out, lse, return_lse, window_left, sinks):
+        """``run()``'s work (``_ops.wrapper_run`` calls this, never the ``run`` attribute, which a caller
+        may have wrapped in ``torch.compile``)."""
         step = self._step
         if step is None:
             raise ValueError("run() was called before plan()")
@@ -760,6 +764,11 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
             raise TypeError("run(): options after v must be passed by keyword")
         if _ops.compiling():
             return _ops.traced_run(self, q, (k, v), out, lse, return_lse, zero_out=self._use_cuda_graph)
+        return self._run(q, k, v, out, lse, return_lse)
+
+    def _run(self, q, k, v, out, lse, return_lse):
+        """``run()``'s work (``_ops.wrapper_run`` calls this, never the ``run`` attribute, which a caller
+        may have wrapped in ``torch.compile``)."""
         step = self._step
         if step is None:
             raise ValueError("run() was called before plan()")
