@@ -20,7 +20,9 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
 import tritoninfer  # noqa: E402
+from decode_sweep import eager_time  # noqa: E402
 
 DECODE_SHAPES = [(hq, hk, b, n) for hq, hk in ((32, 8), (32, 32)) for b in (1, 16, 64, 256)
                  for n in (1024, 4096, 16384, 32768)]
@@ -71,20 +73,6 @@ def time_graph(g, calls, reps=20):
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1000 / calls)
-    return statistics.median(times)
-
-
-def time_eager(fn, reps=10):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
     return statistics.median(times)
 
 
@@ -167,7 +155,7 @@ def main(argv=None):
             t = {k: [] for k in versions}
             for _ in range(args.rounds):
                 for k in versions:
-                    t[k].append(time_eager(runs[k]))
+                    t[k].append(eager_time(runs[k], reps=10))
             med = {k: statistics.median(v) for k, v in t.items()}
             lines.append(f"| {hq}/{hk} | {b} x {n} | {causal} | " + " | ".join(f"{med[k]:.1f}" for k in names) +
                          " | " + " | ".join(f"{med[k] / med[base]:.3f}" for k in names[1:]) + " |")

@@ -208,7 +208,8 @@ def host_page_table(indptr_host: torch.Tensor, last_page_len_host: torch.Tensor,
     if indices.device.type == "cpu" and num_pages_used > ind[0]:
         # ids on the host are checked here and against the cache at run(); ids on the GPU are bounded
         # by the kernels (kernels/faults.py)
-        ids = indices.reshape(-1)[int(ind[0]):num_pages_used].numpy()
+        # a copy: run() judges the ids the plan saw, whatever the caller does to its tensor afterwards
+        ids = indices.reshape(-1)[int(ind[0]):num_pages_used].numpy().copy()
         table.page_ids = ids
         if ids.min() < 0:
             raise _page_id_error(table, int(np.argmax(ids < 0)), None)

@@ -6,7 +6,7 @@ Query tokens of a request are cut into tiles of ``block_m // group`` tokens; eac
 (token, query head of the GQA group) pairs, so every KV byte is read once per group.
 
 On Hopper, ragged and paged (pages of 8-128 tokens, NHD) plans of plain bf16 attention at head_dim 128
-with long requests (``_hopper_capable``) run a persistent warp-specialised Gluon kernel instead
+with long requests (``_route.PrefillRoute``) run a persistent warp-specialised Gluon kernel instead
 (``kernels/prefill_hopper.py``, FlashAttention-3's schedule: 1.25-1.8x the attention core at 4K-16K
 tokens); everything else runs the attention core.
 """
