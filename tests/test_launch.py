@@ -1,5 +1,6 @@
 """The launch cache (``tritoninfer._launch``): its key must separate every pair of arguments that
 Triton specialises differently, or a cached kernel would run with the wrong assumptions."""
+import ctypes
 import itertools
 
 import pytest
@@ -86,3 +87,154 @@ def test_bound_launch_rejects_tensors_on_another_device():
     wrapper.run(q.cuda(), kv.cache)  # binds the launch
     with pytest.raises(ValueError, match="device"):
         wrapper.run(q, kv.cache.cpu())
+
+
+class _FakeMeta:
+    num_ctas, launch_pdl, launch_cooperative_grid = 1, False, False
+    global_scratch_size = profile_scratch_size = 0
+    num_warps, shared = 4, 1024
+    tensordesc_meta = [{"swizzle": 3, "elem_size": 2, "elem_type": 10, "block_size": [64, 128], "fp4_padded": False}]
+
+
+class _FakeCompiled:
+    def __init__(self, signature):
+        self.src = type("Src", (), {"signature": signature})()
+        self.metadata = _FakeMeta()
+        self.function = 0xF00
+
+
+_READ = {"Q": ctypes.c_uint64, "i": ctypes.c_int32, "q": ctypes.c_int64, "f": ctypes.c_float, "d": ctypes.c_double,
+         "b": ctypes.c_int8}
+
+
+def _decode(params, codes):
+    return [_READ[c].from_address(params[k]).value for k, c in enumerate(codes)]
+
+
+def test_driver_launch_lays_out_parameters_as_tritons_launcher(monkeypatch):
+    """The driver path's parameter array: one slot per non-constexpr parameter in signature order,
+    head values written per call, tail values packed once, a TMA box expanded to map, shape and
+    strides, then the two scratch pointers. A fake ``cuLaunchKernel`` decodes what it gets."""
+    from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+
+    from tritoninfer import _driver, _launch
+
+    assert _launch._TMA_DTYPE == TMA_DTYPE_DEVICE_TO_HOST
+    signature = {"q": "*bf16", "stride": "i32", "one": "constexpr", "box": "tensordesc<bf16[64, 128]>",
+                 "scale": "fp32", "big": "i64", "flag": "i1", "work": "*i32", "n": "i32", "log2": "fp64",
+                 "BLOCK": "constexpr"}
+    seen = []
+    encoded = []
+
+    def fake_launch(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        seen.append(((function, gx, gy, gz, bx, shared, stream), params))
+        return 0
+
+    monkeypatch.setattr(_driver, "available", lambda: True)
+    monkeypatch.setattr(_driver, "launch_kernel", lambda: fake_launch)
+    monkeypatch.setattr(_driver, "encode_tiled", lambda tmap, *args: encoded.append((tmap.address,) + args))
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
+    q = torch.empty(64, dtype=torch.bfloat16)
+    work = torch.empty(8, dtype=torch.int32)
+    kv = torch.empty(4096, dtype=torch.bfloat16)
+    box = _launch.TmaBox(kv, (32, 128), (128, 1), (64, 128), None)
+    head = (q, 4096, 1, box, 0.125, 1 << 40)
+    tail = (True, work, 7, 0.5)
+    launch = _launch.DriverLaunch.build((_FakeCompiled(signature), (64,)), (3, 2, 1), head, tail, 0)
+    assert launch is not None
+    launch([q.data_ptr()], (4096, 1, 1 << 40), (0.125,), (box,))
+    (config, params), = seen
+    assert config == (0xF00, 3, 2, 1, 128, 1024, 77)
+    codes = "Qi" + "Q" + "iiqq" + "fqbQidQQ"
+    values = _decode(params, codes)
+    map_address = encoded[0][0]
+    assert values[0] == q.data_ptr() and values[1] == 4096
+    assert params[2] == map_address
+    assert values[3:7] == [32, 128, 128, 1]
+    assert values[7] == 0.125 and values[8] == 1 << 40 and values[9] == 1 and values[10] == work.data_ptr()
+    assert values[11] == 7 and values[12] == 0.5 and values[13:] == [0, 0]
+    assert encoded[0][1:] == (TMA_DTYPE_DEVICE_TO_HOST[10], kv.data_ptr(), (32, 128), (128, 1), [64, 128], 2, 3, False)
+    # a second call with other head values rewrites only those; the box's encoding is reused
+    q2 = torch.empty(64, dtype=torch.bfloat16)
+    launch([q2.data_ptr()], (8192, 1, 1 << 40), (2.0,), (box,))
+    values = _decode(seen[1][1], codes)
+    assert values[0] == q2.data_ptr() and values[1] == 8192 and values[7] == 2.0 and values[10] == work.data_ptr()
+    assert len(encoded) == 1
+
+
+def test_driver_launch_refuses_what_it_cannot_pass(monkeypatch):
+    from tritoninfer import _driver, _launch
+
+    monkeypatch.setattr(_driver, "available", lambda: True)
+    q = torch.empty(64, dtype=torch.bfloat16)
+    assert _launch.DriverLaunch.build((_FakeCompiled({"q": "*bf16", "x": "fp16"}), ()), (1,), (q, 1.0), (), 0) is None
+    scratch = _FakeCompiled({"q": "*bf16"})
+    scratch.metadata.global_scratch_size = 128
+    assert _launch.DriverLaunch.build((scratch, ()), (1,), (q,), (), 0) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["decode", "paged_prefill", "ragged_prefill"])
+def test_driver_path_runs_and_matches_reference(kind, monkeypatch):
+    """After the first call of a plan (Triton's launcher) every launch of decode and of the Gluon
+    prefill goes through ``cuLaunchKernel`` (``DriverLaunch``), eagerly and under CUDA-graph capture,
+    with new q/out tensors each call, and gives the reference's result."""
+    import tritoninfer
+    from tritoninfer import _launch, reference, testing
+
+    driver_calls = []
+    original = _launch.DriverLaunch.__call__
+
+    def counting(self, *args):
+        driver_calls.append(self.function)
+        return original(self, *args)
+
+    monkeypatch.setattr(_launch.DriverLaunch, "__call__", counting)
+    g = torch.Generator().manual_seed(1)
+    ws = testing.make_workspace(128 << 20, "cuda")
+    lens = [300, 4100, 1500] if kind != "decode" else [300, 77, 5000]
+    kv = testing.make_paged_kv(lens, 16, 8, 128, dtype=torch.bfloat16, device="cuda", generator=g)
+    if kind == "decode":
+        w = tritoninfer.BatchDecodeWithPagedKVCacheWrapper(ws)
+        w.plan(kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 32, 8, 128, 16, q_data_type=torch.bfloat16)
+        qo_indptr = torch.arange(len(lens) + 1, dtype=torch.int32)
+    else:
+        qo_indptr = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32)
+    if kind == "paged_prefill":
+        w = tritoninfer.BatchPrefillWithPagedKVCacheWrapper(ws)
+        w.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 32, 8, 128, 16, causal=True,
+               q_data_type=torch.bfloat16)
+    if kind == "ragged_prefill":
+        k = torch.randn(int(qo_indptr[-1]), 8, 128, generator=g).to("cuda", torch.bfloat16)
+        v = torch.randn(int(qo_indptr[-1]), 8, 128, generator=g).to("cuda", torch.bfloat16)
+        w = tritoninfer.BatchPrefillWithRaggedKVCacheWrapper(ws)
+        w.plan(qo_indptr, qo_indptr, 32, 8, 128, causal=True, q_data_type=torch.bfloat16)
+
+    def run(q):
+        return w.run(q, k, v) if kind == "ragged_prefill" else w.run(q, kv.cache)
+
+    def expected(q):
+        if kind == "decode":
+            return reference.batch_decode_with_paged_kv_cache(q, kv.cache, kv.kv_indptr, kv.kv_indices,
+                                                              kv.kv_last_page_len, "NHD")[0]
+        if kind == "paged_prefill":
+            return reference.batch_prefill_with_paged_kv_cache(q, qo_indptr, kv.cache, kv.kv_indptr, kv.kv_indices,
+                                                               kv.kv_last_page_len, "NHD", causal=True)[0]
+        return reference.batch_prefill_with_ragged_kv_cache(q, k, v, qo_indptr, qo_indptr, "NHD", causal=True)[0]
+
+    tokens = int(qo_indptr[-1])
+    for _ in range(3):
+        q = torch.randn(tokens, 32, 128, generator=g).to("cuda", torch.bfloat16)
+        testing.assert_close(run(q), expected(q), torch.bfloat16)
+    assert driver_calls, "no launch took the driver path"
+    eager_calls = len(driver_calls)
+    q = torch.randn(tokens, 32, 128, generator=g).to("cuda", torch.bfloat16)
+    out = torch.full_like(q, float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(run(q))
+    q.copy_(torch.randn(tokens, 32, 128, generator=g).to("cuda", torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert len(driver_calls) > eager_calls
+    testing.assert_close(out, expected(q), torch.bfloat16)

@@ -152,8 +152,9 @@ def test_paged_descriptors():
     nhd = TensorLayout.NHD
     cache = torch.randn(5, 2, 16, 4, 64).to(torch.bfloat16)
     (k_desc, v_desc), rows_per_page = _hopper.paged_descriptors(unpack_paged_kv_cache(cache, nhd))
-    assert rows_per_page == 32 and k_desc.shape == [4 * 32 + 16, 256] and k_desc.block_shape == [16, 64]
-    assert k_desc.base.data_ptr() == cache.data_ptr() and v_desc.base.data_ptr() == cache[:, 1].data_ptr()
+    assert rows_per_page == 32 and k_desc.shape == (4 * 32 + 16, 256) and k_desc.block == (16, 64)
+    assert k_desc.tensor.data_ptr() == cache.data_ptr() and v_desc.tensor.data_ptr() == cache[:, 1].data_ptr()
+    assert k_desc.gluon().block_shape == [16, 64]
     k, v = torch.randn(2, 7, 8, 4, 64).to(torch.bfloat16).unbind(0)
     assert _hopper.paged_descriptors(unpack_paged_kv_cache((k, v), nhd))[1] == 8
     tokens = torch.randn(2, 30, 4, 64).to(torch.bfloat16)

@@ -20,7 +20,7 @@ import torch
 from . import _device, _plan
 from ._errors import fault_record
 from ._kvcache import PagedKV
-from ._launch import CachedLauncher
+from ._launch import BoundLaunch, CachedLauncher, TmaBox
 
 TILE = 128  # query tokens per work item: two consumer warpgroups of 64
 STAGES = 3  # K/V ring depth: 3 x 64 KB at head_dim 128, with Q 224 KB of the H200's 227
@@ -73,19 +73,17 @@ def smem_layout(rows: int, head_dim: int, dtype: torch.dtype):
 
 
 def ragged_descriptors(k: torch.Tensor, v: torch.Tensor) -> Optional[Tuple[tuple, int]]:
-    """TMA descriptors of contiguous NHD K/V (128-token boxes of one head) and rows per page (0), or
+    """TMA boxes of contiguous NHD K/V (128-token boxes of one head) and rows per page (0), or
     None where a 2-D TMA view does not fit them (the run then takes the core)."""
     if not (tma_ready(k) and tma_ready(v)):
         return None
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     n, h, d = k.shape
     layout = smem_layout(TILE, d, k.dtype)
-    return tuple(TensorDescriptor(t, [n, h * d], [t.stride(0), 1], [TILE, d], layout) for t in (k, v)), 0
+    return tuple(TmaBox(t, (n, h * d), (t.stride(0), 1), (TILE, d), layout) for t in (k, v)), 0
 
 
 def paged_descriptors(kv: PagedKV) -> Optional[Tuple[tuple, int]]:
-    """TMA descriptors of an NHD paged cache for the kernel's paged mode: K and V as 2-D views
+    """TMA boxes of an NHD paged cache for the kernel's paged mode: K and V as 2-D views
     [rows, H * D] with a box of one page of one head, page p starting at row p * rows_per_page (in a
     5-D cache K and V pages alternate: rows_per_page = 2 * page). None where the cache does not fit
     that view (heads or slots not packed, page strides that are not whole rows or differ)."""
@@ -95,12 +93,10 @@ def paged_descriptors(kv: PagedKV) -> Optional[Tuple[tuple, int]]:
     if (kv.k_strides != kv.v_strides or (page > 1 and slot != row) or head != d or page_stride % row
             or (page_stride * kv.k.element_size()) % 16 or kv.k.data_ptr() % 16 or kv.v.data_ptr() % 16):
         return None
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     rows_per_page = page_stride // row
     rows = (kv.k.shape[0] - 1) * rows_per_page + page
     layout = smem_layout(page, d, kv.k.dtype)
-    return tuple(TensorDescriptor(t, [rows, row], [row, 1], [page, d], layout) for t in (kv.k, kv.v)), rows_per_page
+    return tuple(TmaBox(t, (rows, row), (row, 1), (page, d), layout) for t in (kv.k, kv.v)), rows_per_page
 
 
 def _check_page_ids_launcher():
@@ -118,27 +114,52 @@ def check_page_ids(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, batch: int
 
 
 def launch(q, kv_descriptors, out, lse, qo_indptr, kv_indptr, kv_len, tiles: torch.Tensor, num_kv_heads: int,
-           sm_scale: float, causal: bool, kv_indices=None) -> None:
+           sm_scale: float, causal: bool, kv_indices=None, launches: Optional[dict] = None) -> None:
     """The kernel over ``kv_descriptors`` (from ``ragged_descriptors`` with token offsets ``kv_indptr``,
     or ``paged_descriptors`` with the page table ``kv_indptr`` / ``kv_indices``); ``kv_len`` int32
-    [batch]; ``tiles`` the uploaded ``work_tiles`` (int32 [2, tiles])."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    [batch]; ``tiles`` the uploaded ``work_tiles`` (int32 [2, tiles]). ``launches``: where a plan keeps
+    its bound launches (``DevicePlan.launches``), so a later run with the same plan only passes the
+    call's tensors."""
+    (k_box, v_box), rows_per_page = kv_descriptors
+    tokens, hq, d = q.shape
+    paged = kv_indices is not None
+    key = ("hopper", id(qo_indptr), id(kv_indptr), id(kv_indices), id(kv_len), id(tiles), tokens, hq, num_kv_heads,
+           d, q.dtype, sm_scale, causal, k_box.block[0] if paged else 0, rows_per_page)
+    bound = launches.get(key) if launches is not None else None
+    if bound is None:
+        bound = _bind(q, qo_indptr, kv_indptr, kv_len, tiles, num_kv_heads, sm_scale, causal, kv_indices,
+                      k_box.block[0] if paged else 0, rows_per_page)
+        if launches is not None:
+            if len(launches) >= 16:
+                launches.clear()
+            launches[key] = bound
+    if lse is None:  # the kernel always writes one (see kernels/prefill_hopper.py)
+        lse = bound.lse_scratch
+    q_box = TmaBox(q, (tokens, hq * d), (q.stride(0), 1), (64, d), smem_layout(64, d, q.dtype))
+    bound.launch(q_box, k_box, v_box, out, out.stride(0), out.stride(1), lse, lse.stride(0))
 
+
+class _HopperLaunch:
+    """The kernel's launch for one plan: the plan's tensors bound, a scratch LSE for runs without one."""
+
+    def __init__(self, launch: BoundLaunch, lse_scratch: torch.Tensor, keep: tuple) -> None:
+        self.launch = launch
+        self.lse_scratch = lse_scratch
+        self.keep = keep  # objects whose identities are in the launch's key
+
+
+def _bind(q, qo_indptr, kv_indptr, kv_len, tiles, num_kv_heads, sm_scale, causal, kv_indices, page,
+          rows_per_page) -> _HopperLaunch:
     from .kernels.prefill_hopper import prefill_hopper_kernel
 
-    (k_desc, v_desc), rows_per_page = kv_descriptors
-    tokens, hq, d = q.shape
-    q_desc = TensorDescriptor(q, [tokens, hq * d], [q.stride(0), 1], [64, d], smem_layout(64, d, q.dtype))
-    if lse is None:  # the kernel always writes one (see kernels/prefill_hopper.py)
-        lse = torch.empty((tokens, hq), dtype=torch.float32, device=q.device)
-    paged = kv_indices is not None
+    tokens, hq, _ = q.shape
     num_items = tiles.shape[1] * hq
     grid = min(num_items, _device.num_sms(q.device)) if PERSISTENT else num_items
-    prefill_hopper_kernel[(grid,)](
-        q_desc, k_desc, v_desc, out, out.stride(0), out.stride(1), lse, lse.stride(0),
-        qo_indptr, kv_indptr, kv_len, tiles[0], tiles[1], hq, num_items, sm_scale * math.log2(math.e),
-        kv_indices if paged else kv_indptr, rows_per_page,
-        GROUP=hq // num_kv_heads, STAGES=STAGES, IS_CAUSAL=causal, CONSUMER_REGS=CONSUMER_REGS,
-        PAGE_SIZE=k_desc.block_shape[0] if paged else 0, num_warps=4,
-        maxnreg=maxnreg(CONSUMER_REGS),
-    )
+    launcher = _device.per_device("prefill_hopper", q.device, lambda: CachedLauncher(prefill_hopper_kernel))
+    tail = (qo_indptr, kv_indptr, kv_len, tiles[0], tiles[1], hq, num_items, sm_scale * math.log2(math.e),
+            kv_indices if kv_indices is not None else kv_indptr, rows_per_page)
+    kwargs = dict(GROUP=hq // num_kv_heads, STAGES=STAGES, IS_CAUSAL=causal, CONSUMER_REGS=CONSUMER_REGS,
+                  PAGE_SIZE=page, num_warps=4, maxnreg=maxnreg(CONSUMER_REGS))
+    bound = BoundLaunch(launcher, (grid,), tail, kwargs)
+    lse = torch.empty((tokens, hq), dtype=torch.float32, device=q.device)
+    return _HopperLaunch(bound, lse, (qo_indptr, kv_indptr, kv_len, tiles, kv_indices))

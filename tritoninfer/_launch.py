@@ -22,14 +22,17 @@ under the interpreter every call takes the ordinary path.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+import ctypes
+import operator
+import struct
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import triton
 from triton import knobs
 from triton.runtime import driver
 
-from . import _device
+from . import _device, _driver
 
 
 def _arg_key(a: Any):
@@ -99,29 +102,73 @@ class CachedLauncher:
         _run(compiled, grid, device, args, args, tail)
 
 
+class TmaBox(NamedTuple):
+    """A TMA descriptor as a bound launch takes it per call: ``tensor`` viewed as ``shape`` with
+    ``strides`` (elements, outermost first), read in boxes of ``block`` into shared memory of
+    ``layout``. Triton's path gets Gluon's ``TensorDescriptor`` of it; the driver path encodes it
+    (and keeps the encoding for the next call with the same address and view)."""
+
+    tensor: torch.Tensor
+    shape: tuple
+    strides: tuple
+    block: tuple
+    layout: Any
+
+    def gluon(self):
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        return TensorDescriptor(self.tensor, list(self.shape), list(self.strides), list(self.block), self.layout)
+
+
 class BoundLaunch:
     """One kernel's launch with its grid, its trailing runtime arguments and its compile-time
     arguments fixed (a wrapper binds what its plan fixes, once per plan): ``bound(*head)``
     launches ``kernel[grid](*head, *tail, **kwargs)``.
 
-    A call computes the specialisation key of ``head`` alone, and passes pointers to Triton's
-    launcher as plain ints: for a tensor the launcher would otherwise call ``data_ptr()`` and the
-    driver's ``cuPointerGetAttribute``, about a microsecond per pointer on the H200 host. The
-    tensors of ``tail`` are kept alive by this object. The caller checks that every tensor is on
-    the launch's device (a CPU tensor's address would not be caught here).
+    The first call with a specialisation compiles and launches through Triton. Later calls take the
+    driver path (``DriverLaunch``): the kernel's parameter buffer was built once, a call writes the
+    head's values into it and makes one ``cuLaunchKernel`` call. The driver path needs every head
+    value to be of the kind it had at the first call (tensor, int, float or ``TmaBox``), every
+    tensor 16-byte aligned, the plan's device current and no profiler hook; any other call takes
+    Triton's launcher with the specialisation key of ``head`` computed in full.
+
+    Pointers go to either launcher as plain ints: for a tensor Triton's launcher would otherwise call
+    ``data_ptr()`` and the driver's ``cuPointerGetAttribute``, about a microsecond per pointer on the
+    H200 host. The tensors of ``tail`` are kept alive by this object. The caller checks that every
+    tensor is on the launch's device (a CPU tensor's address would not be caught here).
     """
 
     def __init__(self, launcher: CachedLauncher, grid: tuple, tail: tuple, kwargs: dict) -> None:
         self.launcher = launcher
-        self.grid = grid
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.tail = tail
         self.kwargs = kwargs
         self._tail_values = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in tail)
         self._compiled: Dict[Tuple, Tuple[Any, tuple]] = {}
+        self._kinds: Optional[HeadKinds] = None
+        self._driver: Dict[Tuple, Optional[DriverLaunch]] = {}
 
     def __call__(self, *head) -> None:
+        kinds = self._kinds
+        if kinds is not None:
+            tensors = kinds.tensors(head)
+            ptrs = [t.data_ptr() for t in tensors]
+            aligned = 0
+            for p in ptrs:
+                aligned |= p
+            if not aligned & 15:
+                ints = kinds.ints(head)
+                boxes = kinds.boxes(head)
+                key = (tuple([t.dtype for t in tensors]), ints, _box_key(boxes) if boxes else ())
+                fast = self._driver.get(key)
+                if fast is not None and _current_index() == fast.device and _no_hooks():
+                    fast(ptrs, ints, kinds.floats(head), boxes)
+                    return
+        self._triton_path(head)
+
+    def _triton_path(self, head: tuple) -> None:
         if _device.is_interpreter():
-            self.launcher.kernel[self.grid](*head, *self.tail, **self.kwargs)
+            self.launcher.kernel[self.grid](*_gluon(head), *self.tail, **self.kwargs)
             return
         device = _current_device()
         key = (device, _args_key(head))
@@ -129,12 +176,231 @@ class BoundLaunch:
         if hit is None:
             if len(self._compiled) >= 64:
                 self._compiled.clear()
-            self._compiled[key] = self.launcher.compile_and_launch(self.grid, head + self.tail, self.kwargs)
+            hit = self._compiled[key] = self.launcher.compile_and_launch(self.grid, _gluon(head) + self.tail,
+                                                                         self.kwargs)
+        else:
+            compiled, constexprs = hit
+            args = _gluon(head)
+            values = [a.data_ptr() if type(a) is torch.Tensor else a for a in args]
+            values += self._tail_values
+            _run(compiled, self.grid, device, values, args + self.tail, constexprs)
+        self._prepare(hit, head, device)
+
+    def _prepare(self, hit, head: tuple, device: int) -> None:
+        """The driver launch for later calls like ``head`` (same kinds, dtypes, ints and boxes, aligned
+        tensors), once per such key; None where the kernel cannot take that path."""
+        kinds = HeadKinds.of(head)
+        if kinds is None or (self._kinds is not None and kinds != self._kinds):
             return
+        tensors = kinds.tensors(head)
+        if any(t.data_ptr() & 15 for t in tensors):
+            return
+        boxes = kinds.boxes(head)
+        key = (tuple([t.dtype for t in tensors]), kinds.ints(head), _box_key(boxes) if boxes else ())
+        if key in self._driver:
+            return
+        if len(self._driver) >= 64:
+            self._driver.clear()
+        self._driver[key] = DriverLaunch.build(hit, self.grid, head, self.tail, device)
+        self._kinds = kinds
+
+
+def _box_key(boxes: tuple) -> tuple:
+    """What Triton specialises a TMA descriptor argument on: its dtype, block and layout."""
+    return tuple([(b.tensor.dtype, b.block, b.layout) for b in boxes])
+
+
+def _gluon(head: tuple) -> tuple:
+    return tuple(h.gluon() if type(h) is TmaBox else h for h in head)
+
+
+def _tuple_getter(positions: List[int]) -> Callable[[tuple], tuple]:
+    if not positions:
+        return lambda args: ()
+    if len(positions) == 1:
+        i = positions[0]
+        return lambda args: (args[i],)
+    return operator.itemgetter(*positions)
+
+
+class HeadKinds:
+    """Where a bound launch's head holds tensors, ints, floats and TMA boxes: getters that pick each
+    kind out of a call's arguments at C speed."""
+
+    def __init__(self, kinds: tuple) -> None:
+        self.kinds = kinds
+        self.positions = {k: [i for i, x in enumerate(kinds) if x == k] for k in "tifb"}
+        self.tensors = _tuple_getter(self.positions["t"])
+        self.ints = _tuple_getter(self.positions["i"])
+        self.floats = _tuple_getter(self.positions["f"])
+        self.boxes = _tuple_getter(self.positions["b"])
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, HeadKinds) and self.kinds == other.kinds
+
+    __hash__ = None
+
+    @staticmethod
+    def of(head: tuple) -> Optional["HeadKinds"]:
+        kinds = []
+        for a in head:
+            t = type(a)
+            if t is torch.Tensor:
+                kinds.append("t")
+            elif t is int:
+                kinds.append("i")
+            elif t is float:
+                kinds.append("f")
+            elif t is TmaBox:
+                kinds.append("b")
+            else:  # None, bools, subclasses: Triton's path
+                return None
+        return HeadKinds(tuple(kinds))
+
+
+# struct formats of the kernel parameter types Triton's launcher passes (FLOAT_STORAGE_TYPE aside:
+# 16-bit float scalars take Triton's path)
+_FORMATS = {"i1": "b", "i8": "b", "i16": "h", "i32": "i", "i64": "q", "u1": "B", "u8": "B", "u16": "H",
+            "u32": "I", "u64": "Q", "fp32": "f", "f32": "f", "fp64": "d"}
+# Triton's TMA element type numbering -> the driver's (triton/backends/nvidia/driver.py)
+_TMA_DTYPE = {**{i: i for i in range(16)}, 8: 10, 9: 8, 10: 9}
+
+
+class DriverLaunch:
+    """A compiled kernel's launch through ``cuLaunchKernel`` (``tritoninfer/_driver.py``), with the
+    parameter buffer Triton's generated launcher would build: one slot per non-constexpr parameter
+    in signature order (a TMA descriptor expands to the 128-byte map, its shape and its strides),
+    then the global and profile scratch pointers (null: kernels that need scratch take Triton's
+    path). Head values are written into one packed buffer per call; tail values were packed once."""
+
+    def __init__(self) -> None:
+        self.device = 0
+        self.function = 0
+        self.grid = (1, 1, 1)
+        self.block = 0
+        self.shared = 0
+        self.head_format: Optional[struct.Struct] = None
+        self.head_buffer = None
+        self.keep: list = []  # ctypes buffers the parameter array points into
+        self.params = None
+        self.box_slots: List[int] = []  # parameter index of each head TMA box's map
+        self.box_meta: List[dict] = []
+        self.maps: Dict[Tuple, _driver.TensorMap] = {}
+
+    @staticmethod
+    def build(hit, grid: tuple, head: tuple, tail: tuple, device: int) -> Optional["DriverLaunch"]:
+        """None when the kernel needs what this path does not do (clusters, PDL, cooperative launch,
+        scratch memory, 16-bit float scalars, TMA boxes in the tail) or the driver does not load."""
         compiled, constexprs = hit
-        values = [a.data_ptr() if type(a) is torch.Tensor else a for a in head]
-        values += self._tail_values
-        _run(compiled, self.grid, device, values, head + self.tail, constexprs)
+        meta = compiled.metadata
+        if (getattr(meta, "num_ctas", 1) != 1 or meta.launch_pdl or meta.launch_cooperative_grid
+                or meta.global_scratch_size or meta.profile_scratch_size or not _driver.available()):
+            return None
+        signature = list(compiled.src.signature.values())
+        values = list(head) + list(tail) + list(constexprs)
+        if len(signature) != len(values) or not all(isinstance(ty, str) for ty in signature):
+            return None
+        kinds = HeadKinds.of(head)
+        tma_meta = list(getattr(meta, "tensordesc_meta", None) or [])
+        # the head buffer packs the call's pointers, ints, floats and TMA boxes' shapes and strides,
+        # in that order: its format, and which head position each packed item comes from
+        packed = [(p, "Q") for p in kinds.positions["t"]]
+        for p in kinds.positions["i"]:
+            packed.append((p, _FORMATS.get(signature[p], "q")))  # a constexpr int's slot goes unread
+        for p in kinds.positions["f"]:
+            if signature[p] not in ("fp32", "f32", "fp64"):
+                return None
+            packed.append((p, _FORMATS[signature[p]]))
+        box_items = {}
+        for n, p in enumerate(kinds.positions["b"]):
+            if (n >= len(tma_meta) or tma_meta[n] is None or tma_meta[n].get("fp4_padded")
+                    or not signature[p].startswith("tensordesc")):
+                return None
+            ndim = len(head[p].shape)
+            box_items[p] = list(range(len(packed), len(packed) + 2 * ndim))
+            packed += [(p, "i")] * ndim + [(p, "q")] * ndim
+        fmt = "@" + "".join(code for _, code in packed)
+        offsets = [struct.calcsize("@" + "".join(c for _, c in packed[:k + 1])) - struct.calcsize(code)
+                   for k, (_, code) in enumerate(packed)]
+        first_item = {}
+        for k, (p, _) in enumerate(packed):
+            first_item.setdefault(p, k)
+
+        self = DriverLaunch()
+        self.head_format = struct.Struct(fmt)
+        self.head_buffer = ctypes.create_string_buffer(max(1, self.head_format.size))
+        head_base = ctypes.addressof(self.head_buffer)
+        addresses: List[int] = []
+        tail_cells = []
+        for i, (ty, value) in enumerate(zip(signature, values)):
+            if ty == "constexpr":
+                continue
+            if i < len(head):
+                if i in box_items:
+                    self.box_slots.append(len(addresses))
+                    self.box_meta.append(tma_meta[len(self.box_meta)])
+                    addresses.append(0)  # the map's address, set per call
+                    addresses += [head_base + offsets[k] for k in box_items[i]]
+                else:
+                    addresses.append(head_base + offsets[first_item[i]])
+                continue
+            if ty.startswith("tensordesc") or (ty[0] != "*" and ty not in _FORMATS):
+                return None
+            code = "Q" if ty[0] == "*" else _FORMATS[ty]
+            cell = ctypes.create_string_buffer(8)
+            struct.pack_into("@" + code, cell, 0, value.data_ptr() if isinstance(value, torch.Tensor) else value)
+            tail_cells.append(cell)
+            addresses.append(ctypes.addressof(cell))
+        scratch = ctypes.create_string_buffer(8)  # null global and profile scratch pointers
+        addresses += [ctypes.addressof(scratch)] * 2
+        self.keep = tail_cells + [scratch]
+        self.params = (ctypes.c_void_p * len(addresses))(*addresses)
+        self.device = device
+        self.function = compiled.function
+        self.grid = grid
+        self.block = 32 * meta.num_warps
+        self.shared = meta.shared
+        self.launch = _driver.launch_kernel()
+        return self
+
+    def __call__(self, ptrs: list, ints: tuple, floats: tuple, boxes: tuple) -> None:
+        if boxes:
+            self._set_maps(boxes)
+            self.head_format.pack_into(self.head_buffer, 0, *ptrs, *ints, *floats,
+                                       *[x for b in boxes for x in (*b.shape, *b.strides)])
+        else:
+            self.head_format.pack_into(self.head_buffer, 0, *ptrs, *ints, *floats)
+        gx, gy, gz = self.grid
+        if gx * gy * gz == 0:
+            return
+        result = self.launch(self.function, gx, gy, gz, self.block, 1, 1, self.shared,
+                             torch._C._cuda_getCurrentRawStream(self.device), self.params, None)
+        if result:
+            _driver.check(result, "cuLaunchKernel")
+
+    def _set_maps(self, boxes: tuple) -> None:
+        """Each box's encoded TMA map into its parameter slot; encodings are kept per address and view
+        (bounded), so a layer's K/V and a reused activation buffer are encoded once."""
+        for n, box in enumerate(boxes):
+            key = (n, box.tensor.data_ptr(), box.shape, box.strides, box.block)
+            tensor_map = self.maps.get(key)
+            if tensor_map is None:
+                if len(self.maps) >= 512:
+                    self.maps.clear()
+                meta = self.box_meta[n]
+                tensor_map = _driver.TensorMap()
+                _driver.encode_tiled(tensor_map, _TMA_DTYPE[meta["elem_type"]], box.tensor.data_ptr(), box.shape,
+                                     box.strides, meta["block_size"], meta["elem_size"], meta["swizzle"], False)
+                self.maps[key] = tensor_map
+            self.params[self.box_slots[n]] = tensor_map.address
+
+
+def _current_index() -> int:
+    return torch._C._cuda_getDevice()
+
+
+def _no_hooks() -> bool:
+    return _no_hook(knobs.runtime.launch_enter_hook) and _no_hook(knobs.runtime.launch_exit_hook)
 
 
 def _current_device() -> int:
