@@ -3,6 +3,10 @@ layer compiles without graph breaks and gives the eager result; a re-plan needs 
 On the CPU with the ``aot_eager`` backend (the custom ops then run their kernels through the
 interpreter); on the GPU with the default backend too."""
 
+import collections
+import importlib
+import itertools
+
 import pytest
 import torch
 from conftest import DEVICE, ON_GPU
@@ -65,7 +69,11 @@ def test_decoder_layer_compiles_fullgraph_and_matches_eager(backend):
 
 
 def test_ops_are_registered_custom_ops():
-    for name in ("rmsnorm", "fused_add_rmsnorm", "act_and_mul", "rope", "rope_inplace", "wrapper_run"):
+    # the submodules load lazily (tritoninfer/__init__.py); each registers its ops on import
+    for module in ("activation", "cascade", "decode", "norm", "page", "prefill", "quantization", "rope"):
+        importlib.import_module(f"tritoninfer.{module}")
+    for name in ("rmsnorm", "fused_add_rmsnorm", "act_and_mul", "rope", "rope_inplace", "rope_cos_sin_cache",
+                 "rope_cos_sin_cache_inplace", "segment_packbits", "wrapper_run"):
         assert hasattr(torch.ops.tritoninfer, name), name
 
 
@@ -171,3 +179,192 @@ def test_run_compiled_in_place_of_the_class_attribute(monkeypatch):
     o, lse = wrapper.run(q, kv.cache, return_lse=True)
     o_ref, lse_ref = original(wrapper, q, kv.cache, return_lse=True)
     assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref)
+
+
+def _matches_eager(fn, *args):
+    """``fn(*args)`` compiled with fullgraph gives eager's outputs, and leaves its tensor arguments as
+    eager leaves them (the in-place forms), bit for bit: the same kernels run on the same inputs. On
+    the GPU also with the default backend, which FlashInfer's compile tests use."""
+    clone = lambda: [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    eager_args = clone()
+    want = fn(*eager_args)
+    want = want if isinstance(want, tuple) else (want,)
+    for backend in ["aot_eager"] + (["inductor"] if ON_GPU else []):
+        torch._dynamo.reset()
+        compiled_args = clone()
+        got = torch.compile(fn, fullgraph=True, backend=backend)(*compiled_args)
+        got = got if isinstance(got, tuple) else (got,)
+        assert len(got) == len(want)
+        for a, b in zip(list(got) + compiled_args, list(want) + eager_args):
+            if isinstance(b, torch.Tensor):
+                assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b), backend
+
+
+def _rope_inputs():
+    g = torch.Generator().manual_seed(7)
+    # q and k as views of one qkv tensor, as a model splits them (the in-place forms write through)
+    qkv = testing.randn((5, HQ + 2 * HK, 16), torch.float16, DEVICE, g)
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32, device=DEVICE)
+    return qkv, i32(0, 2, 5), i32(3, 9), i32(0, 4, 1, 7, 30)
+
+
+def _qk(qkv):
+    return qkv[:, :HQ], qkv[:, HQ:HQ + HK]
+
+
+def _in_place(fn):
+    """A function of ``qkv`` that applies the in-place ``fn`` to its q and k views."""
+    def apply(qkv, *args, **kwargs):
+        fn(*_qk(qkv), *args, **kwargs)
+        return qkv
+    return apply
+
+
+_ROPE_CASES = {
+    "apply_rope": lambda qkv, indptr, offsets, pos: tritoninfer.apply_rope(*_qk(qkv), indptr, offsets, rotary_dim=8),
+    "apply_rope_inplace": lambda qkv, indptr, offsets, pos: _in_place(tritoninfer.apply_rope_inplace)(
+        qkv, indptr, offsets, interleave=True),
+    "apply_rope_pos_ids_inplace": lambda qkv, indptr, offsets, pos: _in_place(tritoninfer.apply_rope_pos_ids_inplace)(
+        qkv, pos, rope_theta=500.0),
+    "apply_llama31_rope": lambda qkv, indptr, offsets, pos: tritoninfer.apply_llama31_rope(
+        *_qk(qkv), indptr, offsets, rope_scale=4, old_context_len=64),
+    "apply_llama31_rope_inplace": lambda qkv, indptr, offsets, pos: _in_place(tritoninfer.apply_llama31_rope_inplace)(
+        qkv, indptr, offsets, old_context_len=64),
+    "apply_llama31_rope_pos_ids": lambda qkv, indptr, offsets, pos: tritoninfer.apply_llama31_rope_pos_ids(
+        *_qk(qkv), pos, interleave=True, old_context_len=64),
+    "apply_llama31_rope_pos_ids_inplace": lambda qkv, indptr, offsets, pos: _in_place(
+        tritoninfer.apply_llama31_rope_pos_ids_inplace)(qkv, pos, rotary_dim=12, old_context_len=64),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_ROPE_CASES))
+def test_rope_forms_compile(name):
+    """Every RoPE form FlashInfer's compile tests wrap, ragged and pos_ids, out of place and in place
+    (on views of one qkv tensor)."""
+    _matches_eager(_ROPE_CASES[name], *_rope_inputs())
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_rope_with_cos_sin_cache_compiles(in_place, is_neox):
+    """The SGLang/vLLM form: 2-D ``[nnz, heads * head_size]`` views of qkv, rotary_dim 12 of 16."""
+    qkv, _, _, pos = _rope_inputs()
+    g = torch.Generator().manual_seed(8)
+    cos_sin = torch.randn((32, 12), generator=g).to(DEVICE)
+
+    def rope(qkv, pos):
+        flat = qkv.flatten(1)
+        q, k = flat[:, :HQ * 16], flat[:, HQ * 16:(HQ + HK) * 16]
+        if in_place:
+            tritoninfer.apply_rope_with_cos_sin_cache_inplace(pos, q, k, 16, cos_sin, is_neox)
+            return qkv
+        return tritoninfer.apply_rope_with_cos_sin_cache(pos, q, k, 16, cos_sin, is_neox=is_neox)
+
+    _matches_eager(rope, qkv, pos)
+
+
+@pytest.mark.parametrize("name", ["gemma_rmsnorm", "gemma_fused_add_rmsnorm", "gelu_and_mul", "gelu_tanh_and_mul"])
+def test_norm_and_activation_forms_compile(name):
+    """The Gemma norms and the GELU activations (RMSNorm and SiLU are in the decoder layer above)."""
+    g = torch.Generator().manual_seed(9)
+    x, r = (testing.randn((3, 2, 24), torch.float16, DEVICE, g) for _ in range(2))
+    w = testing.randn((24,), torch.float16, DEVICE, g)
+    fns = {
+        "gemma_rmsnorm": lambda x, r, w: tritoninfer.gemma_rmsnorm(x, w, eps=1e-5),
+        # the fused form overwrites both of its inputs
+        "gemma_fused_add_rmsnorm": lambda x, r, w: tritoninfer.gemma_fused_add_rmsnorm(x, r, w),
+        "gelu_and_mul": lambda x, r, w: tritoninfer.gelu_and_mul(x),
+        "gelu_tanh_and_mul": lambda x, r, w: tritoninfer.gelu_tanh_and_mul(x[:, 1]),
+    }
+    _matches_eager(fns[name], x, r, w)
+
+
+@pytest.mark.parametrize("bitorder", ["big", "little"])
+def test_packbits_compile(bitorder):
+    """packbits traces as torch ops; segment_packbits, whose size is data-dependent, is one op."""
+    g = torch.Generator().manual_seed(10)
+    x = torch.rand(21, generator=g).to(DEVICE) < 0.5
+    indptr = torch.tensor([0, 9, 9, 21], dtype=torch.int32, device=DEVICE)
+    _matches_eager(lambda x: tritoninfer.packbits(x, bitorder), x)
+    _matches_eager(lambda x, indptr: tritoninfer.segment_packbits(x, indptr, bitorder), x, indptr)
+
+
+def test_op_does_not_call_a_replaced_public_function(monkeypatch):
+    """A caller may replace a public function by its compiled self: the op behind it must run the
+    work, not that name again (which recursed)."""
+    import tritoninfer.cascade as cascade
+
+    torch._dynamo.reset()
+    original = cascade.merge_state_in_place
+    compiled = torch.compile(original, fullgraph=True, backend="aot_eager")
+    monkeypatch.setattr(cascade, "merge_state_in_place", compiled)
+    g = torch.Generator().manual_seed(11)
+    v, v_other = (testing.randn((2, HQ, D), torch.float16, DEVICE, g) for _ in range(2))
+    s, s_other = (testing.randn((2, HQ), torch.float32, DEVICE, g) for _ in range(2))
+    v_ref, s_ref = v.clone(), s.clone()
+    original(v_ref, s_ref, v_other, s_other)
+    cascade.merge_state_in_place(v, s, v_other, s_other)
+    assert torch.equal(v, v_ref) and torch.equal(s, s_ref)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_layer_reduce_overhead_with_replans(monkeypatch):
+    """``mode="reduce-overhead"`` (CUDA graphs) over RMSNorm -> RoPE -> paged decode -> SiLU-and-mul,
+    with a CUDA-graph-mode wrapper: the graph captured at the second call keeps the wrapper's fixed
+    buffers, so re-plans with new page tables (same batch) are read at replay, without recompiling
+    or re-recording."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    # CUDA-graph captures and replays, counted: reduce-overhead falls back to plain runs silently
+    events = collections.Counter()
+    for method in ("capture_begin", "replay"):
+        def counted(self, *args, _method=getattr(torch.cuda.CUDAGraph, method), _name=method, **kwargs):
+            events[_name] += 1
+            return _method(self, *args, **kwargs)
+        monkeypatch.setattr(torch.cuda.CUDAGraph, method, counted)
+    batch, hq, hk, d, page, num_pages = 4, 8, 2, 64, 16, 64
+    bufs = (torch.zeros(batch + 1, dtype=torch.int32, device="cuda"),
+            torch.zeros(num_pages, dtype=torch.int32, device="cuda"),
+            torch.ones(batch, dtype=torch.int32, device="cuda"))
+    wrapper = tritoninfer.BatchDecodeWithPagedKVCacheWrapper(
+        testing.make_workspace(32 << 20, "cuda"), use_cuda_graph=True, paged_kv_indptr_buffer=bufs[0],
+        paged_kv_indices_buffer=bufs[1], paged_kv_last_page_len_buffer=bufs[2])
+    g = torch.Generator().manual_seed(12)
+    cache = testing.randn((num_pages, 2, page, hk, d), torch.float16, "cuda", g)
+    w_norm = testing.randn((hq * d,), torch.float16, "cuda", g)
+    w_up = testing.randn((hq * d, 2 * 128), torch.float16, "cuda", g, scale=0.05)
+    # the engine's cache and weights: one address for every call, not copied into the graph at replay
+    for t in (cache, w_norm, w_up):
+        torch._dynamo.mark_static_address(t)
+
+    def layer(x, pos, cache):
+        h = tritoninfer.rmsnorm(x, w_norm)
+        q, k = tritoninfer.apply_rope_pos_ids(h.view(batch, hq, d), h[:, : hk * d].reshape(batch, hk, d), pos)
+        o = wrapper.run(q, cache)
+        return tritoninfer.silu_and_mul(o.reshape(batch, -1) @ w_up), o, k
+
+    compiled = torch.compile(layer, mode="reduce-overhead", fullgraph=True)
+    # call 1 warms up, call 2 records the CUDA graph, calls 3-5 replay it; a plan before each call (new
+    # page ids every time, new lengths at calls 3 and 5)
+    steps = ((40, 3, 17, 100), (40, 3, 17, 100), (1, 250, 64, 9), (1, 250, 64, 9), (16, 16, 33, 200))
+    for step, kv_lens in enumerate(steps):
+        pages = [-(-n // page) for n in kv_lens]
+        indptr = torch.tensor([0] + list(itertools.accumulate(pages)), dtype=torch.int32)
+        indices = torch.randperm(num_pages, generator=g)[: sum(pages)].to(torch.int32)
+        last = torch.tensor([(n - 1) % page + 1 for n in kv_lens], dtype=torch.int32)
+        wrapper.plan(indptr, indices, last, hq, hk, d, page)
+        x = testing.randn((batch, hq * d), torch.float16, "cuda", g)
+        pos = torch.tensor(kv_lens, dtype=torch.int32, device="cuda") - 1
+        want = layer(x, pos, cache)
+        before = events.copy()
+        with torch._dynamo.config.patch(error_on_recompile=step > 0):
+            got = [t.clone() for t in compiled(x, pos, cache)]  # a replay overwrites the graph's outputs
+        torch.cuda.synchronize()
+        if step >= 2:  # the graph recorded at call 2 replays, whatever the plan
+            assert (events["capture_begin"], events["replay"]) == (before["capture_begin"], before["replay"] + 1)
+        testing.assert_close(got[1], want[1], torch.float16, tol=0.0)
+        testing.assert_close(got[2], want[2], torch.float16, tol=0.0)
+        testing.assert_close(got[0], want[0], torch.float16, tol=1e-3)
+    assert counters["inductor"]["cudagraph_skips"] == 0

@@ -5,8 +5,11 @@ public function and wrapper ``run()`` hands its work to a custom op in the ``tri
 instead of launching: ``torch.compiler.is_compiling()`` is true while Dynamo traces, and the op's
 implementation is the same function run eagerly (checks included, so errors still name the
 argument). Outputs are allocated in the traced code and the ops write into them (``mutates_args``),
-so their fake implementations have nothing to compute. Eager calls never go through the
-dispatcher: the check costs one function call.
+so their fake implementations have nothing to compute (``segment_packbits``, whose size depends on
+the data, returns its output: its fake gives it an unbacked size). An op's implementation calls the
+function's private work, never its public name, which a caller may have replaced by its compiled
+self (the op would call itself again). Eager calls never go through the dispatcher: the check
+costs one function call.
 
 Wrapper ``run()``s go through one op, ``tritoninfer::wrapper_run``, which finds the wrapper by a
 handle given at construction and runs its current plan: a compiled graph holds no plan state, so a

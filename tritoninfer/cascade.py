@@ -93,7 +93,9 @@ def _merge_state_op(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b
 @_ops.custom_op("merge_state_in_place", mutates_args=("v", "s"))
 def _merge_state_in_place_op(v: torch.Tensor, s: torch.Tensor, v_other: torch.Tensor, s_other: torch.Tensor,
                              mask: Optional[torch.Tensor]) -> None:
-    merge_state_in_place(v, s, v_other, s_other, mask)
+    # the checks and the launch, not the public name, which a caller may have replaced by its compiled self
+    _merge_state_in_place_checks(v, s, v_other, s_other, mask)
+    _launch_merge_two(v, s, v_other, s_other, v, s, mask)
 
 
 @_ops.custom_op("merge_states", mutates_args=("out", "lse"))
@@ -155,6 +157,11 @@ def merge_state_in_place(
     if _ops.compiling():
         _merge_state_in_place_op(v, s, v_other, s_other, mask)
         return
+    _merge_state_in_place_checks(v, s, v_other, s_other, mask)
+    _launch_merge_two(v, s, v_other, s_other, v, s, mask)
+
+
+def _merge_state_in_place_checks(v, s, v_other, s_other, mask) -> None:
     _check_pair(v, s, "v", "s")
     _check_pair(v_other, s_other, "v_other", "s_other")
     if v.shape != v_other.shape:
@@ -163,7 +170,6 @@ def merge_state_in_place(
         check_tensor(mask, "mask", ndim=1, dtype=torch.bool, device=v.device)
         if mask.numel() != v.shape[0]:
             raise ValueError(f"mask: expected {v.shape[0]} elements, got {mask.numel()}")
-    _launch_merge_two(v, s, v_other, s_other, v, s, mask)
 
 
 def merge_states(v: torch.Tensor, s: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,7 @@ from typing import Tuple, Union
 
 import torch
 
+from . import _ops
 from ._options import FP8_DTYPES, canonicalize_dtype, check_int_index_tensor, check_tensor
 
 __all__ = ["packbits", "segment_packbits", "quantize_fp8"]
@@ -82,6 +83,27 @@ def segment_packbits(
     The output size depends on ``indptr``'s values, so this reads ``new_indptr[-1]`` back to the host
     (one sync on a GPU), as FlashInfer does.
     """
+    if _ops.compiling():
+        new_indptr = torch.empty_like(indptr)
+        return _segment_packbits_op(x, indptr, new_indptr, bitorder), new_indptr
+    return _segment_packbits(x, indptr, bitorder)
+
+
+def _segment_packbits_fake(x: torch.Tensor, indptr: torch.Tensor, new_indptr: torch.Tensor,
+                           bitorder: str) -> torch.Tensor:
+    # the packed size is new_indptr[-1], known only once the op has run
+    return x.new_empty((torch.library.get_ctx().new_dynamic_size(),), dtype=torch.uint8)
+
+
+@_ops.custom_op("segment_packbits", mutates_args=("new_indptr",), fake=_segment_packbits_fake)
+def _segment_packbits_op(x: torch.Tensor, indptr: torch.Tensor, new_indptr: torch.Tensor,
+                         bitorder: str) -> torch.Tensor:
+    packed, offsets = _segment_packbits(x, indptr, bitorder)
+    new_indptr.copy_(offsets)
+    return packed
+
+
+def _segment_packbits(x, indptr, bitorder):
     check_tensor(x, "x")
     check_int_index_tensor(indptr, "indptr")
     if indptr.numel() < 1:

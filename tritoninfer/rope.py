@@ -508,7 +508,26 @@ def _as_heads(t: torch.Tensor, name: str, head_size: int) -> torch.Tensor:
     raise ValueError(f"{name}: expected a 2-D or 3-D tensor, got shape {tuple(t.shape)}")
 
 
-def _cos_sin_cache(positions, query, key, head_size, cos_sin_cache, is_neox, in_place):
+@_ops.custom_op("rope_cos_sin_cache", mutates_args=("query_out", "key_out"))
+def _cos_sin_cache_op(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, query_out: torch.Tensor,
+                      key_out: torch.Tensor, head_size: int, cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
+    _cos_sin_cache(positions, query, key, head_size, cos_sin_cache, is_neox, in_place=False, outs=(query_out, key_out))
+
+
+@_ops.custom_op("rope_cos_sin_cache_inplace", mutates_args=("query", "key"))
+def _cos_sin_cache_inplace_op(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, head_size: int,
+                              cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
+    _cos_sin_cache(positions, query, key, head_size, cos_sin_cache, is_neox, in_place=True)
+
+
+def _cos_sin_cache(positions, query, key, head_size, cos_sin_cache, is_neox, in_place, outs=None):
+    if _ops.compiling():
+        if in_place:
+            _cos_sin_cache_inplace_op(positions, query, key, head_size, cos_sin_cache, bool(is_neox))
+            return query, key
+        query_out, key_out = torch.empty_like(query), torch.empty_like(key)
+        _cos_sin_cache_op(positions, query, key, query_out, key_out, head_size, cos_sin_cache, bool(is_neox))
+        return query_out, key_out
     if not isinstance(head_size, int) or isinstance(head_size, bool) or head_size <= 0:
         raise ValueError(f"head_size: expected a positive int, got {head_size!r}")
     q3 = _as_heads(query, "query", head_size)
@@ -541,7 +560,7 @@ def _cos_sin_cache(positions, query, key, head_size, cos_sin_cache, is_neox, in_
         query_out, key_out = query, key
         qo3, ko3 = q3, k3
     else:
-        query_out, key_out = torch.empty_like(query), torch.empty_like(key)
+        query_out, key_out = outs if outs is not None else (torch.empty_like(query), torch.empty_like(key))
         qo3 = _as_heads(query_out, "query", head_size)
         ko3 = _as_heads(key_out, "key", head_size)
     _launch(q3, k3, qo3, ko3, rotary_dim=rotary_dim, interleave=not is_neox,
