@@ -115,18 +115,24 @@ def test_kv_as_m_orientation_matches_reference(case, monkeypatch):
 
 @pytest.mark.parametrize("fixed_pages", [None, 1])
 def test_split_kv_is_exercised_and_correct(fixed_pages):
-    """One long request and one KV head: the planner must split, and the merge must be exact, also
-    with more splits (19) than the merge kernel loads at once."""
-    case = Case((150,), heads=(4, 1), page_size=8)
+    """One long request and one KV head: the planner must split, and the merge (the last split of a
+    group merges them all, kernels/attention.py) must be exact, also with more splits (19) than the
+    merge loads at once; every arrival counter is back at zero after a run, so a second run with
+    other values is exact too."""
+    case = Case((150, 3, 90), heads=(4, 1), page_size=8)
     kv, q = _make(case)
     wrapper = BatchDecodeWithPagedKVCacheWrapper(testing.make_workspace(1 << 20, DEVICE),
                                                  use_tensor_cores=fixed_pages is not None)
     _plan(wrapper, case, kv, fixed_split_size=fixed_pages)
-    assert wrapper._step.device_plan.has_splits
-    o, lse = wrapper.run_return_lse(q, kv.cache)
-    ref_o, ref_lse = _reference(case, kv, q)
-    testing.assert_close(o, ref_o, case.q_dtype)
-    testing.assert_lse_close(lse, ref_lse, dtype=q.dtype)
+    plan = wrapper._step.device_plan
+    assert plan.has_splits and int(plan.work[:, 5].max()) >= 3
+    for seed in (1, 2):
+        o, lse = wrapper.run_return_lse(q, kv.cache)
+        ref_o, ref_lse = _reference(case, kv, q)
+        testing.assert_close(o, ref_o, case.q_dtype)
+        testing.assert_lse_close(lse, ref_lse, dtype=q.dtype)
+        assert plan.counters.buffers and not plan.counters.buffers[-1].any()
+        q = testing.randn(tuple(q.shape), case.q_dtype, DEVICE, generator=torch.Generator().manual_seed(seed))
 
 
 def test_out_lse_buffers_sinks_and_scales():

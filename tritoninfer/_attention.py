@@ -28,13 +28,9 @@ from ._options import (
     resolve_sm_scale,
 )
 from ._plan import WORK_FIELDS, Tiles, WorkPlan, alibi_slopes
-from .kernels.attention import attention_fwd_kernel, merge_split_states_kernel
+from .kernels.attention import attention_fwd_kernel
 
 _ATTENTION = CachedLauncher(attention_fwd_kernel)
-_MERGE_SPLITS = CachedLauncher(merge_split_states_kernel)
-
-# rows per merge program: small enough that a prefill tile's merge is spread over many programs
-MERGE_ROWS = 16
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
@@ -114,12 +110,31 @@ class DevicePlan:
     num_states: int  # partial states with state_mult 1
     state_capacity: int  # states the workspace layout reserves (with state_mult 1); fixed in CUDA-graph mode
     has_splits: bool
-    always_merge: bool  # CUDA-graph mode: a later plan may split, so the merge is always launched
+    always_merge: bool  # CUDA-graph mode: a later plan may split, so split states are always laid out
+    counters: Optional["SplitCounters"] = None  # the uploader's (the fused split merge's arrival counters)
     reads_kv: bool = True  # some request has KV (a paged plan then needs a cache with pages)
     # the cache size whose page ids a run checked for the Gluon kernel (_step.check_page_ids), -1: none
     pages_checked: int = dataclasses.field(default=-1, compare=False)
     # launch_attention's bound launches for this plan (AttentionLaunch), by run variant
     launches: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+
+class SplitCounters:
+    """The attention kernel's arrival counters for its fused split merge (``kernels/attention.py``):
+    int32, zero between launches (the last split of a group resets its counter). One buffer per
+    plan uploader, so per wrapper: a wrapper's runs are ordered on its stream. Grown by a new
+    zeroed buffer when a plan needs more; old buffers are kept, since a captured graph may point
+    into them."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.buffers: list = []
+
+    def get(self, n: int) -> torch.Tensor:
+        if not self.buffers or self.buffers[-1].numel() < n:
+            size = max(n, 2 * self.buffers[-1].numel() if self.buffers else 4096)
+            self.buffers.append(torch.zeros(size, dtype=torch.int32, device=self.device))
+        return self.buffers[-1]
 
 
 class PlanUploader:
@@ -134,6 +149,7 @@ class PlanUploader:
         self.device = torch.device(device)
         self._host: Optional[torch.Tensor] = None
         self._done: Optional[torch.cuda.Event] = None
+        self.counters = SplitCounters(self.device)
 
     def upload(self, arrays: list, non_blocking: bool = True, out: Optional[torch.Tensor] = None) -> list:
         """Returns device views of ``arrays`` (in ``out`` when given: a fixed int32 buffer)."""
@@ -245,6 +261,7 @@ class AttentionVariant:
     def kwargs(self) -> dict:
         block_dqk = max(16, 1 << (self.head_dim_qk - 1).bit_length())
         block_dv = max(16, 1 << (self.head_dim_vo - 1).bit_length())
+        merge_dv = max(16, block_dv // 8)
         return dict(
             GROUP=self.group, HEAD_DIM_QK=self.head_dim_qk, HEAD_DIM_VO=self.head_dim_vo,
             BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_DQK=block_dqk, BLOCK_DV=block_dv,
@@ -255,6 +272,8 @@ class AttentionVariant:
             PREFETCH_PAGES=self.prefetch_pages, KV_AS_M=self.kv_as_m, MASK_FREE_TILES=self.mask_free_tiles,
             FOLD_SCALE=self.fold_scale, LANES=self.lanes, LANE_TOKENS=self.block_n // max(self.lanes, 1),
             NUM_STAGES=self.num_stages, num_warps=self.num_warps, num_stages=self.num_stages,
+            # the fused split merge: value columns per pass, and states loaded together per row
+            MERGE_DV_CHUNK=merge_dv, MERGE_SPLIT_BLOCK=max(1, min(32, 4096 // (self.block_m * merge_dv))),
         )
 
     def unfolded(self) -> "AttentionVariant":
@@ -342,7 +361,7 @@ def launch_attention(
 
 
 class AttentionLaunch:
-    """The attention kernel's launch, and the split merge's, with what one plan fixes bound: the
+    """The attention kernel's launch (split states merged inside it) with what one plan fixes bound: the
     grid, the tiles, the plan's tensors, the workspace and the flags. A call passes the tensors
     and scales that may change from call to call."""
 
@@ -354,7 +373,10 @@ class AttentionLaunch:
         # the layout depends only on state_capacity, so a captured graph keeps valid pointers
         states = plan.state_capacity * state_mult
         merge = plan.has_splits or plan.always_merge
-        dummy = plan.kv_len  # any device tensor, for pointers a disabled feature never reads
+        # for pointers a disabled feature never reads: an allocation of its own, so 16-byte aligned
+        # (a plan view may not be, which would keep every call off the driver launch path)
+        dummy = _device.per_device("unread", plan.kv_len.device,
+                                   lambda: torch.zeros(16, dtype=torch.float32, device=plan.kv_len.device))
         if merge:
             need = states * num_qo_heads * (head_dim_vo + 1)
             if workspace is None or workspace.numel() // 4 < need:
@@ -365,15 +387,16 @@ class AttentionLaunch:
             ws = workspace[: (workspace.numel() // 4) * 4].view(torch.float32)
             part_o = ws[: states * num_qo_heads * head_dim_vo]
             part_lse = ws[states * num_qo_heads * head_dim_vo: need]
+            # one counter per (group of split items, KV head, row program); groups <= work items
+            counters = plan.counters.get(plan.capacity * num_kv_heads * tiles.row_tiles)
         else:
-            part_o = part_lse = dummy  # never touched: every item writes its final output
+            part_o = part_lse = counters = dummy  # never touched: every item writes its final output
         self.device = plan.kv_len.device
         self.dummy = dummy
         self.sm_scale = params.sm_scale
         # objects whose identities are in launch_attention's key: alive as long as this launch is
         self.keep = (params, tiles, workspace, kv.kv_indptr, kv.kv_indices, packed_mask, mask_indptr)
         self.needs_pages = kv.page_size > 0 and plan.reads_kv
-        block_dv = max(16, 1 << (head_dim_vo - 1).bit_length())
         qo_indptr = plan.qo_indptr if plan.qo_indptr is not None else dummy
         grid = (plan.capacity, num_kv_heads, tiles.row_tiles)
         variant = attention_variant(
@@ -381,7 +404,7 @@ class AttentionLaunch:
             has_custom_mask=packed_mask is not None, has_sinks=has_sinks, has_head_scales=has_head_scales,
             write_lse=has_lse, dot=dot)
         tail = (
-            part_o, part_lse, plan.work, qo_indptr, kv.kv_indptr,
+            part_o, part_lse, counters, plan.work, qo_indptr, kv.kv_indptr,
             kv.kv_indices if kv.kv_indices is not None else dummy,
             plan.kv_len, plan.state_offset,
             packed_mask if packed_mask is not None else dummy,
@@ -399,23 +422,6 @@ class AttentionLaunch:
         self.unfolded = attention
         if variant.fold_scale:
             self.unfolded = _ATTENTION.bind(grid, tail, variant.unfolded().kwargs())
-        self.merge = None
-        if merge:
-            # a few rows per merge program (no more than an item has), and the value columns
-            # shared among the split items: a request split many ways is merged in parallel
-            rows = tiles.tile_tokens * group
-            merge_m = min(tiles.block_m, MERGE_ROWS, max(1, 1 << (rows - 1).bit_length()))
-            merge_grid = (plan.capacity, num_kv_heads, -(-rows // merge_m))
-            dv_chunk = max(16, block_dv // 8)
-            self.merge = _MERGE_SPLITS.bind(merge_grid, (
-                part_o, part_lse, plan.work, qo_indptr, plan.state_offset,
-                q_len_per_req, tiles.tile_tokens, state_mult, num_qo_heads,
-            ), dict(
-                GROUP=group, HEAD_DIM_VO=head_dim_vo, MERGE_M=merge_m, DV_CHUNK=dv_chunk,
-                NUM_DV_CHUNKS=block_dv // dv_chunk, SPLIT_BLOCK=max(1, min(32, 4096 // (merge_m * dv_chunk))),
-                HAS_SINKS=has_sinks, HAS_HEAD_SCALES=has_head_scales, WRITE_LSE=has_lse,
-                num_warps=4,
-            ))
 
     def __call__(self, q: torch.Tensor, out: torch.Tensor, lse: Optional[torch.Tensor], kv: KVSource,
                  q_scale: Optional[float], k_scale: Optional[float], v_scale: Optional[float],
@@ -439,5 +445,3 @@ class AttentionLaunch:
             kv.k, *kv.k_strides, kv.v, *kv.v_strides, kv.num_pages, sinks_arg, *scales,
             sm_scale * 1.4426950408889634, v_scale,
         )
-        if self.merge is not None:
-            self.merge(out, out.stride(0), out.stride(1), lse_arg, lse_stride, sinks_arg, scales[2], v_scale)

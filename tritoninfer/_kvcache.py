@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple, Union
+import weakref
+from typing import Any, Callable, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -88,6 +89,75 @@ def unpack_paged_kv_cache(paged_kv_cache: PagedKVCache, layout: TensorLayout) ->
         _UNPACKED.clear()
     _UNPACKED[key] = (kv.page_size, kv.num_heads, kv.head_dim_qk, kv.head_dim_vo, kv.k_strides, kv.v_strides)
     return kv
+
+
+class _Remembered:
+    """One cache object's unpacked views, and what a wrapper built from them for its current step."""
+
+    __slots__ = ("refs", "facts", "kv", "step", "source")
+
+    def __init__(self, refs: tuple, facts: tuple, kv: PagedKV) -> None:
+        self.refs, self.facts, self.kv = refs, facts, kv
+        self.step: Any = None
+        self.source: Any = None
+
+
+def _facts(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), t.shape, t.stride()
+
+
+class CacheViews:
+    """``unpack_paged_kv_cache`` remembered per cache object, for a wrapper's ``run()``: engines pass the
+    same cache tensors (a layer's cache, or a ``(k, v)`` pair of them) every step, so the views and
+    the checks against the plan are made once per cache and step, and a call compares the object's
+    identity, address, shape and strides (a cache changed in place in any of these is unpacked
+    again). An entry holds views of the cache, so it goes away with the cache object (a weak
+    reference's callback); at most ``LIMIT`` are kept."""
+
+    LIMIT = 256
+
+    def __init__(self, layout: TensorLayout) -> None:
+        self.layout = layout
+        self._entries: dict = {}
+
+    def source(self, cache: PagedKVCache, step, build: Callable[[PagedKV], Any]) -> Tuple[PagedKV, Any]:
+        """The unpacked cache and ``build(kv)`` (the checks against ``step`` and the kernel's source),
+        built once per cache object and step."""
+        if type(cache) is torch.Tensor:
+            key = id(cache)
+            entry = self._entries.get(key)
+            hit = entry is not None and entry.refs[0]() is cache and entry.facts == _facts(cache)
+            parts = (cache,)
+        elif type(cache) is tuple and len(cache) == 2 and type(cache[0]) is torch.Tensor \
+                and type(cache[1]) is torch.Tensor:
+            k, v = cache
+            key = (id(k), id(v))
+            entry = self._entries.get(key)
+            hit = (entry is not None and entry.refs[0]() is k and entry.refs[1]() is v
+                   and entry.facts == _facts(k) + _facts(v))
+            parts = cache
+        else:
+            kv = unpack_paged_kv_cache(cache, self.layout)
+            return kv, build(kv)
+        if not hit:
+            kv = unpack_paged_kv_cache(cache, self.layout)
+            if len(self._entries) >= self.LIMIT:
+                self._entries.clear()
+            forget = _forget(self._entries, key)
+            entry = _Remembered(tuple(weakref.ref(t, forget) for t in parts),
+                                sum((_facts(t) for t in parts), ()), kv)
+            self._entries[key] = entry
+        if entry.step is not step:
+            entry.source = build(entry.kv)
+            entry.step = step
+        return entry.kv, entry.source
+
+
+def _forget(entries: dict, key) -> Callable:
+    def forget(_ref) -> None:
+        entries.pop(key, None)
+
+    return forget
 
 
 def _unpack(paged_kv_cache: PagedKVCache, layout: TensorLayout) -> PagedKV:

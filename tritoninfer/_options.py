@@ -188,6 +188,19 @@ def check_tensor(t, name: str, *, ndim: Optional[int] = None, dtype=None, device
     return t
 
 
+def check_query(q, dtype: torch.dtype, shape: tuple, shape_doc: str, name: str = "q") -> None:
+    """A query tensor of the planned dtype and shape whose last dimension is contiguous (one
+    comparison per fact on the path every ``run()`` takes; the messages name what differs)."""
+    if type(q) is torch.Tensor and q.dtype == dtype and q.shape == shape and q.stride(-1) == 1:
+        return
+    check_tensor(q, name, ndim=len(shape))
+    check_same_dtype_as_plan(q, dtype, name, f"{name}_data_type")
+    if tuple(q.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)} {shape_doc}, got {tuple(q.shape)}")
+    if q.stride(-1) != 1:
+        raise ValueError(f"{name}: the last dimension must be contiguous")
+
+
 def same_device(a, b) -> bool:
     """``cuda`` and ``cuda:0`` are the same device when 0 is the current one."""
     a, b = torch.device(a), torch.device(b)

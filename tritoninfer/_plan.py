@@ -16,7 +16,9 @@ import numpy as np
 
 from . import _device
 
-WORK_FIELDS = 6  # request, q_tile_start, kv_start, kv_end, split, num_splits
+# request, q_tile_start, kv_start, kv_end, split, num_splits, group (the request's query tile: the
+# items of one group are the splits whose partial states the last of them merges)
+WORK_FIELDS = 7
 
 
 def next_pow2(n: int) -> int:
@@ -196,6 +198,7 @@ def build_work(
         work[:, 0] = req
         work[:, 3] = kv_lens[req]
         work[:, 5] = 1
+        work[:, 6] = np.arange(req.size)
         return WorkPlan(work, np.zeros(batch, np.int32), 0, False)
     if chunk is None:
         num_splits = np.ones(batch, np.int64)
@@ -224,6 +227,7 @@ def build_work(
     work[:, 3] = kv_end
     work[:, 4] = split
     work[:, 5] = ns
+    work[:, 6] = np.repeat(np.cumsum(q_tiles) - q_tiles, counts) + local // ns
 
     split_states = np.where(num_splits > 1, q_lens.astype(np.int64) * num_splits, 0)
     state_offset = (np.cumsum(split_states) - split_states).astype(np.int32)

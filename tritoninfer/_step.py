@@ -167,7 +167,7 @@ def upload_plan(uploader: PlanUploader, graph: Optional[GraphBuffers], work: Wor
     n = 3 + (qo is not None)
     qo_d = views[3] if qo is not None else None
     plan = DevicePlan(views[0].view(-1, WORK_FIELDS), views[1], views[2], qo_d, capacity, work.num_states,
-                      state_capacity, work.has_splits, always_merge, reads_kv)
+                      state_capacity, work.has_splits, always_merge, uploader.counters, reads_kv)
     return plan, views[n:]
 
 

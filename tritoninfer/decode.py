@@ -18,7 +18,7 @@ import torch
 
 from . import _device, _errors, _ops
 from ._attention import KVSource, PlanUploader, score_params, scratch_workspace
-from ._kvcache import PagedKVCache, host_page_table, page_table_from_block_tables, unpack_paged_kv_cache
+from ._kvcache import CacheViews, PagedKVCache, host_page_table, page_table_from_block_tables
 from ._options import (
     KV_DTYPES,
     Q_DTYPES,
@@ -28,11 +28,11 @@ from ._options import (
     check_head_dim,
     check_heads,
     check_out,
+    check_query,
     check_sinks,
     copy_into,
     host_index,
     check_positive_int,
-    check_same_dtype_as_plan,
     check_tensor,
     parse_layout,
 )
@@ -216,6 +216,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
     ) -> None:
         check_tensor(float_workspace_buffer, "float_workspace_buffer")
         self._kv_layout = parse_layout(kv_layout)
+        self._caches = CacheViews(self._kv_layout)
         if backend not in DECODE_BACKENDS:
             raise ValueError(f"backend: expected one of {DECODE_BACKENDS}, got {backend!r}")
         if jit_args is not None:
@@ -499,14 +500,30 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 raise ValueError("q_len_per_req > 1 requires use_tensor_cores=True")
             if step.min_kv_len < L:
                 raise ValueError(f"q_len_per_req={L} requires kv_len >= q_len_per_req for every request")
-        check_tensor(q, "q", ndim=3)
-        check_same_dtype_as_plan(q, step.q_dtype, "q", "q_data_type")
-        expected = (step.batch * L, step.num_qo_heads, step.head_dim_qk)
-        if tuple(q.shape) != expected:
-            raise ValueError(f"q: expected shape {expected} (batch_size * q_len_per_req, num_qo_heads, head_dim), got {tuple(q.shape)}")
-        if q.stride(-1) != 1:
-            raise ValueError("q: the last dimension must be contiguous")
-        kv = unpack_paged_kv_cache(paged_kv_cache, self._kv_layout)
+        check_query(q, step.q_dtype, (step.batch * L, step.num_qo_heads, step.head_dim_qk),
+                    "(batch_size * q_len_per_req, num_qo_heads, head_dim)")
+        kv, source = self._caches.source(paged_kv_cache, step, self._kv_source)
+        if kv.device != q.device:
+            raise ValueError("paged_kv_cache and q must be on the same device")
+        out = check_out(out, (q.shape[0], step.num_qo_heads, kv.head_dim_vo), q.dtype, q.device, "out")
+        if lse is not None or return_lse:
+            # a caller's lse buffer is written whether or not it is returned, as in FlashInfer
+            lse = check_out(lse, (q.shape[0], step.num_qo_heads), torch.float32, q.device, "lse")
+        sinks = check_sinks(sinks, step.num_qo_heads, q.device)
+        params = step.params if L == 1 else _causal(step.params)
+        run_step(
+            step, q=q, out=out, lse=lse, workspace=self._float_workspace_buffer, kv=source, params=params, tiles=step.tiles if L == 1 else _decode_tiles(
+                step.group, L, step.head_dim_qk, step.kv_dtype.itemsize, _lanes_ok(params)),
+            q_len_per_req=L, state_mult=L, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
+        )
+        return (out, lse) if return_lse else out
+
+    run_return_lse = functools.partialmethod(run, return_lse=True)
+
+    def _kv_source(self, kv) -> KVSource:
+        """The checks of a cache against the plan, and the kernel's view of it (once per cache and
+        plan: ``CacheViews``)."""
+        step = self._step
         if kv.dtype != step.kv_dtype:
             raise ValueError(
                 f"The dtype of paged_kv_cache {kv.dtype} does not match the kv_data_type "
@@ -517,26 +534,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 f"paged_kv_cache: page_size/num_kv_heads/head_dim are {kv.page_size}/{kv.num_heads}/{kv.head_dim_qk}, "
                 f"plan() used {step.page_size}/{step.num_kv_heads}/{step.head_dim_qk}"
             )
-        if kv.device != q.device:
-            raise ValueError("paged_kv_cache and q must be on the same device")
         step.page_table.check_cache(kv.k.shape[0])
-        out = check_out(out, (q.shape[0], step.num_qo_heads, kv.head_dim_vo), q.dtype, q.device, "out")
-        if lse is not None or return_lse:
-            # a caller's lse buffer is written whether or not it is returned, as in FlashInfer
-            lse = check_out(lse, (q.shape[0], step.num_qo_heads), torch.float32, q.device, "lse")
-        sinks = check_sinks(sinks, step.num_qo_heads, q.device)
-        params = step.params if L == 1 else _causal(step.params)
-        run_step(
-            step, q=q, out=out, lse=lse, workspace=self._float_workspace_buffer,
-            kv=KVSource(kv.k, kv.v, kv.k_strides, kv.v_strides, kv.page_size, step.kv_indptr, step.kv_indices,
-                        kv.k.shape[0]),
-            params=params, tiles=step.tiles if L == 1 else _decode_tiles(
-                step.group, L, step.head_dim_qk, step.kv_dtype.itemsize, _lanes_ok(params)),
-            q_len_per_req=L, state_mult=L, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
-        )
-        return (out, lse) if return_lse else out
-
-    run_return_lse = functools.partialmethod(run, return_lse=True)
+        return KVSource(kv.k, kv.v, kv.k_strides, kv.v_strides, kv.page_size, step.kv_indptr, step.kv_indices,
+                        kv.k.shape[0])
 
     def _run_into(self, q, paged_kv_cache, out, lse, *, sinks, q_scale, k_scale, v_scale, window_left,
                   q_len_per_req) -> None:

@@ -24,7 +24,7 @@ from . import _device, _errors, _ops
 from ._attention import KVSource, PlanUploader, score_params, scratch_workspace
 from ._route import PREFILL, PlanFacts
 from ._step import GraphBuffers, PlannedStep, Settings, plan_single, plan_work, run_step, upload_plan
-from ._kvcache import PagedKVCache, host_page_table, page_table_from_block_tables, unpack_paged_kv_cache
+from ._kvcache import CacheViews, PagedKVCache, host_page_table, page_table_from_block_tables
 from ._options import (
     KV_DTYPES,
     Q_DTYPES,
@@ -35,8 +35,8 @@ from ._options import (
     check_heads,
     check_indptr_host,
     check_out,
+    check_query,
     check_positive_int,
-    check_same_dtype_as_plan,
     check_sinks,
     check_tensor,
     copy_into,
@@ -101,6 +101,7 @@ class _BatchPrefillBase:
         self._float_workspace_buffer = float_workspace_buffer
         self.device = float_workspace_buffer.device
         self._kv_layout = parse_layout(kv_layout)
+        self._caches = CacheViews(self._kv_layout)
         self._backend = backend
         self._use_cuda_graph = bool(use_cuda_graph)
         if use_cuda_graph:
@@ -282,21 +283,16 @@ class _BatchPrefillBase:
         step = self._step
         if window_left is not None and window_left != step.settings.window_left:
             raise ValueError(f"window_left: run() got {window_left} but plan() used {step.settings.window_left}")
-        check_tensor(q, "q", ndim=3)
-        check_same_dtype_as_plan(q, step.q_dtype, "q", "q_data_type")
+        graph = self._graph is not None
+        # in CUDA-graph mode q may have more rows than the plan (the captured batch)
+        rows = q.shape[0] if graph and type(q) is torch.Tensor and q.dim() == 3 and q.shape[0] >= step.total_rows \
+            else step.total_rows
+        check_query(q, step.q_dtype, (rows, step.num_qo_heads, step.head_dim_qk),
+                    "(qo_indptr[-1], num_qo_heads, head_dim_qk)")
         if kv_dtype != step.kv_dtype:
             raise ValueError(
                 f"The dtype of k/v {kv_dtype} does not match the kv_data_type {step.kv_dtype} specified in plan function."
             )
-        graph = self._graph is not None
-        rows_ok = q.shape[0] >= step.total_rows if graph else q.shape[0] == step.total_rows
-        if not rows_ok or q.shape[1] != step.num_qo_heads or q.shape[2] != step.head_dim_qk:
-            raise ValueError(
-                f"q: expected shape ({step.total_rows}, {step.num_qo_heads}, {step.head_dim_qk}) "
-                f"(qo_indptr[-1], num_qo_heads, head_dim_qk), got {tuple(q.shape)}"
-            )
-        if q.stride(-1) != 1:
-            raise ValueError("q: the last dimension must be contiguous")
         if (head_dim_qk, head_dim_vo) != (step.head_dim_qk, step.head_dim_vo):
             raise ValueError(
                 f"k/v head dims {head_dim_qk}/{head_dim_vo} do not match the planned {step.head_dim_qk}/{step.head_dim_vo}"
@@ -568,18 +564,23 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         step = self._step
         if step is None:
             raise ValueError("run() was called before plan()")
-        kv = unpack_paged_kv_cache(paged_kv_cache, self._kv_layout)
+        kv, source = self._caches.source(paged_kv_cache, step, self._kv_source)
+        return self._run_common(q, source, kv.dtype, kv.head_dim_qk, kv.head_dim_vo, out, lse, return_lse,
+                                route_kv=kv, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
+                                window_left=window_left)
+
+    def _kv_source(self, kv) -> KVSource:
+        """The checks of a cache against the plan, and the kernel's view of it (once per cache and
+        plan: ``CacheViews``)."""
+        step = self._step
         if (kv.page_size, kv.num_heads) != (step.page_size, step.num_kv_heads):
             raise ValueError(
                 f"paged_kv_cache: page_size/num_kv_heads are {kv.page_size}/{kv.num_heads}, "
                 f"plan() used {step.page_size}/{step.num_kv_heads}"
             )
         step.page_table.check_cache(kv.k.shape[0])
-        source = KVSource(kv.k, kv.v, kv.k_strides, kv.v_strides, kv.page_size, step.kv_indptr, step.kv_indices,
-                          kv.k.shape[0])
-        return self._run_common(q, source, kv.dtype, kv.head_dim_qk, kv.head_dim_vo, out, lse, return_lse,
-                                route_kv=kv, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
-                                window_left=window_left)
+        return KVSource(kv.k, kv.v, kv.k_strides, kv.v_strides, kv.page_size, step.kv_indptr, step.kv_indices,
+                        kv.k.shape[0])
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
 

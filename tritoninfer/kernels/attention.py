@@ -333,10 +333,11 @@ def attention_fwd_kernel(
     # sinks [H_qo]; per-head scales (single_prefill's scale_q [H_qo], scale_k [H_kv], scale_v [H_kv])
     sinks_ptr, scale_q_ptr, scale_k_ptr, scale_v_ptr,
     sm_scale_log2, v_scale,
-    # split-KV partial states: o [states, H_qo, D_vo] fp32, lse [states, H_qo] fp32
-    part_o_ptr, part_lse_ptr,
-    # plan: work items int32 [capacity, 6] = (request, first query token, kv_start, kv_end,
-    # split index, number of splits of the request); request < 0 marks an unused slot
+    # split-KV partial states: o [states, H_qo, D_vo] fp32, lse [states, H_qo] fp32; arrival counters
+    # int32 [groups * H_kv * row programs], zero between launches
+    part_o_ptr, part_lse_ptr, counter_ptr,
+    # plan: work items int32 [capacity, 7] = (request, first query token, kv_start, kv_end, split
+    # index, number of splits of the request, group); request < 0 marks an unused slot
     work_ptr,
     qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr, kv_len_ptr, state_offset_ptr,
     mask_ptr, mask_indptr_ptr, alibi_ptr,
@@ -351,7 +352,7 @@ def attention_fwd_kernel(
     HAS_CUSTOM_MASK: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_HEAD_SCALES: tl.constexpr,
     WRITE_LSE: tl.constexpr, DOT_DTYPE: tl.constexpr, PREFETCH_PAGES: tl.constexpr, KV_AS_M: tl.constexpr,
     MASK_FREE_TILES: tl.constexpr, FOLD_SCALE: tl.constexpr, LANES: tl.constexpr, LANE_TOKENS: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, MERGE_DV_CHUNK: tl.constexpr, MERGE_SPLIT_BLOCK: tl.constexpr,
 ):
     # the dot-free single-row path computes plain (or soft-capped) scores of one row (_attention.attention_variant)
     tl.static_assert(LANES == 0 or not (HAS_ROPE or HAS_ALIBI or HAS_CUSTOM_MASK or HAS_HEAD_SCALES or KV_AS_M
@@ -360,7 +361,7 @@ def attention_fwd_kernel(
     i_kvh = tl.program_id(1)
     i_rows = tl.program_id(2)
 
-    w = work_ptr + i_item * 6
+    w = work_ptr + i_item * 7
     req = tl.load(w)
     if req < 0:
         return
@@ -490,67 +491,51 @@ def attention_fwd_kernel(
     else:
         # unscaled partial state: v_scale and sinks are applied once, by the merge
         o, lse = finalize(m_i, l_i, acc, 0.0, 1.0, False)
-        state = tl.load(state_offset_ptr + req) * state_mult + tok * num_splits + split
-        st_row = state.to(tl.int64) * num_qo_heads + qo_head
+        first = tl.load(state_offset_ptr + req) * state_mult + tok * num_splits
+        st_row = (first + split).to(tl.int64) * num_qo_heads + qo_head
         tl.store(part_o_ptr + st_row[:, None] * HEAD_DIM_VO + offs_dv[None, :], o,
                  mask=row_ok[:, None] & dv_ok[None, :])
         tl.store(part_lse_ptr + st_row, lse, mask=row_ok)
+        # the last split of the group to arrive merges them all: every thread's stores are done
+        # (barrier) before one thread's release; its acquire orders the other splits' stores first
+        tl.debug_barrier()
+        group = tl.load(w + 6)
+        counter = counter_ptr + (group.to(tl.int64) * tl.num_programs(1) + i_kvh) * tl.num_programs(2) + i_rows
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+            tl.store(counter, 0)  # every split has arrived: nothing else reads it in this launch
+            sink_log2 = 0.0
+            if HAS_SINKS:
+                sink_log2 = tl.load(sinks_ptr + qo_head, mask=row_ok, other=0.0) * LOG2E
+            merge_splits(o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, part_o_ptr, part_lse_ptr,
+                         first, num_splits, num_qo_heads, q_start, tok, qo_head, row_ok, sink_log2, v_scale,
+                         HEAD_DIM_VO, BLOCK_M, BLOCK_DV, MERGE_DV_CHUNK, MERGE_SPLIT_BLOCK, HAS_SINKS, WRITE_LSE)
 
 
 @triton.jit
-def merge_split_states_kernel(
-    # per call, then fixed by the plan (as attention_fwd_kernel)
-    o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, sinks_ptr, scale_v_ptr, v_scale,
-    part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, state_offset_ptr,
-    q_len_per_req, tile_tokens, state_mult, num_qo_heads,
-    GROUP: tl.constexpr, HEAD_DIM_VO: tl.constexpr, MERGE_M: tl.constexpr, DV_CHUNK: tl.constexpr,
-    NUM_DV_CHUNKS: tl.constexpr, SPLIT_BLOCK: tl.constexpr, HAS_SINKS: tl.constexpr,
-    HAS_HEAD_SCALES: tl.constexpr, WRITE_LSE: tl.constexpr,
-):
-    """Merges the split-KV partial states of ``MERGE_M`` rows of one work item's query tile.
-
-    Grid: (work items, KV heads, row blocks of ``MERGE_M``). Every item of a split request takes
-    part: the item with split index ``j`` merges the value columns of chunks ``j, j + num_splits,
-    ...`` (``DV_CHUNK`` columns each), so a request split 32 ways is merged by 8 programs per row
-    block instead of one that walks all columns (batch-1 decode: the merge was a third of the
-    step). Each chunk's program recomputes the LSE weights, which are a few floats per state."""
-    i_item = tl.program_id(0)
-    i_kvh = tl.program_id(1)
-    i_rows = tl.program_id(2)
-    w = work_ptr + i_item * 6
-    req = tl.load(w)
-    if req < 0:
-        return
-    split = tl.load(w + 4)
-    num_splits = tl.load(w + 5)
-    if (split >= NUM_DV_CHUNKS) | (num_splits == 1):
-        return
-    q_tile_start = tl.load(w + 1)
-    q_start, q_len, tok, qo_head, row_ok = item_rows(req, q_tile_start, i_kvh, i_rows * MERGE_M, qo_indptr_ptr,
-                                                     q_len_per_req, tile_tokens, GROUP, MERGE_M)
-    first = tl.load(state_offset_ptr + req) * state_mult + tok * num_splits
+def merge_splits(o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, part_o_ptr, part_lse_ptr, first,
+                 num_splits, num_qo_heads, q_start, tok, qo_head, row_ok, sink_log2, v_scale,
+                 HEAD_DIM_VO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, DV_CHUNK: tl.constexpr,
+                 SPLIT_BLOCK: tl.constexpr, HAS_SINKS: tl.constexpr, WRITE_LSE: tl.constexpr):
+    """The output of BLOCK_M rows from their ``num_splits`` partial states (``first``: each row's first
+    state), ``DV_CHUNK`` value columns at a time. The states were written by other programs of this
+    launch: loaded through L2 (``.cg``), never from a stale L1 line."""
     offs_s = tl.arange(0, SPLIT_BLOCK)
-    sink_log2 = 0.0
-    if HAS_SINKS:
-        sink_log2 = tl.load(sinks_ptr + qo_head, mask=row_ok, other=0.0) * LOG2E
-    if HAS_HEAD_SCALES:
-        v_scale = v_scale * tl.load(scale_v_ptr + i_kvh)
-    for chunk in range(split, NUM_DV_CHUNKS, num_splits):
+    for chunk in tl.static_range(BLOCK_DV // DV_CHUNK):
         offs_dv = chunk * DV_CHUNK + tl.arange(0, DV_CHUNK)
         dv_ok = offs_dv < HEAD_DIM_VO
-        m_i = tl.full([MERGE_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([MERGE_M], tl.float32)
-        acc = tl.zeros([MERGE_M, DV_CHUNK], tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, DV_CHUNK], tl.float32)
         # SPLIT_BLOCK states per iteration, loaded together: a loop of one state per iteration
         # waits one memory latency per split
         for s0 in range(0, num_splits, SPLIT_BLOCK):
             split_ok = row_ok[:, None] & ((s0 + offs_s) < num_splits)[None, :]
-            # [MERGE_M, SPLIT_BLOCK]
+            # [BLOCK_M, SPLIT_BLOCK]
             st_row = (first[:, None] + s0 + offs_s[None, :]).to(tl.int64) * num_qo_heads + qo_head[:, None]
-            lse = tl.load(part_lse_ptr + st_row, mask=split_ok, other=float("-inf"))
-            # [MERGE_M, SPLIT_BLOCK, DV_CHUNK]
+            lse = tl.load(part_lse_ptr + st_row, mask=split_ok, other=float("-inf"), cache_modifier=".cg")
+            # [BLOCK_M, SPLIT_BLOCK, DV_CHUNK]
             v = tl.load(part_o_ptr + st_row[:, :, None] * HEAD_DIM_VO + offs_dv[None, None, :],
-                        mask=split_ok[:, :, None] & dv_ok[None, None, :], other=0.0)
+                        mask=split_ok[:, :, None] & dv_ok[None, None, :], other=0.0, cache_modifier=".cg")
             m_new = tl.maximum(m_i, tl.max(lse, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_i - m_safe)
@@ -560,10 +545,7 @@ def merge_split_states_kernel(
             m_i = m_new
         o, lse = finalize(m_i, l_i, acc, sink_log2, v_scale, HAS_SINKS)
         store_rows(o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, o, lse, q_start, tok, qo_head,
-                   row_ok, offs_dv, dv_ok, False)
-        if WRITE_LSE:
-            if chunk == 0:  # once per row
-                tl.store(lse_ptr + (q_start + tok).to(tl.int64) * stride_lse_tok + qo_head, lse, mask=row_ok)
+                   row_ok, offs_dv, dv_ok, WRITE_LSE and chunk == 0)
 
 
 @triton.jit
