@@ -81,12 +81,14 @@ def main(argv=None):
     ap.add_argument("--old", required=True, action="append",
                     help="[NAME=]DIR: a directory holding an older tritoninfer package (the first is the baseline)")
     ap.add_argument("--shapes", default="all", choices=["all", "few"], help="few: 8 decode shapes")
+    ap.add_argument("--heads", default=None, help="only these decode heads, e.g. 32/8")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--kv-dtype", default="bfloat16")
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--tolerance", type=float, default=0.0, help="largest output difference allowed between versions")
     args = ap.parse_args(argv)
     versions = {}
     for i, spec in enumerate(args.old):
@@ -108,7 +110,7 @@ def main(argv=None):
         (32, 8, 1, 4096), (32, 8, 16, 4096), (32, 8, 64, 4096), (32, 8, 64, 32768), (32, 8, 256, 4096),
         (32, 8, 256, 32768), (32, 32, 16, 16384), (32, 32, 64, 16384)]
     for hq, hk, b, n in shapes:
-        if b * n * hk * 128 * 2 * 2 > 40e9:
+        if b * n * hk * 128 * 2 * 2 > 40e9 or (args.heads and args.heads != f"{hq}/{hk}"):
             continue
         cache, indptr, indices, last = paged_cache(b, n, hk, 128, 16, kv_dtype)
         q = torch.randn((b, hq, 128), device="cuda", dtype=torch.bfloat16)
@@ -116,7 +118,8 @@ def main(argv=None):
                   for k, p in versions.items()}
         for k in names[1:]:
             diff = (graphs[base][1].float() - graphs[k][1].float()).abs().max().item()
-            assert diff == 0.0, f"outputs of {k} differ by {diff} at {hq}/{hk} {b}x{n}"
+            # bit-identical unless a version changes the arithmetic (e.g. the split merge's order)
+            assert diff <= args.tolerance, f"outputs of {k} differ by {diff} at {hq}/{hk} {b}x{n}"
         t = {k: [] for k in versions}
         for _ in range(args.rounds):
             for k in versions:
@@ -151,7 +154,7 @@ def main(argv=None):
             torch.cuda.synchronize()
             for k in names[1:]:
                 diff = (outs[base].float() - outs[k].float()).abs().max().item()
-                assert diff == 0.0, f"prefill outputs of {k} differ by {diff}"
+                assert diff <= args.tolerance, f"prefill outputs of {k} differ by {diff}"
             t = {k: [] for k in versions}
             for _ in range(args.rounds):
                 for k in versions:

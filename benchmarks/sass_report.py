@@ -42,7 +42,9 @@ def compile_kernel(args):
                  DOT_DTYPE=tl.float16 if args.kv_dtype.startswith("fp8") else tl.bfloat16,
                  PREFETCH_PAGES=args.prefetch, KV_AS_M=args.kv_as_m,
                  MASK_FREE_TILES=args.mask_free, IS_CAUSAL=args.causal, FOLD_SCALE=args.fold,
-                 LANES=args.lanes, LANE_TOKENS=args.block_n // max(args.lanes, 1), NUM_STAGES=args.stages)
+                 LANES=args.lanes, LANE_TOKENS=args.block_n // max(args.lanes, 1), NUM_STAGES=args.stages,
+                 MERGE_DV_CHUNK=max(16, args.head_dim // 8),
+                 MERGE_SPLIT_BLOCK=max(1, min(32, 4096 // (args.block_m * max(16, args.head_dim // 8)))))
     sig, attrs = {}, {}
     for i, name in enumerate(names):
         if name in const:

@@ -376,7 +376,7 @@ class AttentionLaunch:
         # for pointers a disabled feature never reads: an allocation of its own, so 16-byte aligned
         # (a plan view may not be, which would keep every call off the driver launch path)
         dummy = _device.per_device("unread", plan.kv_len.device,
-                                   lambda: torch.zeros(16, dtype=torch.float32, device=plan.kv_len.device))
+                                   lambda: torch.zeros(16, dtype=torch.int32, device=plan.kv_len.device))
         if merge:
             need = states * num_qo_heads * (head_dim_vo + 1)
             if workspace is None or workspace.numel() // 4 < need:

@@ -532,14 +532,14 @@ def merge_splits(o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, pa
             split_ok = row_ok[:, None] & ((s0 + offs_s) < num_splits)[None, :]
             # [BLOCK_M, SPLIT_BLOCK]
             st_row = (first[:, None] + s0 + offs_s[None, :]).to(tl.int64) * num_qo_heads + qo_head[:, None]
-            lse = tl.load(part_lse_ptr + st_row, mask=split_ok, other=float("-inf"), cache_modifier=".cg")
+            s_lse = tl.load(part_lse_ptr + st_row, mask=split_ok, other=float("-inf"), cache_modifier=".cg")
             # [BLOCK_M, SPLIT_BLOCK, DV_CHUNK]
             v = tl.load(part_o_ptr + st_row[:, :, None] * HEAD_DIM_VO + offs_dv[None, None, :],
                         mask=split_ok[:, :, None] & dv_ok[None, None, :], other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m_i, tl.max(lse, 1))
+            m_new = tl.maximum(m_i, tl.max(s_lse, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_i - m_safe)
-            beta = tl.exp2(lse - m_safe[:, None])
+            beta = tl.exp2(s_lse - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(beta, 1)
             acc = acc * alpha[:, None] + tl.sum(v * beta[:, :, None], 1)
             m_i = m_new
