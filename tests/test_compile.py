@@ -289,22 +289,65 @@ def test_packbits_compile(bitorder):
     _matches_eager(lambda x, indptr: tritoninfer.segment_packbits(x, indptr, bitorder), x, indptr)
 
 
-def test_op_does_not_call_a_replaced_public_function(monkeypatch):
-    """A caller may replace a public function by its compiled self: the op behind it must run the
-    work, not that name again (which recursed)."""
-    import tritoninfer.cascade as cascade
+def _merge_in_place_case(g):
+    import tritoninfer.cascade as module
 
-    torch._dynamo.reset()
-    original = cascade.merge_state_in_place
-    compiled = torch.compile(original, fullgraph=True, backend="aot_eager")
-    monkeypatch.setattr(cascade, "merge_state_in_place", compiled)
-    g = torch.Generator().manual_seed(11)
     v, v_other = (testing.randn((2, HQ, D), torch.float16, DEVICE, g) for _ in range(2))
     s, s_other = (testing.randn((2, HQ), torch.float32, DEVICE, g) for _ in range(2))
-    v_ref, s_ref = v.clone(), s.clone()
-    original(v_ref, s_ref, v_other, s_other)
-    cascade.merge_state_in_place(v, s, v_other, s_other)
-    assert torch.equal(v, v_ref) and torch.equal(s, s_ref)
+
+    def call(fn):
+        v_, s_ = v.clone(), s.clone()
+        fn(v_, s_, v_other, s_other)
+        return v_, s_
+
+    return module, "merge_state_in_place", call
+
+
+def _single_decode_case(g):
+    import tritoninfer.decode as module
+
+    q = testing.randn((HQ, D), torch.float16, DEVICE, g)
+    k, v = (testing.randn((9, HK, D), torch.float16, DEVICE, g) for _ in range(2))
+    return module, "single_decode_with_kv_cache", lambda fn: fn(q, k, v)
+
+
+def _single_prefill_case(g):
+    import tritoninfer.prefill as module
+
+    q = testing.randn((5, HQ, D), torch.float16, DEVICE, g)
+    k, v = (testing.randn((7, HK, D), torch.float16, DEVICE, g) for _ in range(2))
+    return module, "single_prefill_with_kv_cache", lambda fn: fn(q, k, v, causal=True)
+
+
+def _append_case(g):
+    import tritoninfer.page as module
+
+    kv = testing.make_paged_kv([5, 3], 4, HK, D, dtype=torch.float16, device=DEVICE, generator=g)
+    key, value = (testing.randn((3, HK, D), torch.float16, DEVICE, g) for _ in range(2))
+    batch = torch.tensor([0, 0, 1], dtype=torch.int32, device=DEVICE)
+    pos = torch.tensor([3, 4, 2], dtype=torch.int32, device=DEVICE)
+
+    def call(fn):
+        cache = kv.cache.clone()
+        fn(key, value, batch, pos, cache, kv.kv_indices, kv.kv_indptr, kv.kv_last_page_len)
+        return cache
+
+    return module, "append_paged_kv_cache", call
+
+
+@pytest.mark.parametrize("case", [_merge_in_place_case, _single_decode_case, _single_prefill_case, _append_case],
+                         ids=["merge_state_in_place", "single_decode", "single_prefill", "append_paged_kv_cache"])
+def test_op_does_not_call_a_replaced_public_function(case, monkeypatch):
+    """A caller may replace a public function by its compiled self: the op behind it must run the
+    work, not that name again (which recursed)."""
+    torch._dynamo.reset()
+    module, name, call = case(torch.Generator().manual_seed(11))
+    original = getattr(module, name)
+    expected = call(original)
+    monkeypatch.setattr(module, name, torch.compile(original, fullgraph=True, backend="aot_eager"))
+    got = call(getattr(module, name))
+    for a, b in zip(*(x if isinstance(x, tuple) else (x,) for x in (got, expected))):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.gpu

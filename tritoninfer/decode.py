@@ -152,7 +152,7 @@ def _single_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
                       v_scale: Optional[float], window_left: int, logits_soft_cap: Optional[float],
                       sm_scale: Optional[float], rope_scale: Optional[float], rope_theta: Optional[float]) -> None:
     """``single_decode_with_kv_cache`` into ``out`` (and ``lse``), for torch.compile (``_ops.py``)."""
-    result = single_decode_with_kv_cache(
+    result = _single_decode_eager(
         q, k, v, kv_layout, pos_encoding_mode, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
         window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
         rope_theta=rope_theta, return_lse=lse is not None)
@@ -161,6 +161,10 @@ def _single_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
         lse.copy_(result[1])
     else:
         out.copy_(result)
+
+
+# the eager function itself, for its custom op: the public name may be replaced by its compiled self
+_single_decode_eager = single_decode_with_kv_cache
 
 
 class BatchDecodeWithPagedKVCacheWrapper:

@@ -180,9 +180,8 @@ def _append_op(append_key: torch.Tensor, append_value: torch.Tensor, batch_indic
                kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, kv_layout: str) -> None:
     """``append_paged_kv_cache`` for torch.compile (``_ops.py``): ``cache`` is the single-tensor cache, or
     the K cache of a ``(k_cache, v_cache)`` pair."""
-    append_paged_kv_cache(append_key, append_value, batch_indices, positions,
-                          cache if v_cache is None else (cache, v_cache), kv_indices, kv_indptr, kv_last_page_len,
-                          kv_layout)
+    _append_eager(append_key, append_value, batch_indices, positions,
+                  cache if v_cache is None else (cache, v_cache), kv_indices, kv_indptr, kv_last_page_len, kv_layout)
 
 
 def append_paged_kv_cache(
@@ -282,6 +281,10 @@ def append_paged_kv_cache(
         D=head_dim, DV=head_dim_v, BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_DV=block_dv,
         num_warps=num_warps,
     )
+
+
+# the eager function itself, for its custom op: the public name may be replaced by its compiled self
+_append_eager = append_paged_kv_cache
 
 
 def get_batch_indices_positions(

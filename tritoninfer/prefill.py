@@ -942,7 +942,7 @@ def _single_prefill_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
                        window_left: int, logits_soft_cap: Optional[float], rope_scale: Optional[float],
                        rope_theta: Optional[float], backend: str) -> None:
     """``single_prefill_with_kv_cache`` into ``out`` (and ``lse``), for torch.compile (``_ops.py``)."""
-    result = single_prefill_with_kv_cache(
+    result = _single_prefill_eager(
         q, k, v, scale_q, scale_k, scale_v, out.dtype, custom_mask, packed_custom_mask, causal, kv_layout,
         pos_encoding_mode, use_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta,
         backend, return_lse=lse is not None)
@@ -963,3 +963,7 @@ def _head_scale(s: Optional[torch.Tensor], n: int, name: str, device) -> torch.T
 
 
 single_prefill_with_kv_cache_return_lse = functools.partial(single_prefill_with_kv_cache, return_lse=True)
+
+
+# the eager function itself, for its custom op: the public name may be replaced by its compiled self
+_single_prefill_eager = single_prefill_with_kv_cache
