@@ -32,6 +32,14 @@ DIV16 = {"stride_q_tok", "stride_q_head", "stride_o_tok", "stride_o_head", "stri
          "stride_k_slot", "stride_k_head", "stride_v_page", "stride_v_slot", "stride_v_head", "num_qo_heads"}
 
 
+def merge_constants(args) -> dict:
+    """The fused split merge's constexprs, as ``_attention.AttentionVariant.kwargs`` derives them."""
+    merge_m = min(args.block_m, 1 << max(0, (args.tile_tokens * args.group - 1).bit_length()))
+    merge_dv = args.head_dim if merge_m * args.head_dim <= 4096 else max(16, 4096 // merge_m)
+    split = 1 << max(0, min(5, (8192 // (merge_m * merge_dv)).bit_length() - 1))
+    return dict(MERGE_M=merge_m, MERGE_DV_CHUNK=merge_dv, MERGE_SPLIT_BLOCK=split)
+
+
 def compile_kernel(args):
     fn = attention_fwd_kernel
     names = [p.name for p in fn.params]
@@ -43,8 +51,7 @@ def compile_kernel(args):
                  PREFETCH_PAGES=args.prefetch, KV_AS_M=args.kv_as_m,
                  MASK_FREE_TILES=args.mask_free, IS_CAUSAL=args.causal, FOLD_SCALE=args.fold,
                  LANES=args.lanes, LANE_TOKENS=args.block_n // max(args.lanes, 1), NUM_STAGES=args.stages,
-                 MERGE_DV_CHUNK=max(16, args.head_dim // 8),
-                 MERGE_SPLIT_BLOCK=max(1, min(32, 4096 // (args.block_m * max(16, args.head_dim // 8)))))
+                 **merge_constants(args))
     sig, attrs = {}, {}
     for i, name in enumerate(names):
         if name in const:
@@ -71,6 +78,7 @@ def main(argv=None):
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--block-m", type=int, default=16)
+    ap.add_argument("--tile-tokens", type=int, default=1, help="query tokens per work item (prefill: block-m / group)")
     ap.add_argument("--block-n", type=int, default=128)
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=2)

@@ -234,6 +234,7 @@ class AttentionVariant:
     kernel asserts the same statically); :meth:`kwargs` is the only source of the launch's keywords."""
 
     group: int
+    tile_tokens: int
     head_dim_qk: int
     head_dim_vo: int
     block_m: int
@@ -261,7 +262,11 @@ class AttentionVariant:
     def kwargs(self) -> dict:
         block_dqk = max(16, 1 << (self.head_dim_qk - 1).bit_length())
         block_dv = max(16, 1 << (self.head_dim_vo - 1).bit_length())
-        merge_dv = max(16, block_dv // 8)
+        # the fused split merge (kernels/attention.py): the rows an item has (tokens x group, as a
+        # power of two, at most the block), all value columns at once where that stays within
+        # 4096 elements per load, and up to 8192 elements of states in flight per round
+        merge_m = min(self.block_m, 1 << max(0, (self.tile_tokens * self.group - 1).bit_length()))
+        merge_dv = block_dv if merge_m * block_dv <= 4096 else max(16, 4096 // merge_m)
         return dict(
             GROUP=self.group, HEAD_DIM_QK=self.head_dim_qk, HEAD_DIM_VO=self.head_dim_vo,
             BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_DQK=block_dqk, BLOCK_DV=block_dv,
@@ -272,8 +277,8 @@ class AttentionVariant:
             PREFETCH_PAGES=self.prefetch_pages, KV_AS_M=self.kv_as_m, MASK_FREE_TILES=self.mask_free_tiles,
             FOLD_SCALE=self.fold_scale, LANES=self.lanes, LANE_TOKENS=self.block_n // max(self.lanes, 1),
             NUM_STAGES=self.num_stages, num_warps=self.num_warps, num_stages=self.num_stages,
-            # the fused split merge: value columns per pass, and states loaded together per row
-            MERGE_DV_CHUNK=merge_dv, MERGE_SPLIT_BLOCK=max(1, min(32, 4096 // (self.block_m * merge_dv))),
+            MERGE_M=merge_m, MERGE_DV_CHUNK=merge_dv,
+            MERGE_SPLIT_BLOCK=1 << max(0, min(5, (8192 // (merge_m * merge_dv)).bit_length() - 1)),
         )
 
     def unfolded(self) -> "AttentionVariant":
@@ -296,7 +301,7 @@ def attention_variant(params: ScoreParams, tiles: Tiles, *, group: int, head_dim
         if missing:
             raise ValueError(f"attention variant: the dot-free single-row tiles cannot run {', '.join(missing)}")
     return AttentionVariant(
-        group=group, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, block_m=tiles.block_m,
+        group=group, tile_tokens=tiles.tile_tokens, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, block_m=tiles.block_m,
         block_n=tiles.block_n, is_paged=page_size > 0, page_size=max(page_size, 1), is_causal=params.causal,
         has_window=params.window_left >= 0, has_soft_cap=soft_cap, has_alibi=params.alibi, has_rope=params.rope,
         has_custom_mask=has_custom_mask, has_sinks=has_sinks, has_head_scales=has_head_scales, write_lse=write_lse,

@@ -352,7 +352,7 @@ def attention_fwd_kernel(
     HAS_CUSTOM_MASK: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_HEAD_SCALES: tl.constexpr,
     WRITE_LSE: tl.constexpr, DOT_DTYPE: tl.constexpr, PREFETCH_PAGES: tl.constexpr, KV_AS_M: tl.constexpr,
     MASK_FREE_TILES: tl.constexpr, FOLD_SCALE: tl.constexpr, LANES: tl.constexpr, LANE_TOKENS: tl.constexpr,
-    NUM_STAGES: tl.constexpr, MERGE_DV_CHUNK: tl.constexpr, MERGE_SPLIT_BLOCK: tl.constexpr,
+    NUM_STAGES: tl.constexpr, MERGE_M: tl.constexpr, MERGE_DV_CHUNK: tl.constexpr, MERGE_SPLIT_BLOCK: tl.constexpr,
 ):
     # the dot-free single-row path computes plain (or soft-capped) scores of one row (_attention.attention_variant)
     tl.static_assert(LANES == 0 or not (HAS_ROPE or HAS_ALIBI or HAS_CUSTOM_MASK or HAS_HEAD_SCALES or KV_AS_M
@@ -503,12 +503,18 @@ def attention_fwd_kernel(
         counter = counter_ptr + (group.to(tl.int64) * tl.num_programs(1) + i_kvh) * tl.num_programs(2) + i_rows
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
             tl.store(counter, 0)  # every split has arrived: nothing else reads it in this launch
+            # the first MERGE_M rows of the block hold all its real rows (MERGE_M covers a decode
+            # item's tokens x group, padded to a power of two, else the whole block): fewer rows,
+            # wider loads, fewer dependent rounds on the merge's critical path
+            m_start, m_len, m_tok, m_head, m_ok = item_rows(req, q_tile_start, i_kvh, i_rows * BLOCK_M, qo_indptr_ptr,
+                                                            q_len_per_req, tile_tokens, GROUP, MERGE_M)
             sink_log2 = 0.0
             if HAS_SINKS:
-                sink_log2 = tl.load(sinks_ptr + qo_head, mask=row_ok, other=0.0) * LOG2E
+                sink_log2 = tl.load(sinks_ptr + m_head, mask=m_ok, other=0.0) * LOG2E
             merge_splits(o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, part_o_ptr, part_lse_ptr,
-                         first, num_splits, num_qo_heads, q_start, tok, qo_head, row_ok, sink_log2, v_scale,
-                         HEAD_DIM_VO, BLOCK_M, BLOCK_DV, MERGE_DV_CHUNK, MERGE_SPLIT_BLOCK, HAS_SINKS, WRITE_LSE)
+                         tl.load(state_offset_ptr + req) * state_mult + m_tok * num_splits, num_splits, num_qo_heads,
+                         m_start, m_tok, m_head, m_ok, sink_log2, v_scale,
+                         HEAD_DIM_VO, MERGE_M, BLOCK_DV, MERGE_DV_CHUNK, MERGE_SPLIT_BLOCK, HAS_SINKS, WRITE_LSE)
 
 
 @triton.jit
