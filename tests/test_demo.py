@@ -425,3 +425,14 @@ def test_gpu_main_h200_shape_smoke(tmp_path):
                    "--gen-len", "8", "--check", "--quiet", "--out", str(out)])
     assert status == 0
     assert "| KV cache dtype | bf16 | fp8 |" in out.read_text()
+
+
+def test_decode_host_share():
+    """The demo's host share of a decode step: wall time per token against the sampled graph replays'
+    GPU time per token (issue "The host path", target 4)."""
+    from tritoninfer.demo.engine import Stats
+
+    s = Stats(decode_tokens=160, decode_time=0.0245, decode_sampled_tokens=32, decode_attn_base=0.00304)
+    # 0.153 ms per token of wall time against 0.095 ms of GPU time: 38 % on the host
+    assert abs(s.decode_host_share - (1 - 0.095 / 0.153125)) < 1e-9
+    assert Stats(decode_tokens=160, decode_time=0.0245).decode_host_share == 0.0

@@ -394,6 +394,7 @@ def summary_rows(results, args) -> List[Tuple[str, List[str]]]:
     add("decode", lambda s, t: f"{_rate(s.decode_tokens, s.decode_time)} ({s.decode_steps} steps, {s.decode_time:.2f} s)")
     if not args.interpreter and not args.no_cuda_graph:
         add("decode, GPU time only (sampled)", lambda s, t: _rate(s.decode_sampled_tokens, s.decode_attn_base))
+        add("decode step: host share (outside the graph)", lambda s, t: f"{100 * s.decode_host_share:.0f} %")
     add("decode batch (mean / max)", lambda s, t: (
         f"{np.mean(s.decode_batch_sizes):.1f} / {max(s.decode_batch_sizes)}" if s.decode_batch_sizes else "-"))
     add("decode step (mean)", lambda s, t: f"{1e3 * s.decode_time / s.decode_steps:.2f} ms" if s.decode_steps else "-")

@@ -96,6 +96,16 @@ class Stats:
         return self.decode_attn_time / self.decode_attn_base if self.decode_attn_base else 0.0
 
     @property
+    def decode_host_share(self) -> float:
+        """The share of a decode step's wall time in which the GPU does not run the step's graph:
+        1 - (GPU time per token of the sampled replays) / (wall time per decode token). 0 when no
+        replay was sampled (eager decode, or no GPU)."""
+        if not (self.decode_sampled_tokens and self.decode_attn_base and self.decode_tokens and self.decode_time):
+            return 0.0
+        gpu = self.decode_attn_base / self.decode_sampled_tokens
+        return max(0.0, 1.0 - gpu / (self.decode_time / self.decode_tokens))
+
+    @property
     def attn_share(self) -> float:
         total = self.prefill_time + self.decode_time
         attn = self.prefill_attn_time + self.decode_attn_share * self.decode_time
