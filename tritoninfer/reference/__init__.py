@@ -7,8 +7,11 @@ and usable by anyone to check a kernel. Nothing here imports a kernel or a wrapp
   sinks, fp8 scales, base-2 LSE, ``merge_state*``.
 - ``elementwise``: RoPE application, RMSNorm variants, gated activations.
 - ``page``: page-table helpers and ``append_paged_kv_cache``, ``packbits``.
+- ``sampling``: softmax, the top-k / top-p / min-p filters and renorms, and the exact
+  distributions the sampling functions draw from.
 """
 
 from .attention import *  # noqa: F401,F403
 from .elementwise import *  # noqa: F401,F403
 from .page import *  # noqa: F401,F403
+from .sampling import *  # noqa: F401,F403
