@@ -408,7 +408,11 @@ class AttentionLaunch:
             params, tiles, group=group, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, page_size=kv.page_size,
             has_custom_mask=packed_mask is not None, has_sinks=has_sinks, has_head_scales=has_head_scales,
             write_lse=has_lse, dot=dot)
-        tail = (
+        # lse, its row stride, sinks and the three head scales follow the per-call arguments: those
+        # up to the last feature this launch has are passed per call, the rest bound here unread
+        present = [has_lse, has_lse, has_sinks] + [has_head_scales] * 3
+        self.optional = max((i + 1 for i, on in enumerate(present) if on), default=0)
+        tail = (dummy, 0, dummy, dummy, dummy, dummy)[self.optional:] + (
             part_o, part_lse, counters, plan.work, qo_indptr, kv.kv_indptr,
             kv.kv_indices if kv.kv_indices is not None else dummy,
             plan.kv_len, plan.state_offset,
@@ -441,12 +445,13 @@ class AttentionLaunch:
             raise ValueError("paged_kv_cache: the cache has no pages, but the plan reads KV from it")
         sm_scale = self.sm_scale * (1.0 if q_scale is None else float(q_scale)) * (1.0 if k_scale is None else float(k_scale))
         v_scale = 1.0 if v_scale is None else float(v_scale)
+        launch = self.attention if sm_scale > 0 else self.unfolded
+        head = (q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), kv.k, *kv.k_strides, kv.v,
+                *kv.v_strides, kv.num_pages, sm_scale * 1.4426950408889634, v_scale)
+        if not self.optional:
+            launch(*head)
+            return
         dummy = self.dummy
-        lse_arg, lse_stride = (lse, lse.stride(0)) if lse is not None else (dummy, 0)
-        sinks_arg = sinks if sinks is not None else dummy
-        scales = head_scales if head_scales is not None else (dummy, dummy, dummy)
-        (self.attention if sm_scale > 0 else self.unfolded)(
-            q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), lse_arg, lse_stride,
-            kv.k, *kv.k_strides, kv.v, *kv.v_strides, kv.num_pages, sinks_arg, *scales,
-            sm_scale * 1.4426950408889634, v_scale,
-        )
+        optional = ((lse, lse.stride(0)) if lse is not None else (dummy, 0)) + (
+            sinks if sinks is not None else dummy,) + (head_scales if head_scales is not None else (dummy,) * 3)
+        launch(*head, *optional[:self.optional])

@@ -86,7 +86,14 @@ def paged_descriptors(kv: PagedKV) -> Optional[Tuple[tuple, int]]:
     """TMA boxes of an NHD paged cache for the kernel's paged mode: K and V as 2-D views
     [rows, H * D] with a box of one page of one head, page p starting at row p * rows_per_page (in a
     5-D cache K and V pages alternate: rows_per_page = 2 * page). None where the cache does not fit
-    that view (heads or slots not packed, page strides that are not whole rows or differ)."""
+    that view (heads or slots not packed, page strides that are not whole rows or differ). Kept on
+    ``kv`` (``PagedKV.tma``), ``False`` standing for None."""
+    if kv.tma is None:
+        kv.tma = _paged_descriptors(kv) or False
+    return kv.tma or None
+
+
+def _paged_descriptors(kv: PagedKV) -> Optional[Tuple[tuple, int]]:
     page, h, d = kv.page_size, kv.num_heads, kv.head_dim_qk
     row = h * d
     page_stride, slot, head = kv.k_strides

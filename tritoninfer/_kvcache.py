@@ -27,6 +27,9 @@ class PagedKV:
     head_dim_vo: int
     k_strides: Tuple[int, int, int]  # page, slot, head
     v_strides: Tuple[int, int, int]
+    # the Gluon prefill's TMA view of this cache, once computed (``_hopper.paged_descriptors``; a
+    # ``CacheViews`` entry keeps the same object for a cache, so its run() calls compute it once)
+    tma: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -201,13 +201,18 @@ class BoundLaunch:
             return
         if len(self._driver) >= 64:
             self._driver.clear()
-        self._driver[key] = DriverLaunch.build(hit, self.grid, head, self.tail, device)
+        launch = DriverLaunch.build(hit, self.grid, head, self.tail, device)
+        if launch is not None:
+            launch.keep.extend(b.layout for b in boxes)
+        self._driver[key] = launch
         self._kinds = kinds
 
 
 def _box_key(boxes: tuple) -> tuple:
-    """What Triton specialises a TMA descriptor argument on: its dtype, block and layout."""
-    return tuple([(b.tensor.dtype, b.block, b.layout) for b in boxes])
+    """What Triton specialises a TMA descriptor argument on: its dtype, block and layout (by identity:
+    hashing a Gluon layout runs Python code; ``DriverLaunch.keep`` holds the layouts of its key, so
+    an identity is never reused while the entry exists)."""
+    return tuple([(b.tensor.dtype, b.block, id(b.layout)) for b in boxes])
 
 
 def _gluon(head: tuple) -> tuple:

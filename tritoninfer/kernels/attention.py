@@ -322,17 +322,18 @@ def attend_lanes(
 def attention_fwd_kernel(
     # The arguments that change from call to call come first, those fixed by the plan after them
     # (``_attention.AttentionLaunch`` binds the second group once per plan).
-    # q [tokens, H_qo, D_qk]; o [tokens, H_qo, D_vo]; lse [tokens, H_qo] float32
+    # q [tokens, H_qo, D_qk]; o [tokens, H_qo, D_vo]
     q_ptr, stride_q_tok, stride_q_head,
     o_ptr, stride_o_tok, stride_o_head,
-    lse_ptr, stride_lse_tok,
     # paged: K/V element (page, slot, head, d); ragged: (token, -, head, d) with stride_*_slot unused;
     # num_pages: pages of the cache (paged; page ids outside [0, num_pages) are never read)
     k_ptr, stride_k_page, stride_k_slot, stride_k_head,
     v_ptr, stride_v_page, stride_v_slot, stride_v_head, num_pages,
-    # sinks [H_qo]; per-head scales (single_prefill's scale_q [H_qo], scale_k [H_kv], scale_v [H_kv])
-    sinks_ptr, scale_q_ptr, scale_k_ptr, scale_v_ptr,
     sm_scale_log2, v_scale,
+    # the optional ones (a launch without them binds placeholders with the plan's arguments):
+    # lse [tokens, H_qo] float32; sinks [H_qo]; per-head scales (single_prefill's scale_q [H_qo],
+    # scale_k [H_kv], scale_v [H_kv])
+    lse_ptr, stride_lse_tok, sinks_ptr, scale_q_ptr, scale_k_ptr, scale_v_ptr,
     # split-KV partial states: o [states, H_qo, D_vo] fp32, lse [states, H_qo] fp32; arrival counters
     # int32 [groups * H_kv * row programs], zero between launches
     part_o_ptr, part_lse_ptr, counter_ptr,
