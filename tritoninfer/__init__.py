@@ -2,8 +2,8 @@
 
 Engines import from the same submodules as FlashInfer's (``tritoninfer.decode``,
 ``tritoninfer.prefill``, ``tritoninfer.cascade``, ``tritoninfer.page``, ``tritoninfer.rope``,
-``tritoninfer.norm``, ``tritoninfer.activation``, ``tritoninfer.quantization``); the public names
-are re-exported here as FlashInfer does at its top level.
+``tritoninfer.norm``, ``tritoninfer.activation``, ``tritoninfer.quantization``,
+``tritoninfer.sampling``); the public names are re-exported here as FlashInfer does at its top level.
 
 The re-exports are lazy (PEP 562): ``import tritoninfer`` imports neither torch nor Triton nor any
 kernel module, and a name's submodule is imported when the name is first used, so the command line
@@ -44,6 +44,12 @@ _EXPORTS: Dict[str, str] = {
         "apply_llama31_rope_pos_ids_inplace", "apply_rope_with_cos_sin_cache",
         "apply_rope_with_cos_sin_cache_inplace",
     ], "rope"),
+    **dict.fromkeys([
+        "softmax", "sampling_from_probs", "sampling_from_logits", "top_p_sampling_from_probs",
+        "top_k_sampling_from_probs", "min_p_sampling_from_probs", "top_k_top_p_sampling_from_probs",
+        "top_k_top_p_sampling_from_logits", "top_p_renorm_probs", "top_k_renorm_probs", "top_k_mask_logits",
+        "chain_speculative_sampling",
+    ], "sampling"),
     **dict.fromkeys(["MaskMode", "PosEncodingMode", "TensorLayout"], "_options"),
     "install_as_flashinfer": "_compat",
     "check_errors": "_errors",
@@ -52,10 +58,12 @@ _EXPORTS: Dict[str, str] = {
 # The submodules a user reaches as attributes; listed by dir(). Any other submodule
 # (tritoninfer.kernels, tritoninfer.bench, ...) is imported on attribute access as well.
 _SUBMODULES = ("activation", "cascade", "decode", "norm", "page", "prefill", "quantization", "rope",
-               "reference", "testing")
+               "sampling", "reference", "testing")
 
+# The sampling names (FlashInfer's top-level ones) resolve as attributes and are listed by dir(), but
+# stay out of __all__ until tests/test_cli.py counts "sampling" among the API modules (issue #21).
 __all__ = ["MaskMode", "PosEncodingMode", "TensorLayout", "__version__", "install_as_flashinfer", "check_errors"] + [
-    name for name, module in _EXPORTS.items() if not module.startswith("_")
+    name for name, module in _EXPORTS.items() if not module.startswith("_") and module != "sampling"
 ]
 
 

@@ -1,0 +1,478 @@
+"""tritoninfer.sampling against tritoninfer.reference.sampling, on CPU through the interpreter.
+
+Renorms, masks and softmax are compared value by value. Sampling is checked statistically: one
+kernel call draws thousands of samples (outputs mapped onto a few distributions with ``indices``),
+no sample may fall outside the reference's kept set, and the frequencies must pass a Pearson
+chi-square test against the reference distribution at a 1e-6 false-alarm rate. The rows are built
+so that a wrong filter moves a lot of mass: ties at the k-th largest entry, an entry that carries
+the top-p mass across the threshold, an entry exactly at ``min_p * max``; top-k off by one or an
+exclusive top-p makes a kept entry of probability >= 0.1 vanish (a chi-square term of thousands).
+"""
+
+import math
+
+import pytest
+import torch
+
+import tritoninfer
+from tritoninfer import reference, sampling
+from tritoninfer.testing import assert_close
+
+N_DRAWS = 2000  # per distribution
+
+
+# --------------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------------
+
+
+def chi2_bound(df: int, z: float = 4.75) -> float:
+    """Upper chi-square quantile (Wilson-Hilferty); z = 4.75 is a one-sided 1e-6 tail."""
+    a = 2.0 / (9.0 * df)
+    return df * (1.0 - a + z * math.sqrt(a)) ** 3
+
+
+def check_frequencies(samples: torch.Tensor, dist: torch.Tensor, what: str = "") -> None:
+    """``samples`` (int) drawn from ``dist`` (a probability vector): none outside its support, and a
+    chi-square statistic (entries with an expected count below 5 pooled) under the 1e-6 bound."""
+    samples = samples.long().cpu()
+    dist = dist.double().cpu()
+    n = samples.numel()
+    counts = torch.bincount(samples, minlength=dist.numel()).double()
+    assert counts.numel() == dist.numel(), f"{what}: a sample >= vocab_size"
+    outside = (dist == 0) & (counts > 0)
+    assert not outside.any(), f"{what}: samples outside the kept set at {outside.nonzero().flatten().tolist()}"
+    expected = dist * n
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum().reshape(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().reshape(1)])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    df = max(1, obs.numel() - 1)
+    assert stat < chi2_bound(df), f"{what}: chi-square {stat:.1f} over {df} dof (bound {chi2_bound(df):.1f})"
+
+
+def draws(rows: int, per_row: int = N_DRAWS, device="cpu") -> torch.Tensor:
+    """indices mapping ``rows * per_row`` outputs onto ``rows`` distributions."""
+    return torch.arange(rows, device=device, dtype=torch.int32).repeat_interleave(per_row)
+
+
+def check_rows(samples: torch.Tensor, dists: torch.Tensor, per_row: int = N_DRAWS, what: str = "") -> None:
+    for r in range(dists.shape[0]):
+        check_frequencies(samples[r * per_row:(r + 1) * per_row], dists[r], f"{what} row {r}")
+
+
+def normalize(x: torch.Tensor) -> torch.Tensor:
+    return x / x.sum(-1, keepdim=True)
+
+
+def crafted_probs(vocab: int, device) -> torch.Tensor:
+    """Three rows with most mass on a few entries spread through the vocabulary, the rest tiny:
+    row 0: ties at 0.2 (top-k boundary), row 1: distinct values, row 2: a zero block."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.rand(3, vocab, generator=g) * 1e-3
+    spots = torch.randperm(vocab, generator=g)[:5]
+    x[0, spots] = torch.tensor([0.3, 0.2, 0.2, 0.2, 0.05])
+    x[1, spots] = torch.tensor([0.35, 0.25, 0.15, 0.1, 0.05])
+    x[2, spots] = torch.tensor([0.4, 0.3, 0.12, 0.08, 0.02])
+    x[2, torch.randperm(vocab, generator=g)[: vocab // 3]] = 0.0
+    x[2, spots] = torch.tensor([0.4, 0.3, 0.12, 0.08, 0.02])
+    return normalize(x).to(device)
+
+
+@pytest.fixture
+def tiles(monkeypatch, request):
+    """Parametrise a test over whole-row tiles and 64-wide tiles (the multi-tile loops)."""
+    if request.param:
+        monkeypatch.setattr(sampling, "_INTERP_MAX_BLOCK", 64)
+    return request.param
+
+
+TILES = pytest.mark.parametrize("tiles", [False, True], ids=["one_tile", "tiles64"], indirect=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# the reference's own semantics
+# --------------------------------------------------------------------------------------------------
+
+
+def test_reference_boundaries():
+    p = torch.tensor([[0.1, 0.4, 0.2, 0.3]])
+    # top-p includes the entry that carries the mass across: 0.4 < 0.5 <= 0.4 + 0.3
+    assert reference.top_p_keep_mask(p, 0.5).tolist() == [[False, True, False, True]]
+    assert reference.top_p_keep_mask(p, 0.4).tolist() == [[False, True, False, False]]
+    assert reference.top_p_keep_mask(p, 1.0).all()
+    ties = torch.tensor([[0.3, 0.3, 0.3, 0.1]])
+    # ties with the k-th largest are all kept
+    assert reference.top_k_keep_mask(ties, 1).tolist() == [[True, True, True, False]]
+    assert reference.top_k_keep_mask(ties, 4).all()
+    # min-p is relative to the max and inclusive
+    assert reference.min_p_keep_mask(p, 0.5).tolist() == [[False, True, True, True]]
+    d = reference.top_k_top_p_sampling_distribution(p, 2, 0.5, "joint")
+    assert torch.allclose(d, torch.tensor([[0.0, 4 / 7, 0.0, 3 / 7]]))
+    # top_k_first: top-p on the renormalised top-2 {0.4, 0.3}: 4/7 < 0.6, so both stay
+    d = reference.top_k_top_p_sampling_distribution(p, 2, 0.6, "top_k_first")
+    assert torch.allclose(d, torch.tensor([[0.0, 4 / 7, 0.0, 3 / 7]]))
+    d = reference.top_k_top_p_sampling_distribution(p, 3, 0.6, "joint")
+    assert torch.allclose(d, torch.tensor([[0.0, 4 / 7, 0.0, 3 / 7]]))
+
+
+# --------------------------------------------------------------------------------------------------
+# renorm, mask, softmax
+# --------------------------------------------------------------------------------------------------
+
+
+@TILES
+@pytest.mark.parametrize("vocab", [8, 100, 300])
+def test_top_k_renorm_probs(device, tiles, vocab):
+    probs = crafted_probs(vocab, device)
+    for k in (1, 2, 4, vocab - 1, vocab):
+        out = sampling.top_k_renorm_probs(probs, k)
+        assert out.dtype == torch.float32 and out.shape == probs.shape
+        assert_close(out, reference.top_k_renorm_probs(probs, k), torch.float32, name=f"k={k}")
+    k = torch.tensor([2, vocab, 1], device=device)
+    assert_close(sampling.top_k_renorm_prob(probs, k), reference.top_k_renorm_probs(probs, k), torch.float32)
+
+
+@TILES
+@pytest.mark.parametrize("vocab", [8, 100, 300])
+def test_top_p_renorm_probs(device, tiles, vocab):
+    probs = crafted_probs(vocab, device)
+    for p in (0.05, 0.3, 0.55, 0.7, 0.9, 1.0):
+        out = sampling.top_p_renorm_probs(probs, p)
+        assert out.dtype == torch.float32
+        assert_close(out, reference.top_p_renorm_probs(probs, p), torch.float32, name=f"p={p}")
+    p = torch.tensor([0.3, 1.0, 0.6], device=device)
+    assert_close(sampling.top_p_renorm_prob(probs, p), reference.top_p_renorm_probs(probs, p), torch.float32)
+
+
+@TILES
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_top_k_mask_logits(device, tiles, dtype):
+    logits = (torch.randn(4, 150, device=device) * 3).to(dtype)
+    logits[1, :40] = float("-inf")
+    logits[2, 10:20] = logits[2, 5]  # ties
+    logits[3, :] = float("-inf")
+    logits[3, 7] = 1.0
+    for k in (1, 5, 11, 149, 150):
+        out = sampling.top_k_mask_logits(logits, k)
+        assert out.dtype == torch.float32
+        assert torch.equal(out, reference.top_k_mask_logits(logits, k)), f"k={k}"
+    k = torch.tensor([3, 200, 1, 2], device=device, dtype=torch.int64)
+    assert torch.equal(sampling.top_k_mask_logits(logits, k), reference.top_k_mask_logits(logits, k))
+    # softmax(mask) == top_k_renorm(softmax), FlashInfer's identity
+    probs = torch.softmax(logits.float(), -1)
+    assert_close(torch.softmax(sampling.top_k_mask_logits(logits, 5), -1),
+                 sampling.top_k_renorm_probs(probs, 5), torch.float32)
+
+
+@TILES
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softmax(device, tiles, dtype):
+    logits = (torch.randn(5, 200, device=device) * 4).to(dtype)
+    logits[0, ::3] = float("-inf")
+    for t in (None, 1.0, 0.5, 2.0):
+        out = sampling.softmax(logits, t)
+        assert out.dtype == torch.float32 and out.shape == logits.shape
+        assert_close(out, reference.softmax(logits, t), torch.float32, name=f"t={t}")
+    t = torch.tensor([0.3, 1.0, 2.0, 0.7, 5.0], device=device)
+    assert_close(sampling.softmax(logits, temperature=t), reference.softmax(logits, t), torch.float32)
+    # temperature 0 scales by 0 (FlashInfer): a uniform row where the logits are finite
+    finite = logits[1:]
+    assert_close(sampling.softmax(finite, 0.0), torch.full(finite.shape, 1 / 200, device=device), torch.float32)
+
+
+# --------------------------------------------------------------------------------------------------
+# sampling: frequencies against the exact distributions
+# --------------------------------------------------------------------------------------------------
+
+
+@TILES
+@pytest.mark.parametrize("vocab", [8, 300])
+def test_sampling_from_probs_freq(device, tiles, vocab):
+    probs = crafted_probs(vocab, device)
+    samples = sampling.sampling_from_probs(probs, indices=draws(3, device=device))
+    assert samples.dtype == torch.int32 and samples.shape == (3 * N_DRAWS,)
+    check_rows(samples, reference.sampling_distribution(probs), what="sampling_from_probs")
+
+
+@TILES
+def test_sampling_from_logits_freq(device, tiles):
+    logits = torch.randn(2, 120, device=device) * 2
+    logits[1, ::2] = float("-inf")
+    samples = sampling.sampling_from_logits(logits, indices=draws(2, device=device))
+    check_rows(samples, torch.softmax(logits, -1), what="sampling_from_logits")
+
+
+@TILES
+@pytest.mark.parametrize("vocab", [8, 200])
+def test_top_k_sampling_freq(device, tiles, vocab):
+    probs = crafted_probs(vocab, device)
+    # k=2 on row 0 falls inside the 0.2 ties: all three are kept
+    for k in (2, 3, torch.tensor([2, 3, 4], device=device)):
+        samples = sampling.top_k_sampling_from_probs(probs, k, indices=draws(3, device=device))
+        check_rows(samples, reference.top_k_sampling_distribution(probs, k), what=f"top_k={k}")
+
+
+@TILES
+@pytest.mark.parametrize("vocab", [8, 200])
+def test_top_p_sampling_freq(device, tiles, vocab):
+    probs = crafted_probs(vocab, device)
+    # 0.5 and 0.62 fall strictly inside an entry's crossing on every row (inclusive boundary)
+    for p in (0.5, 0.62, torch.tensor([0.5, 0.62, 0.8], device=device)):
+        samples = sampling.top_p_sampling_from_probs(probs, p, indices=draws(3, device=device))
+        check_rows(samples, reference.top_p_sampling_distribution(probs, p), what=f"top_p={p}")
+
+
+@TILES
+def test_min_p_sampling_freq(device, tiles):
+    # powers of two: min_p * max equals an entry exactly in float32, and min_p is inclusive
+    g = torch.Generator().manual_seed(5)
+    probs = torch.zeros(3, 100)
+    for r, values in enumerate(([0.5, 0.25, 0.125, 0.0625, 0.0625], [0.25] * 4, [0.375, 0.25, 0.25, 0.125])):
+        probs[r, torch.randperm(100, generator=g)[:len(values)]] = torch.tensor(values)
+    probs = probs.to(device)
+    min_p = torch.tensor([0.5, 1.0, 2 / 3], device=device)
+    keep = reference.min_p_keep_mask(probs, min_p) & (probs > 0)
+    assert keep.sum(1).tolist() == [2, 4, 3]
+    for mp in (min_p, 0.25):
+        samples = sampling.min_p_sampling_from_probs(probs, mp, indices=draws(3, device=device))
+        check_rows(samples, reference.min_p_sampling_distribution(probs, mp), what=f"min_p={mp}")
+
+
+@TILES
+@pytest.mark.parametrize("order", ["joint", "top_k_first"])
+def test_top_k_top_p_sampling_freq(device, tiles, order):
+    probs = crafted_probs(100, device)
+    k = torch.tensor([3, 4, 3], device=device)
+    p = torch.tensor([0.5, 0.75, 0.8], device=device)
+    dists = reference.top_k_top_p_sampling_distribution(probs, k, p, order)
+    # the two orders differ on these rows (top_k_first renormalises before top-p)
+    other = reference.top_k_top_p_sampling_distribution(
+        probs, k, p, "joint" if order == "top_k_first" else "top_k_first")
+    assert (dists != other).any()
+    samples = sampling.top_k_top_p_sampling_from_probs(probs, k, p, indices=draws(3, device=device),
+                                                       filter_apply_order=order)
+    check_rows(samples, dists, what=f"from_probs {order}")
+    logits = torch.log(probs)
+    samples = sampling.top_k_top_p_sampling_from_logits(logits, k, p, indices=draws(3, device=device),
+                                                        filter_apply_order=order)
+    check_rows(samples, dists, what=f"from_logits {order}")
+
+
+def test_per_output_parameters(device):
+    """With ``indices``, a parameter tensor of length ``len(indices)`` belongs to the outputs."""
+    probs = crafted_probs(50, device)[:1]
+    idx = torch.zeros(2 * N_DRAWS, dtype=torch.int32, device=device)
+    k = torch.tensor([1] * N_DRAWS + [3] * N_DRAWS, device=device)
+    samples = sampling.top_k_sampling_from_probs(probs, k, indices=idx)
+    check_frequencies(samples[:N_DRAWS], reference.top_k_sampling_distribution(probs, 1)[0], "k=1")
+    check_frequencies(samples[N_DRAWS:], reference.top_k_sampling_distribution(probs, 3)[0], "k=3")
+    p = torch.tensor([0.9] * N_DRAWS + [0.3] * N_DRAWS, device=device)
+    samples = sampling.top_k_top_p_sampling_from_probs(probs, k, p, indices=idx)
+    check_frequencies(samples[N_DRAWS:], reference.top_k_top_p_sampling_distribution(probs, 3, 0.3)[0], "k=3 p=.3")
+
+
+def test_chain_speculative_sampling(device):
+    torch.manual_seed(1)
+    b, n, vocab = 3, 4, 40
+    draft = normalize(torch.rand(b, n, vocab, device=device) ** 3)
+    target = normalize(torch.rand(b, n + 1, vocab, device=device) ** 3)
+    ids = torch.randint(vocab, (b, n), device=device)
+    acc = torch.full((b,), 5, dtype=torch.int32, device=device)
+    emit = torch.zeros(b, dtype=torch.int64, device=device)
+    out, acc2, emit2 = sampling.chain_speculative_sampling(draft, ids, target, acc, emit)
+    assert out.shape == (b, n + 1) and out.dtype == torch.int32
+    assert acc2 is acc and emit2 is emit
+    assert torch.equal(emit + 1, (out != -1).sum(1).to(emit.dtype))
+    assert (acc >= 5 + emit.int()).all() and (acc <= 5 + n).all()
+    for r in range(b):
+        e = int(emit[r])
+        assert torch.equal(out[r, :e], ids[r, :e].int()) and (out[r, e + 1:] == -1).all()
+
+    # the first output token over many requests sharing one draft/target pair
+    reps = 4000
+    d1 = draft[:1].expand(reps, n, vocab)
+    t1 = target[:1].expand(reps, n + 1, vocab)
+    i1 = ids[:1].expand(reps, n)
+    out, acc, emit = sampling.chain_speculative_sampling(d1, i1, t1)
+    check_frequencies(out[:, 0], reference.chain_speculative_first_token_distribution(draft, ids, target)[0],
+                      "first token")
+    # one-hot targets equal to the drafts: everything accepted, the bonus token drawn from the last row
+    onehot = torch.zeros(b, n + 1, vocab, device=device)
+    tokens = torch.cat([ids, torch.randint(vocab, (b, 1), device=device)], 1)
+    onehot.scatter_(2, tokens[..., None], 1.0)
+    out, acc, emit = sampling.chain_speculative_sampling(draft, ids, onehot)
+    assert torch.equal(out, tokens.int()) and (emit == n).all() and (acc == n).all()
+
+
+# --------------------------------------------------------------------------------------------------
+# randomness, shapes, edge cases
+# --------------------------------------------------------------------------------------------------
+
+
+def test_reproducible_with_generator(device):
+    probs = crafted_probs(64, device)
+    idx = draws(3, 200, device=device)
+
+    def run(seed):
+        g = torch.Generator(device=device).manual_seed(seed)
+        return [sampling.top_p_sampling_from_probs(probs, 0.7, idx, generator=g),
+                sampling.top_k_top_p_sampling_from_probs(probs, 3, 0.7, idx, filter_apply_order="joint", generator=g),
+                sampling.sampling_from_logits(torch.log(probs), idx, generator=g)]
+
+    a, b, c = run(7), run(7), run(8)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not all(torch.equal(x, y) for x, y in zip(a, c))
+    torch.manual_seed(3)
+    x = sampling.sampling_from_probs(probs, idx)
+    torch.manual_seed(3)
+    assert torch.equal(x, sampling.sampling_from_probs(probs, idx))
+
+
+def test_logits_and_probs_paths_agree(device):
+    """FlashInfer's check: for one generator state, the logits functions return what the probs
+    functions return on ``torch.softmax(logits)`` (joint: exactly; top_k_first: almost always)."""
+    logits = torch.randn(64, 111, device=device) * 5
+    for order, min_match in (("joint", 1.0), ("top_k_first", 0.95)):
+        g1 = torch.Generator(device=device).manual_seed(11)
+        g2 = torch.Generator(device=device).manual_seed(11)
+        a = sampling.top_k_top_p_sampling_from_logits(logits, 10, 0.5, filter_apply_order=order, generator=g1)
+        b = sampling.top_k_top_p_sampling_from_probs(torch.softmax(logits, -1), 10, 0.5, filter_apply_order=order,
+                                                     generator=g2)
+        assert (a == b).float().mean() >= min_match, order
+
+
+def test_edge_cases(device):
+    probs = crafted_probs(16, device)
+    # one-entry vocabulary, empty batch
+    one = torch.ones(3, 1, device=device)
+    assert sampling.sampling_from_probs(one).tolist() == [0, 0, 0]
+    assert sampling.top_k_top_p_sampling_from_probs(one, 1, 0.5, filter_apply_order="joint").tolist() == [0, 0, 0]
+    assert sampling.sampling_from_probs(probs[:0]).shape == (0,)
+    assert sampling.top_k_renorm_probs(probs[:0], 2).shape == (0, 16)
+    # a row with no mass gives entry 0 rather than reading outside the row
+    zero = torch.zeros(2, 16, device=device)
+    assert sampling.top_p_sampling_from_probs(zero, 0.5).tolist() == [0, 0]
+    # top_k >= vocab: no filter; tensor top_p <= 0 keeps the largest entries only
+    assert torch.equal(sampling.top_k_renorm_probs(probs, 100), probs)
+    s = sampling.top_p_sampling_from_probs(probs, torch.zeros(3, device=device), indices=draws(3, 50, device=device))
+    assert torch.equal(s, probs.argmax(-1).int().repeat_interleave(50))
+    # a strided view of the rows
+    wide = torch.zeros(3, 40, device=device)
+    wide[:, 4:20] = probs
+    out = sampling.top_k_renorm_probs(wide[:, 4:20], 3)
+    assert_close(out, reference.top_k_renorm_probs(probs, 3), torch.float32)
+
+
+def test_bad_input(device):
+    probs = crafted_probs(16, device)
+    with pytest.raises(ValueError, match="probs: expected dtype"):
+        sampling.sampling_from_probs(probs.double())
+    with pytest.raises(ValueError, match="probs: expected a 2-D tensor"):
+        sampling.sampling_from_probs(probs[0])
+    with pytest.raises(TypeError, match="probs: expected a torch.Tensor"):
+        sampling.sampling_from_probs(probs.tolist())
+    with pytest.raises(ValueError, match=r"top_k: Expected a 1D tensor or scalar.*got a 2D tensor"):
+        sampling.top_k_renorm_probs(probs, torch.ones(3, 2, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match=r"top_p: Expected a 1D tensor of shape \(batch_size,\) or scalar.*"
+                                         r"got a 0-dimensional tensor"):
+        sampling.top_p_sampling_from_probs(probs, torch.tensor(0.5, device=device))
+    with pytest.raises(ValueError, match="min_p: Sampling parameter tensor batch size mismatch"):
+        sampling.min_p_sampling_from_probs(probs, torch.tensor([0.1], device=device))
+    with pytest.raises(ValueError, match="top_k: expected an integer >= 1"):
+        sampling.top_k_sampling_from_probs(probs, 0)
+    with pytest.raises(ValueError, match=r"top_p: expected a value in \(0, 1\]"):
+        sampling.top_p_sampling_from_probs(probs, 1.5)
+    with pytest.raises(ValueError, match=r"top_p: expected a value in \(0, 1\]"):
+        sampling.top_k_top_p_sampling_from_logits(probs, 3, 0.0)
+    with pytest.raises(ValueError, match=r"min_p: expected a value in \[0, 1\]"):
+        sampling.min_p_sampling_from_probs(probs, -0.1)
+    with pytest.raises(ValueError, match="temperature: expected a value >= 0"):
+        sampling.softmax(probs, -1.0)
+    with pytest.raises(ValueError, match="filter_apply_order"):
+        sampling.top_k_top_p_sampling_from_probs(probs, 3, 0.5, filter_apply_order="top_p_first")
+    with pytest.raises(ValueError, match="indices: expected dtype int32 or int64"):
+        sampling.sampling_from_probs(probs, indices=torch.zeros(4, device=device))
+    with pytest.raises(TypeError, match="generator"):
+        sampling.sampling_from_probs(probs, generator=3)
+    nan = probs.clone()
+    nan[1, 3] = float("nan")
+    with pytest.raises(ValueError, match="probs: contains NaN"):
+        sampling.top_p_sampling_from_probs(nan, 0.5, check_nan=True)
+    with pytest.raises(ValueError, match="logits: contains NaN"):
+        sampling.top_k_top_p_sampling_from_logits(nan, 3, 0.5, check_nan=True)
+    with pytest.raises(ValueError, match=r"indices: values must lie in \[0, 3\)"):
+        sampling.sampling_from_probs(probs, indices=torch.tensor([0, 3], device=device), check_nan=True)
+    with pytest.raises(ValueError, match="target_probs: expected shape"):
+        sampling.chain_speculative_sampling(probs[:, None].expand(3, 2, 16), torch.zeros(3, 2, dtype=torch.int32),
+                                            probs[:, None].expand(3, 2, 16))
+
+
+def test_exports():
+    from tritoninfer import _compat
+
+    for name in _compat._SAMPLING_TOP_LEVEL:
+        assert getattr(tritoninfer, name) is getattr(sampling, name)
+    assert set(_compat._SAMPLING_TOP_LEVEL) | {"top_k_renorm_prob", "top_p_renorm_prob"} == set(sampling.__all__)
+    assert sampling.top_k_renorm_prob is sampling.top_k_renorm_probs
+    assert sampling.top_p_renorm_prob is sampling.top_p_renorm_probs
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU: realistic shapes, CUDA graphs (skipped without a GPU)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_realistic_vocab():
+    torch.manual_seed(0)
+    batch, vocab = 64, 128256
+    logits = torch.randn(batch, vocab, device="cuda") * 4
+    probs = torch.softmax(logits, -1)
+    for k in (1, 50, 1000):
+        assert_close(sampling.top_k_renorm_probs(probs, k), reference.top_k_renorm_probs(probs, k), torch.float32)
+        assert torch.equal(sampling.top_k_mask_logits(logits, k), reference.top_k_mask_logits(logits, k))
+    assert_close(sampling.softmax(logits, 0.7), reference.softmax(logits, 0.7), torch.float32)
+    keep_k = reference.top_k_keep_mask(probs, 50)
+    for p in (0.3, 0.9):
+        assert_close(sampling.top_p_renorm_probs(probs, p), reference.top_p_renorm_probs(probs, p), torch.float32)
+    rows = torch.arange(batch, device="cuda")
+    for _ in range(20):
+        s = sampling.top_k_top_p_sampling_from_probs(probs, 50, 0.9, filter_apply_order="joint").long()
+        assert keep_k[rows, s].all()
+        s = sampling.min_p_sampling_from_probs(probs, 0.1).long()
+        assert (probs[rows, s] >= 0.1 * probs.max(-1).values).all()
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture():
+    """A sampling step (softmax with temperature, joint top-k/top-p) captured in a CUDA graph: no
+    host synchronisation inside, and each replay draws new numbers from the default generator."""
+    torch.manual_seed(0)
+    batch, vocab = 64, 128256
+    logits = torch.randn(batch, vocab, device="cuda") * 4
+    temperature = torch.full((batch,), 0.8, device="cuda")
+    top_k = torch.full((batch,), 50, device="cuda", dtype=torch.int32)
+    top_p = torch.full((batch,), 0.9, device="cuda")
+
+    def step():
+        probs = sampling.softmax(logits, temperature)
+        return sampling.top_k_top_p_sampling_from_probs(probs, top_k, top_p, filter_apply_order="joint")
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    keep = reference.top_k_keep_mask(reference.softmax(logits, temperature), 50)
+    seen = []
+    for _ in range(10):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert keep[torch.arange(batch, device="cuda"), out.long()].all()
+        seen.append(out.clone())
+    assert any(not torch.equal(seen[0], s) for s in seen[1:])

@@ -1,0 +1,757 @@
+"""tritoninfer.sampling: FlashInfer 0.5.3's ``flashinfer.sampling``, sort-free and graph-safe.
+
+Probabilities and logits are 2-D ``[num_rows, vocab_size]`` float32, float16 or bfloat16 tensors
+(read as float32; the vocabulary dim must be contiguous, other strides are free). Samples come back
+as int32 ``[batch_size]``; renormalised probabilities, masked logits and softmax outputs as float32
+``[num_rows, vocab_size]``, as in FlashInfer.
+
+Semantics (``tritoninfer.reference.sampling`` states them exactly): top-k keeps every entry ``>=``
+the k-th largest (ties kept), top-p keeps the largest entries up to and including the one whose
+mass crosses ``top_p``, min-p keeps ``p >= min_p * max(p)``; entries of probability 0 are never
+sampled. Within the kept set the sample follows the probabilities renormalised, so rows need not sum
+to exactly 1.
+
+Randomness: each output row uses uniform numbers drawn with ``torch.rand`` from ``generator`` (the
+device's default generator when ``None``) on the device, then read by the kernel; the same generator
+state gives the same samples, and nothing synchronises with the host (a sampling step can be
+captured in a CUDA graph). ``check_nan=True`` synchronises: it reads the input on the host to raise
+on NaN (and checks ``indices`` bounds). ``deterministic`` is accepted: the kernels are always
+deterministic. ``enable_pdl`` is accepted and has no effect (Triton launches do not expose PDL).
+
+Per-row parameters (``top_k``, ``top_p``, ``min_p``, ``temperature``) are a Python number for all
+rows or a 1-D tensor: of length ``num_rows`` (one per distribution, indexed through ``indices``), or,
+with ``indices``, of length ``batch_size`` (one per output). Scalars are checked on the host
+(``top_k >= 1``, ``0 < top_p <= 1``, ``0 <= min_p <= 1``, ``temperature >= 0``); tensor values are
+not read on the host: in a tensor, ``top_k <= 0`` or ``>= vocab_size`` means no top-k filter,
+``top_p >= 1`` no top-p filter and ``top_p <= 0`` keeps the largest entries only.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Optional, Tuple, Union
+
+import torch
+
+from . import _device
+from ._launch import CachedLauncher
+from ._plan import cdiv, next_pow2
+from .kernels.sampling import chain_speculative_kernel, renorm_kernel, sample_kernel, softmax_kernel
+
+__all__ = [
+    "softmax",
+    "sampling_from_probs",
+    "sampling_from_logits",
+    "top_p_sampling_from_probs",
+    "top_k_sampling_from_probs",
+    "min_p_sampling_from_probs",
+    "top_k_top_p_sampling_from_probs",
+    "top_k_top_p_sampling_from_logits",
+    "top_p_renorm_probs",
+    "top_p_renorm_prob",
+    "top_k_renorm_probs",
+    "top_k_renorm_prob",
+    "top_k_mask_logits",
+    "chain_speculative_sampling",
+]
+
+_SAMPLE = CachedLauncher(sample_kernel)
+_RENORM = CachedLauncher(renorm_kernel)
+_SOFTMAX = CachedLauncher(softmax_kernel)
+_CHAIN = CachedLauncher(chain_speculative_kernel)
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_ORDERS = ("top_k_first", "joint")
+# Tiles: the threshold search holds [BLOCK, 16] candidates per pass, so it gets a smaller tile than
+# the streaming passes. Not yet tuned on a GPU.
+_GPU_BLOCK_SEARCH = 512
+_GPU_BLOCK_STREAM = 2048
+# Under the interpreter each op costs about the same whatever its size: whole rows, many rows per
+# program (the search's [ROWS, BLOCK, 16] intermediate stays near this many elements).
+_INTERP_ELEMS = 1 << 20  # Triton's largest tensor
+# the tile under the interpreter: whole rows, unless a test lowers it to walk the multi-tile loops
+_INTERP_MAX_BLOCK = 1 << 16
+
+Param = Union[torch.Tensor, float, int]
+
+
+# --------------------------------------------------------------------------------------------------
+# checks
+# --------------------------------------------------------------------------------------------------
+
+
+def _check_rows(t, name: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-D tensor [num_rows, vocab_size], got shape {tuple(t.shape)}")
+    if t.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{name}: expected dtype float32, float16 or bfloat16, got {t.dtype}")
+    if t.shape[1] == 0:
+        raise ValueError(f"{name}: the vocabulary dim is empty (shape {tuple(t.shape)})")
+    if t.shape[1] > 1 and t.stride(1) != 1:
+        t = t.contiguous()
+    return t
+
+
+def _check_nan(t: torch.Tensor, name: str, check: bool) -> None:
+    if check and bool(torch.isnan(t).any()):
+        raise ValueError(f"{name}: contains NaN (check_nan=True)")
+
+
+def _check_indices(indices, num_rows: int, device: torch.device, check: bool) -> int:
+    """The batch size (``len(indices)``, or ``num_rows`` without indices)."""
+    if indices is None:
+        return num_rows
+    if not isinstance(indices, torch.Tensor):
+        raise TypeError(f"indices: expected a torch.Tensor or None, got {type(indices).__name__}")
+    if indices.dim() != 1:
+        raise ValueError(f"indices: expected a 1-D tensor [batch_size], got shape {tuple(indices.shape)}")
+    if indices.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"indices: expected dtype int32 or int64, got {indices.dtype}")
+    if indices.device != device:
+        raise ValueError(f"indices: expected a tensor on {device}, got one on {indices.device}")
+    if check and indices.numel() and (bool((indices < 0).any()) or bool((indices >= num_rows).any())):
+        raise ValueError(f"indices: values must lie in [0, {num_rows}) (the rows of the input)")
+    return indices.shape[0]
+
+
+def _check_generator(generator, device: torch.device) -> None:
+    if generator is None:
+        return
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator: expected a torch.Generator or None, got {type(generator).__name__}")
+    if torch.device(generator.device).type != device.type:
+        raise ValueError(f"generator: expected a generator on {device.type}, got one on {generator.device}")
+
+
+def _tensor_param(param: torch.Tensor, name: str, num_rows: int, batch: int, device, dtype) -> Tuple[torch.Tensor, bool]:
+    """(the parameter as a contiguous ``dtype`` tensor, indexed by source row?)"""
+    # the phrases after the name are FlashInfer's (its tests match them)
+    if param.dim() == 0:
+        raise ValueError(
+            f"{name}: Expected a 1D tensor of shape (batch_size,) or scalar for the sampling parameter, "
+            f"but got a 0-dimensional tensor with shape {tuple(param.shape)}."
+        )
+    if param.dim() > 1:
+        raise ValueError(
+            f"{name}: Expected a 1D tensor or scalar for the sampling parameter, "
+            f"but got a {param.dim()}D tensor with shape {tuple(param.shape)}."
+        )
+    n = param.shape[0]
+    if n not in (num_rows, batch):
+        allowed = f"{num_rows}" if num_rows == batch else f"{num_rows} (one per row) or {batch} (one per output)"
+        raise ValueError(
+            f"{name}: Sampling parameter tensor batch size mismatch: expected length {allowed}, "
+            f"got length {n} with shape {tuple(param.shape)}."
+        )
+    if param.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device}, got one on {param.device}")
+    if param.is_complex() or param.dtype == torch.bool:
+        raise ValueError(f"{name}: expected a real-valued tensor, got dtype {param.dtype}")
+    return param.to(dtype).contiguous(), n == num_rows
+
+
+def _scalar(param, name: str, integral: bool):
+    if isinstance(param, bool) or not isinstance(param, numbers.Real):
+        raise TypeError(f"{name}: expected a number or a 1-D torch.Tensor, got {type(param).__name__}")
+    if integral:
+        if not float(param).is_integer():
+            raise ValueError(f"{name}: expected an integer, got {param!r}")
+        return int(param)
+    return float(param)
+
+
+class _Params:
+    """A parameter split into (array or None, scalar value, array indexed by source row)."""
+
+    def __init__(self, arr: Optional[torch.Tensor], val, by_source: bool = True):
+        self.arr, self.val, self.by_source = arr, val, by_source
+
+
+def _top_k(top_k, num_rows: int, batch: int, device) -> _Params:
+    if isinstance(top_k, torch.Tensor):
+        arr, by_source = _tensor_param(top_k, "top_k", num_rows, batch, device, torch.int32)
+        return _Params(arr, 0, by_source)
+    k = _scalar(top_k, "top_k", integral=True)
+    if k <= 0:
+        raise ValueError(f"top_k: expected an integer >= 1, got {k}")
+    return _Params(None, min(k, 2**31 - 1))
+
+
+def _top_p(top_p, num_rows: int, batch: int, device) -> _Params:
+    if isinstance(top_p, torch.Tensor):
+        arr, by_source = _tensor_param(top_p, "top_p", num_rows, batch, device, torch.float32)
+        return _Params(arr, 0, by_source)
+    p = _scalar(top_p, "top_p", integral=False)
+    if not 0.0 < p <= 1.0:
+        raise ValueError(f"top_p: expected a value in (0, 1], got {p}")
+    return _Params(None, p)
+
+
+def _min_p(min_p, num_rows: int, batch: int, device) -> _Params:
+    if isinstance(min_p, torch.Tensor):
+        arr, by_source = _tensor_param(min_p, "min_p", num_rows, batch, device, torch.float32)
+        return _Params(arr, 0, by_source)
+    p = _scalar(min_p, "min_p", integral=False)
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"min_p: expected a value in [0, 1], got {p}")
+    return _Params(None, p)
+
+
+def _by_source(*params: Optional[_Params]) -> bool:
+    arrays = [p for p in params if p is not None and p.arr is not None]
+    if len({p.by_source for p in arrays}) > 1:
+        raise ValueError("top_k, top_p: per-row tensors must both have one entry per input row or both "
+                         "one per output (len(indices))")
+    return arrays[0].by_source if arrays else True
+
+
+# --------------------------------------------------------------------------------------------------
+# launches
+# --------------------------------------------------------------------------------------------------
+
+
+def _tiles(vocab: int, rows: int, search: bool) -> Tuple[int, int, int, int]:
+    """(ROWS, BLOCK, NUM_TILES, num_warps)."""
+    if _device.is_interpreter():
+        block = min(next_pow2(vocab), _INTERP_MAX_BLOCK)
+        per_row = block * (16 if search else 1)
+        return max(1, min(next_pow2(rows), _INTERP_ELEMS // per_row)), block, cdiv(vocab, block), 4
+    block = min(next_pow2(vocab), _GPU_BLOCK_SEARCH if search else _GPU_BLOCK_STREAM)
+    return 1, block, cdiv(vocab, block), 4 if block <= 512 else 8
+
+
+def _uniforms(n: int, device: torch.device, generator: Optional[torch.Generator]) -> torch.Tensor:
+    return torch.rand(n, device=device, dtype=torch.float32, generator=generator)
+
+
+def _sample(x: torch.Tensor, indices, generator, *, is_logits=False, top_k: Optional[_Params] = None,
+            top_p: Optional[_Params] = None, min_p: Optional[_Params] = None) -> torch.Tensor:
+    num_rows, vocab = x.shape
+    batch = num_rows if indices is None else indices.shape[0]
+    out = torch.empty(batch, dtype=torch.int32, device=x.device)
+    if batch == 0:
+        return out
+    _device.check_launchable(x.device, "sampling")
+    u = _uniforms(batch, x.device, generator)
+    if indices is not None:
+        indices = indices.contiguous()
+    p = top_p if top_p is not None else min_p
+    rows, block, tiles, warps = _tiles(vocab, batch, search=top_k is not None or top_p is not None)
+    _SAMPLE[(cdiv(batch, rows),)](
+        x, indices, u, out,
+        top_k.arr if top_k is not None else None, p.arr if p is not None else None,
+        top_k.val if top_k is not None and top_k.arr is None else 0,
+        float(p.val) if p is not None and p.arr is None else 1.0,
+        batch, num_rows, vocab, x.stride(0),
+        HAS_INDICES=indices is not None, IS_LOGITS=is_logits,
+        USE_K=top_k is not None, USE_P=top_p is not None, USE_MIN_P=min_p is not None,
+        K_ARR=top_k is not None and top_k.arr is not None, P_ARR=p is not None and p.arr is not None,
+        PARAM_BY_SOURCE=_by_source(top_k, p),
+        ROWS=rows, BLOCK=block, NUM_TILES=tiles, num_warps=warps,
+    )
+    return out
+
+
+def _renorm(x: torch.Tensor, *, top_k: Optional[_Params] = None, top_p: Optional[_Params] = None,
+            mask_logits: bool = False) -> torch.Tensor:
+    num_rows, vocab = x.shape
+    out = torch.empty((num_rows, vocab), dtype=torch.float32, device=x.device)
+    if num_rows == 0:
+        return out
+    _device.check_launchable(x.device, "sampling")
+    rows, block, tiles, warps = _tiles(vocab, num_rows, search=True)
+    _RENORM[(cdiv(num_rows, rows),)](
+        x, out,
+        top_k.arr if top_k is not None else None, top_p.arr if top_p is not None else None,
+        top_k.val if top_k is not None and top_k.arr is None else 0,
+        float(top_p.val) if top_p is not None and top_p.arr is None else 1.0,
+        num_rows, vocab, x.stride(0), out.stride(0),
+        USE_K=top_k is not None, USE_P=top_p is not None, MASK_LOGITS=mask_logits,
+        K_ARR=top_k is not None and top_k.arr is not None, P_ARR=top_p is not None and top_p.arr is not None,
+        ROWS=rows, BLOCK=block, NUM_TILES=tiles, num_warps=warps,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# public API
+# --------------------------------------------------------------------------------------------------
+
+
+def softmax(
+    logits: torch.Tensor,
+    temperature: Optional[Union[torch.Tensor, float]] = None,
+    enable_pdl: Optional[bool] = None,
+) -> torch.Tensor:
+    r"""Softmax with temperature: ``softmax(logits / temperature)`` over the vocabulary, in float32.
+
+    Parameters
+    ----------
+    logits : torch.Tensor
+        shape ``[batch_size, vocab_size]``, dtype float32, float16 or bfloat16. ``-inf`` entries get
+        probability 0 (a row of only ``-inf`` gives NaN, as ``torch.softmax`` does).
+    temperature : Optional[Union[torch.Tensor, float]]
+        A number ``>= 0`` for every row or a tensor of shape ``[batch_size]``; default 1. A
+        temperature of 0 multiplies the logits by 0 (FlashInfer's convention), giving a uniform row.
+    enable_pdl : Optional[bool]
+        Accepted for compatibility; no effect.
+
+    Returns
+    -------
+    probs : torch.Tensor
+        shape ``[batch_size, vocab_size]``, dtype float32.
+    """
+    logits = _check_rows(logits, "logits")
+    num_rows, vocab = logits.shape
+    t_arr, t_val = None, 1.0
+    if isinstance(temperature, torch.Tensor):
+        t_arr, _ = _tensor_param(temperature, "temperature", num_rows, num_rows, logits.device, torch.float32)
+    elif temperature is not None:
+        t_val = _scalar(temperature, "temperature", integral=False)
+        if t_val < 0:
+            raise ValueError(f"temperature: expected a value >= 0, got {t_val}")
+    out = torch.empty((num_rows, vocab), dtype=torch.float32, device=logits.device)
+    if num_rows == 0:
+        return out
+    _device.check_launchable(logits.device, "softmax")
+    rows, block, tiles, warps = _tiles(vocab, num_rows, search=False)
+    _SOFTMAX[(cdiv(num_rows, rows),)](
+        logits, out, t_arr, float(t_val), num_rows, vocab, logits.stride(0), out.stride(0),
+        T_ARR=t_arr is not None, ROWS=rows, BLOCK=block, NUM_TILES=tiles, num_warps=warps,
+    )
+    return out
+
+
+_SAMPLING_ARGS = r"""
+    indices : Optional[torch.Tensor]
+        shape ``[batch_size]``, dtype int32 or int64: output ``i`` is drawn from row ``indices[i]``
+        (rows shared by several outputs). Default: output ``i`` from row ``i``.
+    deterministic : bool
+        Accepted for compatibility: the kernels are always deterministic.
+    generator : Optional[torch.Generator]
+        Source of the uniform numbers (on the input's device); default: the device's default
+        generator. The same generator state gives the same samples.
+    check_nan : bool
+        Raise ``ValueError`` if the input holds NaN (reads it on the host: synchronises).
+
+    Returns
+    -------
+    samples : torch.Tensor
+        shape ``[batch_size]``, dtype int32.
+"""
+
+
+def _doc(fn):
+    fn.__doc__ = fn.__doc__.replace("    {sampling_args}\n", _SAMPLING_ARGS.strip("\n") + "\n")
+    return fn
+
+
+@_doc
+def sampling_from_probs(
+    probs: torch.Tensor,
+    indices: Optional[torch.Tensor] = None,
+    deterministic: bool = True,
+    generator: Optional[torch.Generator] = None,
+    check_nan: bool = False,
+) -> torch.Tensor:
+    r"""Draws one entry per output row with probability proportional to ``probs``.
+
+    Parameters
+    ----------
+    probs : torch.Tensor
+        shape ``[num_rows, vocab_size]``, dtype float32, float16 or bfloat16, non-negative.
+    {sampling_args}
+    """
+    probs = _check_rows(probs, "probs")
+    _check_generator(generator, probs.device)
+    _check_indices(indices, probs.shape[0], probs.device, check_nan)
+    _check_nan(probs, "probs", check_nan)
+    return _sample(probs, indices, generator)
+
+
+@_doc
+def sampling_from_logits(
+    logits: torch.Tensor,
+    indices: Optional[torch.Tensor] = None,
+    deterministic: bool = True,
+    generator: Optional[torch.Generator] = None,
+    check_nan: bool = False,
+) -> torch.Tensor:
+    r"""Draws one entry per output row from ``softmax(logits)`` (the softmax is fused: one pass for
+    the max, one for the mass, one to draw).
+
+    Parameters
+    ----------
+    logits : torch.Tensor
+        shape ``[num_rows, vocab_size]``, dtype float32, float16 or bfloat16.
+    {sampling_args}
+    """
+    logits = _check_rows(logits, "logits")
+    _check_generator(generator, logits.device)
+    _check_indices(indices, logits.shape[0], logits.device, check_nan)
+    _check_nan(logits, "logits", check_nan)
+    return _sample(logits, indices, generator, is_logits=True)
+
+
+@_doc
+def top_p_sampling_from_probs(
+    probs: torch.Tensor,
+    top_p: Union[torch.Tensor, float],
+    indices: Optional[torch.Tensor] = None,
+    deterministic: bool = True,
+    generator: Optional[torch.Generator] = None,
+    check_nan: bool = False,
+) -> torch.Tensor:
+    r"""Top-p (nucleus) sampling: draws from the smallest set of largest entries whose mass reaches
+    ``top_p`` (the entry that crosses ``top_p`` included, and its ties), renormalised.
+
+    Parameters
+    ----------
+    probs : torch.Tensor
+        shape ``[num_rows, vocab_size]``, dtype float32, float16 or bfloat16.
+    top_p : Union[torch.Tensor, float]
+        A number in ``(0, 1]`` or a float tensor of shape ``[num_rows]`` (or ``[batch_size]``).
+    {sampling_args}
+    """
+    probs = _check_rows(probs, "probs")
+    _check_generator(generator, probs.device)
+    batch = _check_indices(indices, probs.shape[0], probs.device, check_nan)
+    params = _top_p(top_p, probs.shape[0], batch, probs.device)
+    _check_nan(probs, "probs", check_nan)
+    return _sample(probs, indices, generator, top_p=params)
+
+
+@_doc
+def top_k_sampling_from_probs(
+    probs: torch.Tensor,
+    top_k: Union[torch.Tensor, int],
+    indices: Optional[torch.Tensor] = None,
+    deterministic: bool = True,
+    generator: Optional[torch.Generator] = None,
+    check_nan: bool = False,
+) -> torch.Tensor:
+    r"""Top-k sampling: draws from the entries ``>=`` the k-th largest (ties with it kept),
+    renormalised.
+
+    Parameters
+    ----------
+    probs : torch.Tensor
+        shape ``[num_rows, vocab_size]``, dtype float32, float16 or bfloat16.
+    top_k : Union[torch.Tensor, int]
+        An integer ``>= 1`` or an integer tensor of shape ``[num_rows]`` (or ``[batch_size]``).
+    {sampling_args}
+    """
+    probs = _check_rows(probs, "probs")
+    _check_generator(generator, probs.device)
+    batch = _check_indices(indices, probs.shape[0], probs.device, check_nan)
+    params = _top_k(top_k, probs.shape[0], batch, probs.device)
+    _check_nan(probs, "probs", check_nan)
+    return _sample(probs, indices, generator, top_k=params)
+
+
+@_doc
+def min_p_sampling_from_probs(
+    probs: torch.Tensor,
+    min_p: Union[torch.Tensor, float],
+    indices: Optional[torch.Tensor] = None,
+    deterministic: bool = True,
+    generator: Optional[torch.Generator] = None,
+    check_nan: bool = False,
+) -> torch.Tensor:
+    r"""Min-p sampling: draws from the entries ``>= min_p * max(probs)`` of the row, renormalised.
+
+    Parameters
+    ----------
+    probs : torch.Tensor
+        shape ``[num_rows, vocab_size]``, dtype float32, float16 or bfloat16.
+    min_p : Union[torch.Tensor, float]
+        A number in ``[0, 1]`` or a tensor of shape ``[num_rows]`` (or ``[batch_size]``).
+    {sampling_args}
+    """
+    probs = _check_rows(probs, "probs")
+    _check_generator(generator, probs.device)
+    batch = _check_indices(indices, probs.shape[0], probs.device, check_nan)
+    params = _min_p(min_p, probs.shape[0], batch, probs.device)
+    _check_nan(probs, "probs", check_nan)
+    return _sample(probs, indices, generator, min_p=params)
+
+
+def _check_order(filter_apply_order) -> None:
+    if filter_apply_order not in _ORDERS:
+        raise ValueError(f"filter_apply_order: expected 'top_k_first' or 'joint', got {filter_apply_order!r}")
+
+
+@_doc
+def top_k_top_p_sampling_from_probs(
+    probs: torch.Tensor,
+    top_k: Union[torch.Tensor, int],
+    top_p: Union[torch.Tensor, float],
+    indices: Optional[torch.Tensor] = None,
+    filter_apply_order: str = "top_k_first",
+    deterministic: bool = True,
+    generator: Optional[torch.Generator] = None,
+    check_nan: bool = False,
+) -> torch.Tensor:
+    r"""Top-k and top-p sampling.
+
+    ``filter_apply_order="top_k_first"``: top-p sampling of the top-k-renormalised rows
+    (``top_p_sampling_from_probs(top_k_renorm_probs(probs, top_k), top_p, ...)``). ``"joint"``: one
+    kernel draws from the intersection of the top-k and the top-p sets of ``probs``.
+
+    Parameters
+    ----------
+    probs : torch.Tensor
+        shape ``[num_rows, vocab_size]``, dtype float32, float16 or bfloat16.
+    top_k : Union[torch.Tensor, int]
+        An integer ``>= 1`` or an integer tensor of shape ``[num_rows]`` (or ``[batch_size]``).
+    top_p : Union[torch.Tensor, float]
+        A number in ``(0, 1]`` or a float tensor of shape ``[num_rows]`` (or ``[batch_size]``).
+    filter_apply_order : str
+        ``"top_k_first"`` (default) or ``"joint"``.
+    {sampling_args}
+    """
+    probs = _check_rows(probs, "probs")
+    _check_order(filter_apply_order)
+    _check_generator(generator, probs.device)
+    batch = _check_indices(indices, probs.shape[0], probs.device, check_nan)
+    k = _top_k(top_k, probs.shape[0], batch, probs.device)
+    p = _top_p(top_p, probs.shape[0], batch, probs.device)
+    by_source = _by_source(k, p)
+    _check_nan(probs, "probs", check_nan)
+    if filter_apply_order == "joint":
+        return _sample(probs, indices, generator, top_k=k, top_p=p)
+    if not by_source:
+        # per-output top-k: renormalise each output's own copy of its row
+        probs, indices = probs.index_select(0, indices), None
+        k.by_source = p.by_source = True
+    return _sample(_renorm(probs, top_k=k), indices, generator, top_p=p)
+
+
+@_doc
+def top_k_top_p_sampling_from_logits(
+    logits: torch.Tensor,
+    top_k: Union[torch.Tensor, int],
+    top_p: Union[torch.Tensor, float],
+    indices: Optional[torch.Tensor] = None,
+    filter_apply_order: str = "top_k_first",
+    deterministic: bool = True,
+    generator: Optional[torch.Generator] = None,
+    check_nan: bool = False,
+) -> torch.Tensor:
+    r"""Top-k and top-p sampling from logits.
+
+    ``"top_k_first"``: ``top_p_sampling_from_probs(torch.softmax(top_k_mask_logits(logits, top_k)),
+    top_p, ...)``. ``"joint"``: ``top_k_top_p_sampling_from_probs(torch.softmax(logits), ...,
+    filter_apply_order="joint")``, so for one generator state it returns exactly what that call on
+    ``torch.softmax(logits, dim=-1)`` returns, as FlashInfer's does.
+
+    Parameters
+    ----------
+    logits : torch.Tensor
+        shape ``[num_rows, vocab_size]``, dtype float32, float16 or bfloat16.
+    top_k : Union[torch.Tensor, int]
+        An integer ``>= 1`` or an integer tensor of shape ``[num_rows]`` (or ``[batch_size]``).
+    top_p : Union[torch.Tensor, float]
+        A number in ``(0, 1]`` or a float tensor of shape ``[num_rows]`` (or ``[batch_size]``).
+    filter_apply_order : str
+        ``"top_k_first"`` (default) or ``"joint"``.
+    {sampling_args}
+    """
+    logits = _check_rows(logits, "logits")
+    _check_order(filter_apply_order)
+    _check_generator(generator, logits.device)
+    batch = _check_indices(indices, logits.shape[0], logits.device, check_nan)
+    k = _top_k(top_k, logits.shape[0], batch, logits.device)
+    p = _top_p(top_p, logits.shape[0], batch, logits.device)
+    by_source = _by_source(k, p)
+    _check_nan(logits, "logits", check_nan)
+    if filter_apply_order == "joint":
+        return _sample(torch.softmax(logits, dim=-1), indices, generator, top_k=k, top_p=p)
+    if not by_source:
+        logits, indices = logits.index_select(0, indices), None
+        k.by_source = p.by_source = True
+    probs = torch.softmax(_renorm(logits, top_k=k, mask_logits=True), dim=-1)
+    return _sample(probs, indices, generator, top_p=p)
+
+
+def top_p_renorm_probs(probs: torch.Tensor, top_p: Union[torch.Tensor, float]) -> torch.Tensor:
+    r"""Keeps the top-p set of each row (the largest entries up to and including the one whose mass
+    crosses ``top_p``) and divides it by its sum; the other entries become 0.
+
+    Parameters
+    ----------
+    probs : torch.Tensor
+        shape ``[batch_size, vocab_size]``, dtype float32, float16 or bfloat16.
+    top_p : Union[torch.Tensor, float]
+        A number in ``(0, 1]`` or a float tensor of shape ``[batch_size]``. ``top_p >= 1`` divides
+        the whole row by its sum.
+
+    Returns
+    -------
+    renorm_probs : torch.Tensor
+        shape ``[batch_size, vocab_size]``, dtype float32.
+    """
+    probs = _check_rows(probs, "probs")
+    return _renorm(probs, top_p=_top_p(top_p, probs.shape[0], probs.shape[0], probs.device))
+
+
+def top_k_renorm_probs(probs: torch.Tensor, top_k: Union[torch.Tensor, int]) -> torch.Tensor:
+    r"""Keeps the entries ``>=`` the k-th largest of each row (ties kept, zeros dropped) and divides
+    them by their sum; the other entries become 0. A row with ``k >= vocab_size`` (or, in a tensor,
+    ``k <= 0``) is returned unchanged, as FlashInfer does.
+
+    Parameters
+    ----------
+    probs : torch.Tensor
+        shape ``[batch_size, vocab_size]``, dtype float32, float16 or bfloat16.
+    top_k : Union[torch.Tensor, int]
+        An integer ``>= 1`` or an integer tensor of shape ``[batch_size]``.
+
+    Returns
+    -------
+    renorm_probs : torch.Tensor
+        shape ``[batch_size, vocab_size]``, dtype float32.
+    """
+    probs = _check_rows(probs, "probs")
+    return _renorm(probs, top_k=_top_k(top_k, probs.shape[0], probs.shape[0], probs.device))
+
+
+def top_k_mask_logits(logits: torch.Tensor, top_k: Union[torch.Tensor, int]) -> torch.Tensor:
+    r"""Keeps the logits ``>=`` the k-th largest of each row (ties kept) and sets the others to
+    ``-inf``; ``softmax`` of the result equals ``top_k_renorm_probs`` of ``softmax(logits)``. A row
+    with ``k >= vocab_size`` (or, in a tensor, ``k <= 0``) is returned unchanged.
+
+    Parameters
+    ----------
+    logits : torch.Tensor
+        shape ``[batch_size, vocab_size]``, dtype float32, float16 or bfloat16.
+    top_k : Union[torch.Tensor, int]
+        An integer ``>= 1`` or an integer tensor of shape ``[batch_size]``.
+
+    Returns
+    -------
+    masked_logits : torch.Tensor
+        shape ``[batch_size, vocab_size]``, dtype float32.
+    """
+    logits = _check_rows(logits, "logits")
+    return _renorm(logits, top_k=_top_k(top_k, logits.shape[0], logits.shape[0], logits.device), mask_logits=True)
+
+
+top_p_renorm_prob = top_p_renorm_probs
+top_k_renorm_prob = top_k_renorm_probs
+
+
+def _check_counter(t, name: str, batch: int, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(t).__name__}")
+    if t.shape != (batch,):
+        raise ValueError(f"{name}: expected shape ({batch},), got {tuple(t.shape)}")
+    if t.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"{name}: expected dtype int32 or int64, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device}, got one on {t.device}")
+
+
+def chain_speculative_sampling(
+    draft_probs,
+    draft_token_ids,
+    target_probs,
+    maybe_output_accepted_token_num: Optional[torch.Tensor] = None,
+    maybe_output_emitted_draft_token_num: Optional[torch.Tensor] = None,
+    deterministic: bool = True,
+    generator: Optional[torch.Generator] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""Speculative sampling of a chain of draft tokens (Chen et al., 2023).
+
+    Draft token ``i`` is accepted with probability ``min(1, q(d_i) / p(d_i))`` (``q`` the target's
+    row ``i``, ``p`` the draft's) while all before it were; at the first rejection a token is drawn
+    from ``relu(q - p)`` renormalised (from ``q`` if that has no mass), and when all are accepted a
+    bonus token is drawn from the target's last row.
+
+    Parameters
+    ----------
+    draft_probs : torch.Tensor
+        shape ``[batch_size, num_speculate_tokens, vocab_size]``, dtype float32, float16 or bfloat16.
+    draft_token_ids : torch.Tensor
+        shape ``[batch_size, num_speculate_tokens]``, dtype int32 or int64, values in
+        ``[0, vocab_size)``.
+    target_probs : torch.Tensor
+        shape ``[batch_size, num_speculate_tokens + 1, vocab_size]``, dtype like ``draft_probs``'.
+    maybe_output_accepted_token_num : Optional[torch.Tensor]
+        shape ``[batch_size]``, int32 or int64: the number of draft tokens that pass the acceptance
+        test when each is tested on its own (the tokens before the first rejection, plus independent
+        re-tests of the rest) is *added* to it in place. Default: a new zero tensor.
+    maybe_output_emitted_draft_token_num : Optional[torch.Tensor]
+        shape ``[batch_size]``, int32 or int64: the number of draft tokens emitted (accepted before
+        the first rejection; the extra token not counted) is added to it in place.
+    deterministic : bool
+        Accepted for compatibility: the kernel is always deterministic.
+    generator : Optional[torch.Generator]
+        Source of the uniform numbers; default: the device's default generator.
+
+    Returns
+    -------
+    output_token_ids : torch.Tensor
+        shape ``[batch_size, num_speculate_tokens + 1]``, int32: the accepted draft tokens, then the
+        drawn token, then ``-1`` padding.
+    output_accepted_token_num : torch.Tensor
+        shape ``[batch_size]``: ``maybe_output_accepted_token_num`` (or the new tensor).
+    output_emitted_draft_token_num : torch.Tensor
+        shape ``[batch_size]``: ``maybe_output_emitted_draft_token_num`` (or the new tensor).
+    """
+    for t, name in ((draft_probs, "draft_probs"), (target_probs, "target_probs"), (draft_token_ids, "draft_token_ids")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if draft_probs.dim() != 3:
+        raise ValueError(f"draft_probs: expected a 3-D tensor [batch_size, num_speculate_tokens, vocab_size], "
+                         f"got shape {tuple(draft_probs.shape)}")
+    b, n, vocab = draft_probs.shape
+    if target_probs.shape != (b, n + 1, vocab):
+        raise ValueError(f"target_probs: expected shape {(b, n + 1, vocab)} (one more row than draft_probs), "
+                         f"got {tuple(target_probs.shape)}")
+    if draft_token_ids.shape != (b, n):
+        raise ValueError(f"draft_token_ids: expected shape {(b, n)}, got {tuple(draft_token_ids.shape)}")
+    for t, name in ((draft_probs, "draft_probs"), (target_probs, "target_probs")):
+        if t.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"{name}: expected dtype float32, float16 or bfloat16, got {t.dtype}")
+    if draft_token_ids.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"draft_token_ids: expected dtype int32 or int64, got {draft_token_ids.dtype}")
+    device = draft_probs.device
+    for t, name in ((target_probs, "target_probs"), (draft_token_ids, "draft_token_ids")):
+        if t.device != device:
+            raise ValueError(f"{name}: expected a tensor on {device}, got one on {t.device}")
+    if vocab == 0:
+        raise ValueError("draft_probs: the vocabulary dim is empty")
+    _check_generator(generator, device)
+    accepted = maybe_output_accepted_token_num
+    emitted = maybe_output_emitted_draft_token_num
+    if accepted is None:
+        accepted = torch.zeros(b, dtype=torch.int32, device=device)
+    else:
+        _check_counter(accepted, "maybe_output_accepted_token_num", b, device)
+    if emitted is None:
+        emitted = torch.zeros(b, dtype=torch.int32, device=device)
+    else:
+        _check_counter(emitted, "maybe_output_emitted_draft_token_num", b, device)
+
+    out = torch.empty((b, n + 1), dtype=torch.int32, device=device)
+    if b == 0:
+        return out, accepted, emitted
+    _device.check_launchable(device, "chain_speculative_sampling")
+    draft = draft_probs if draft_probs.stride(2) == 1 else draft_probs.contiguous()
+    target = target_probs if target_probs.stride(2) == 1 else target_probs.contiguous()
+    ids = draft_token_ids.contiguous()
+    u = _uniforms(b * (2 * n + 1), device, generator)
+    counts = torch.empty((2, b), dtype=torch.int32, device=device)
+    rows, block, tiles, warps = _tiles(vocab, b, search=False)
+    _CHAIN[(cdiv(b, rows),)](
+        draft, ids, target, u, out, counts[0], counts[1],
+        b, n, vocab, draft.stride(0), draft.stride(1), ids.stride(0), target.stride(0), target.stride(1),
+        ROWS=rows, BLOCK=block, NUM_TILES=tiles, num_warps=warps,
+    )
+    accepted.add_(counts[0])
+    emitted.add_(counts[1])
+    return out, accepted, emitted
