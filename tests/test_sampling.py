@@ -420,6 +420,22 @@ def test_exports():
     assert sampling.top_p_renorm_prob is sampling.top_p_renorm_probs
 
 
+def test_installed_as_flashinfer():
+    from tritoninfer._compat import uninstall_flashinfer
+
+    tritoninfer.install_as_flashinfer(force=True)
+    try:
+        import flashinfer
+        from flashinfer.sampling import top_k_renorm_prob, top_k_top_p_sampling_from_probs
+
+        assert top_k_top_p_sampling_from_probs is sampling.top_k_top_p_sampling_from_probs
+        assert top_k_renorm_prob is sampling.top_k_renorm_probs
+        assert flashinfer.top_p_sampling_from_probs is sampling.top_p_sampling_from_probs
+        assert not hasattr(flashinfer, "top_k_renorm_prob")  # a flashinfer.sampling alias only
+    finally:
+        uninstall_flashinfer()
+
+
 # --------------------------------------------------------------------------------------------------
 # GPU: realistic shapes, CUDA graphs (skipped without a GPU)
 # --------------------------------------------------------------------------------------------------

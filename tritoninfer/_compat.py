@@ -43,6 +43,7 @@ from . import page as _page
 from . import prefill as _prefill
 from . import quantization as _quantization
 from . import rope as _rope
+from . import sampling as _sampling
 from ._options import MaskMode, PosEncodingMode, TensorLayout, canonicalize_dtype
 from ._plan import alibi_slopes as _alibi_slopes
 
@@ -97,7 +98,6 @@ def _unsupported_class(qualname: str, feature: str) -> type:
 # names it re-exports at the top level are listed under "flashinfer" too (same object).
 _TRTLLM_ATTN = "TensorRT-LLM (trtllm-gen) attention kernels"
 _MLA = "multi-head latent attention (MLA) wrappers"
-_SAMPLING = "FlashInfer's sampling kernels"
 _FP4 = "FP4 / MXFP8 quantization"
 _GEMM = "FlashInfer's GEMM kernels"
 _MOE = "FlashInfer's fused MoE kernels"
@@ -124,12 +124,6 @@ UNSUPPORTED: Tuple[Tuple[str, str, str, bool], ...] = (
     ("flashinfer.rope", "rope_quantize_fp8", "fused RoPE + fp8 quantization", False),
     ("flashinfer.rope", "rope_quantize_fp8_append_paged_kv_cache", "fused RoPE + fp8 quantization + KV append", False),
     ("flashinfer.activation", "silu_and_mul_scaled_nvfp4_experts_quantize", _FP4, False),
-    # sampling
-    *((("flashinfer.sampling", n, _SAMPLING, False)) for n in (
-        "sampling_from_probs", "sampling_from_logits", "top_p_sampling_from_probs", "top_k_sampling_from_probs",
-        "min_p_sampling_from_probs", "top_k_top_p_sampling_from_probs", "top_k_top_p_sampling_from_logits",
-        "top_p_renorm_probs", "top_k_renorm_probs", "top_p_renorm_prob", "top_k_renorm_prob", "top_k_mask_logits",
-        "softmax", "chain_speculative_sampling")),
     # quantization / gemm / moe (top level in FlashInfer)
     *((("flashinfer", n, _FP4, False)) for n in (
         "fp4_quantize", "nvfp4_quantize", "nvfp4_batched_quantize", "nvfp4_block_scale_interleave",
@@ -150,6 +144,12 @@ UNSUPPORTED: Tuple[Tuple[str, str, str, bool], ...] = (
     ("flashinfer.jit", "gen_customize_batch_prefill_module", "custom CUDA attention variants (jit_args)", False),
 )
 
+# flashinfer.sampling's names that FlashInfer also has at its top level (not the *_renorm_prob aliases)
+_SAMPLING_TOP_LEVEL = (
+    "sampling_from_probs", "sampling_from_logits", "top_p_sampling_from_probs", "top_k_sampling_from_probs",
+    "min_p_sampling_from_probs", "top_k_top_p_sampling_from_probs", "top_k_top_p_sampling_from_logits",
+    "top_p_renorm_probs", "top_k_renorm_probs", "top_k_mask_logits", "softmax", "chain_speculative_sampling")
+
 # FlashInfer re-exports these at the top level as well.
 _TOP_LEVEL_REEXPORTS = (
     ("flashinfer.decode", "BatchDecodeMlaWithPagedKVCacheWrapper"),
@@ -167,10 +167,7 @@ _TOP_LEVEL_REEXPORTS = (
     ("flashinfer.gemm", "mm_fp4"),
     ("flashinfer.gemm", "mm_fp8"),
     ("flashinfer.activation", "silu_and_mul_scaled_nvfp4_experts_quantize"),
-) + tuple(("flashinfer.sampling", n) for n in (
-    "sampling_from_probs", "sampling_from_logits", "top_p_sampling_from_probs", "top_k_sampling_from_probs",
-    "min_p_sampling_from_probs", "top_k_top_p_sampling_from_probs", "top_k_top_p_sampling_from_logits",
-    "top_p_renorm_probs", "top_k_renorm_probs", "top_k_mask_logits", "softmax", "chain_speculative_sampling"))
+) + tuple(("flashinfer.sampling", n) for n in _SAMPLING_TOP_LEVEL)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -515,6 +512,7 @@ _IMPLEMENTED = {
     "flashinfer.cascade": (_cascade, ("merge_state", "merge_state_in_place", "merge_states")),
     "flashinfer.decode": (_decode, ("single_decode_with_kv_cache",)),
     "flashinfer.prefill": (_prefill, ("single_prefill_with_kv_cache", "single_prefill_with_kv_cache_return_lse")),
+    "flashinfer.sampling": (_sampling, _SAMPLING_TOP_LEVEL),
 }
 
 _CASCADE_WRAPPERS = ("MultiLevelCascadeAttentionWrapper", "BatchDecodeWithSharedPrefixPagedKVCacheWrapper",
@@ -539,6 +537,9 @@ def _module_contents() -> Dict[str, Dict[str, Any]]:
         CUDAGraphBatchDecodeWithPagedKVCacheWrapper=CUDAGraphBatchDecodeWithPagedKVCacheWrapper,
         fast_decode_plan=fast_decode_plan,
         _get_range_buf=_get_range_buf,
+    )
+    contents["flashinfer.sampling"].update(
+        top_k_renorm_prob=_sampling.top_k_renorm_prob, top_p_renorm_prob=_sampling.top_p_renorm_prob,
     )
     contents["flashinfer.prefill"].update(
         BatchPrefillWithPagedKVCacheWrapper=BatchPrefillWithPagedKVCacheWrapper,
