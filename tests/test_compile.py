@@ -73,7 +73,8 @@ def test_ops_are_registered_custom_ops():
     for module in ("activation", "cascade", "decode", "norm", "page", "prefill", "quantization", "rope"):
         importlib.import_module(f"tritoninfer.{module}")
     for name in ("rmsnorm", "fused_add_rmsnorm", "act_and_mul", "rope", "rope_inplace", "rope_cos_sin_cache",
-                 "rope_cos_sin_cache_inplace", "segment_packbits", "wrapper_run"):
+                 "rope_cos_sin_cache_inplace", "segment_packbits", "wrapper_run", "rope_quantize_fp8",
+                 "rope_quantize_fp8_append_paged_kv_cache", "layernorm"):
         assert hasattr(torch.ops.tritoninfer, name), name
 
 
@@ -411,3 +412,57 @@ def test_gpu_decode_layer_reduce_overhead_with_replans(monkeypatch):
         testing.assert_close(got[2], want[2], torch.float16, tol=0.0)
         testing.assert_close(got[0], want[0], torch.float16, tol=1e-3)
     assert counters["inductor"]["cudagraph_skips"] == 0
+
+
+def _rope_quantize_inputs(g, mla):
+    """q/k rope and nope parts as slices of 24-wide q/k (rope 8), a cos/sin cache, positions."""
+    q = testing.randn((5, HQ, 24), torch.float16, DEVICE, g, scale=3.0)
+    k = testing.randn((5, 24) if mla else (5, HK, 24), torch.float16, DEVICE, g, scale=3.0)
+    ang = torch.arange(32, dtype=torch.float32)[:, None] * torch.rand(4, generator=g)[None, :]
+    cos_sin = torch.cat([ang.cos(), ang.sin()], dim=-1).to(DEVICE)
+    pos = torch.tensor([0, 4, 1, 7, 30], dtype=torch.int32, device=DEVICE)
+    return q, k, cos_sin, pos
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_rope_quantize_fp8_compiles(mla):
+    """rope_quantize_fp8 (outputs allocated, and given as slices of one buffer) and its MLA name under
+    fullgraph compile: the eager fp8 codes."""
+    q, k, cos_sin, pos = _rope_quantize_inputs(torch.Generator().manual_seed(11), mla)
+
+    def fn(q, k, cos_sin, pos):
+        a = tritoninfer.rope.rope_quantize_fp8(q[..., :8], k[..., :8], q[..., 8:], k[..., 8:], cos_sin, pos,
+                                               is_neox=False, quant_scale_q=2.0)
+        q_out = torch.empty(q.shape, dtype=torch.float8_e5m2, device=q.device)
+        k_out = torch.empty(k.shape, dtype=torch.float8_e5m2, device=k.device)
+        tritoninfer.rope.mla_rope_quantize_fp8(q[..., :8], k[..., :8], q[..., 8:], k[..., 8:], cos_sin, pos,
+                                               q_rope_out=q_out[..., :8], k_rope_out=k_out[..., :8],
+                                               q_nope_out=q_out[..., 8:], k_nope_out=k_out[..., 8:])
+        return tuple(t.view(torch.uint8) for t in a) + (q_out.view(torch.uint8), k_out.view(torch.uint8))
+
+    _matches_eager(fn, q, k, cos_sin, pos)
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_rope_quantize_fp8_append_and_layernorm_compile(mla):
+    """The fused RoPE + fp8 + paged append (GQA HND cache, and MLA's pair) and layernorm under fullgraph
+    compile: the eager q codes, cache bytes and normalised rows."""
+    g = torch.Generator().manual_seed(12)
+    q, k, cos_sin, pos = _rope_quantize_inputs(g, mla)
+    v = None if mla else testing.randn((5, HK, 24), torch.float16, DEVICE, g)
+    kv_indptr = torch.tensor([0, 2, 3], dtype=torch.int32, device=DEVICE)
+    kv_indices = torch.tensor([3, 0, 2], dtype=torch.int32, device=DEVICE)
+    batch_indices = torch.tensor([0, 0, 0, 1, 1], dtype=torch.int32, device=DEVICE)
+    positions = torch.tensor([2, 3, 4, 0, 1], dtype=torch.int32, device=DEVICE)
+    shapes = [(4, PAGE, 16), (4, PAGE, 8)] if mla else [(4, HK, PAGE, 24)] * 2
+    c0, c1 = (torch.zeros(s, dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn) for s in shapes)
+    x = testing.randn((3, 40), torch.bfloat16, DEVICE, g)
+    gemma, beta = testing.randn((40,), torch.float32, DEVICE, g), testing.randn((40,), torch.float32, DEVICE, g)
+
+    def fn(q, k, v, c0, c1, x):
+        q_rope_out, q_nope_out = tritoninfer.rope.rope_quantize_fp8_append_paged_kv_cache(
+            q[..., :8], k[..., :8], q[..., 8:], k[..., 8:], v, cos_sin, pos, (c0, c1), kv_indices, kv_indptr,
+            batch_indices, positions, is_neox=True, quant_scale_kv=0.5, page_size=PAGE, kv_layout="HND")
+        return q_rope_out.view(torch.uint8), q_nope_out.view(torch.uint8), tritoninfer.norm.layernorm(x, gemma, beta)
+
+    _matches_eager(fn, q, k, v, c0, c1, x)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tritoninfer
-from tritoninfer import norm, reference
+from tritoninfer import norm, reference, testing
 
 # relative error ||out - ref|| / ||ref|| allowed per output dtype (bf16 stores truncate under the
 # interpreter: 2 ulp)
@@ -229,3 +229,107 @@ def test_gpu_qk_norm_3d_and_wide_rows():
     x = randn(64, 40000, dtype=torch.bfloat16, device="cuda")  # chunked path
     w2 = randn(40000, dtype=torch.bfloat16, device="cuda")
     assert_close(tritoninfer.rmsnorm(x, w2), reference.rmsnorm(x, w2), torch.bfloat16, "wide")
+
+
+# ------------------------------------------------------------------------------------------------
+# layernorm
+# ------------------------------------------------------------------------------------------------
+
+# (input dtype, shape, gemma/beta dtype, eps): FlashInfer 0.5.3 takes bf16 input with fp32 gemma/beta
+# (its test: hidden 128, 129, 1024, 16384); tritoninfer also takes fp16/fp32 and 16-bit affine terms.
+LAYERNORM_CASES = [
+    (torch.bfloat16, (3, 129), torch.float32, 1e-6),
+    (torch.bfloat16, (1, 128), torch.float32, 1e-5),
+    (torch.float16, (5, 40), torch.float16, 1e-6),
+    (torch.float32, (4, 24), torch.bfloat16, 1e-2),
+    (torch.float32, (2, 1), torch.float32, 1e-6),
+]
+
+
+@pytest.mark.parametrize("dtype,shape,p_dtype,eps", LAYERNORM_CASES)
+def test_layernorm(device, dtype, shape, p_dtype, eps):
+    # an offset mean and a spread of row scales: the mean subtraction and the variance both matter
+    x = (randn(*shape, dtype=torch.float32, device=device) * torch.rand(shape[0], 1, device=device).mul(4)
+         + 3.0).to(dtype)
+    gemma = randn(shape[1], dtype=p_dtype, device=device)
+    beta = randn(shape[1], dtype=p_dtype, device=device)
+    x0 = x.clone()
+    out = norm.layernorm(x, gemma, beta, eps)
+    assert out.shape == x.shape and out.dtype == dtype
+    testing.assert_close(out, reference.layernorm(x, gemma, beta, eps), dtype, "layernorm")
+    assert torch.equal(x, x0)
+
+
+def test_layernorm_strided_and_chunked(device, monkeypatch):
+    """A column slice of a wider tensor (row stride != hidden), and rows walked in chunks (three passes)."""
+    base = randn(4, 50, dtype=torch.bfloat16, device=device, scale=2.0)
+    x = base[:, 5:45]
+    gemma, beta = randn(40, dtype=torch.float32, device=device), randn(40, dtype=torch.float32, device=device)
+    ref = reference.layernorm(x, gemma, beta)
+    testing.assert_close(norm.layernorm(x, gemma, beta), ref, torch.bfloat16, "strided")
+    monkeypatch.setattr(norm, "_MAX_BLOCK_N", 16)
+    testing.assert_close(norm.layernorm(x, gemma, beta), ref, torch.bfloat16, "chunked")
+
+
+def test_layernorm_empty_and_errors(device):
+    g = torch.ones(16, device=device)
+    assert norm.layernorm(torch.zeros(0, 16, dtype=torch.bfloat16, device=device), g, g).shape == (0, 16)
+    x = randn(4, 16, dtype=torch.bfloat16, device=device)
+    with pytest.raises(ValueError, match="input"):
+        norm.layernorm(x.reshape(2, 2, 16), g, g)
+    with pytest.raises(ValueError, match="input"):
+        norm.layernorm(x.to(torch.int32), g, g)
+    with pytest.raises(ValueError, match="gemma"):
+        norm.layernorm(x, g[:8], g)
+    with pytest.raises(ValueError, match="beta"):
+        norm.layernorm(x, g, g.to(torch.int32))
+    with pytest.raises(TypeError, match="beta"):
+        norm.layernorm(x, g, None)
+
+
+def test_layernorm_signature():
+    """FlashInfer 0.5.3's ``layernorm(input, gemma, beta, eps=1e-6)`` (the top-level export is wired separately)."""
+    params = inspect.signature(norm.layernorm).parameters
+    assert list(params) == ["input", "gemma", "beta", "eps"]
+    assert params["eps"].default == 1e-6
+    assert all(params[p].default is inspect.Parameter.empty for p in ("input", "gemma", "beta"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,hidden", [(1, 128), (3, 129), (128, 1024), (128, 16384), (7, 20000)])
+def test_gpu_layernorm(batch, hidden):
+    x = randn(batch, hidden, dtype=torch.bfloat16, device="cuda")
+    gemma = randn(hidden, dtype=torch.float32, device="cuda")
+    beta = randn(hidden, dtype=torch.float32, device="cuda")
+    testing.assert_close(norm.layernorm(x, gemma, beta, 1e-6), reference.layernorm(x, gemma, beta, 1e-6),
+                         torch.bfloat16, "layernorm")
+
+
+def test_layernorm_kernel_compiles_for_sm90():
+    """The interpreter does not apply the compiler's type rules: compile both loop forms for sm_90 on
+    the CPU (Triton ships ptxas)."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tritoninfer.kernels.norm import layernorm_kernel
+
+for chunks in (1, 3):
+    ce = dict(ROWS=2, BLOCK_N=1024, NUM_CHUNKS=chunks)
+    sig = {p.name: "constexpr" if p.name in ce else
+           {"x_ptr": "*bf16", "out_ptr": "*bf16", "gamma_ptr": "*fp32", "beta_ptr": "*fp32"}.get(p.name,
+           "fp32" if p.name == "eps" else "i32") for p in layernorm_kernel.params}
+    k = triton.compile(ASTSource(layernorm_kernel, sig, ce), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=8))
+    print("case", chunks, bool(k.asm["cubin"]), flush=True)
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=root)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    assert done.stdout.splitlines() == ["case 1 True", "case 3 True"], done.stdout

@@ -8,9 +8,10 @@ import inspect
 
 import pytest
 import torch
+from conftest import ON_GPU
 
 import tritoninfer
-from tritoninfer import reference
+from tritoninfer import reference, testing
 from tritoninfer import rope
 
 # relative error ||out - ref|| / ||ref|| allowed per output dtype (bf16 stores truncate under the
@@ -486,3 +487,496 @@ def test_gpu_cos_sin_cache_large(neox):
     tritoninfer.apply_rope_with_cos_sin_cache_inplace(positions, query, key, hs, cache, neox)
     assert_close(query, ref_q, torch.bfloat16, "query")
     assert_close(key, ref_k, torch.bfloat16, "key")
+
+
+# ------------------------------------------------------------------------------------------------
+# RoPE + fp8 quantisation: rope_quantize_fp8, mla_rope_quantize_fp8 and the paged-append variant
+# ------------------------------------------------------------------------------------------------
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def assert_fp8_matches(out, ref, unquantized, what=""):
+    """fp8 ``out`` against the reference's fp8 ``ref``: the same codes, except that an element may be
+    one code away (the GPU may contract ``x1 cos - x2 sin`` into an FMA, moving a value across a
+    rounding boundary) on at most 1 % of the elements; and against the float32 values before the cast,
+    the relative error of the format (``testing.FP8_VS_UNQUANTIZED``)."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape, f"{what}: {out.dtype}{tuple(out.shape)}"
+    o = out.detach().cpu().contiguous().view(torch.uint8).to(torch.int32)
+    r = ref.detach().cpu().contiguous().view(torch.uint8).to(torch.int32)
+    differ = o != r
+    if differ.any():
+        same_sign = (o & 0x80) == (r & 0x80)
+        one_code = same_sign & ((o & 0x7F) - (r & 0x7F)).abs().le(1)
+        assert bool(one_code[differ].all()), f"{what}: {int(differ.sum())} codes differ, some by more than one"
+        assert differ.float().mean().item() <= 1e-2, f"{what}: {int(differ.sum())} of {differ.numel()} codes differ"
+    if unquantized is not None and unquantized.numel():
+        testing.assert_close(out.float(), unquantized, name=what, tol=testing.FP8_VS_UNQUANTIZED[out.dtype])
+
+
+def unquantized_rope(x, cos_sin_cache, pos, is_neox, scale):
+    """float32 rotated values times ``scale`` (before the fp8 cast), from the reference's rotation."""
+    half = cos_sin_cache.shape[1] // 2
+    rows = cos_sin_cache.float()[pos.long()]
+    x3 = x if x.dim() == 3 else x.unsqueeze(1)
+    return (reference.rotate_pairs(x3, rows[:, :half], rows[:, half:], not is_neox) * scale).reshape(x.shape)
+
+
+def random_parts(nnz, hq, hk, rot, nope, dtype, device, mla, scale=3.0):
+    """(q_rope, k_rope, q_nope, k_nope); nope parts None when ``nope`` is 0."""
+    k_shape = (nnz,) if mla else (nnz, hk)
+    q_rope = torch.randn(nnz, hq, rot, device=device).mul(scale).to(dtype)
+    k_rope = torch.randn(*k_shape, rot, device=device).mul(scale).to(dtype)
+    if nope == 0:
+        return q_rope, k_rope, None, None
+    q_nope = torch.randn(nnz, hq, nope, device=device).mul(scale).to(dtype)
+    k_nope = torch.randn(*k_shape, nope, device=device).mul(scale).to(dtype)
+    return q_rope, k_rope, q_nope, k_nope
+
+
+# (kind, hq, hk, rope_dim, no_rope_dim, input dtype, quantize dtype, is_neox, scale_q, scale_kv, pos dtype,
+#  output buffers given as slices of one [nnz, H, head_dim] tensor)
+RQ_CASES = [
+    ("gqa", 4, 2, 16, 16, torch.float16, torch.float8_e4m3fn, True, 1.0, 1.0, torch.int64, False),
+    ("mla", 4, 1, 8, 24, torch.bfloat16, torch.float8_e5m2, False, 0.5, 2.0, torch.int32, True),
+    ("mha", 2, 2, 12, 0, torch.float16, torch.float8_e4m3fn, False, 2.0, 0.25, torch.int32, False),
+    ("gqa", 3, 1, 32, 8, torch.float32, torch.float8_e5m2, True, 1.0, 1.0, torch.int64, True),
+    ("mla", 2, 1, 16, 0, torch.bfloat16, torch.float8_e4m3fn, True, 8.0, 1.0, torch.int64, False),
+]
+
+
+@pytest.mark.parametrize("kind,hq,hk,rot,nope,dtype,qdt,neox,sq,skv,pos_dtype,given", RQ_CASES)
+def test_rope_quantize_fp8(device, kind, hq, hk, rot, nope, dtype, qdt, neox, sq, skv, pos_dtype, given):
+    nnz, mla = 7, kind == "mla"
+    q_rope, k_rope, q_nope, k_nope = random_parts(nnz, hq, hk, rot, nope, dtype, device, mla)
+    inputs = [t.clone() if t is not None else None for t in (q_rope, k_rope, q_nope, k_nope)]
+    cache = make_cos_sin_cache(64, rot, device=device)
+    pos = torch.randint(0, 64, (nnz,), dtype=pos_dtype, device=device)
+    outs = {}
+    if given:
+        q_all = torch.full((nnz, hq, rot + nope), float("nan"), device=device).to(qdt)
+        k_all = torch.full(tuple(k_rope.shape[:-1]) + (rot + nope,), float("nan"), device=device).to(qdt)
+        outs = dict(q_rope_out=q_all[..., :rot], k_rope_out=k_all[..., :rot],
+                    q_nope_out=q_all[..., rot:], k_nope_out=k_all[..., rot:])
+    fn = rope.mla_rope_quantize_fp8 if mla and nope else rope.rope_quantize_fp8
+    got = fn(q_rope, k_rope, q_nope, k_nope, cache, pos, is_neox=neox, quantize_dtype=None if given else qdt,
+             quant_scale_q=sq, quant_scale_kv=skv, **outs)
+    want = reference.rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cache, pos, neox, qdt, sq, skv)
+    if given:
+        for name, t in zip(("q_rope_out", "k_rope_out", "q_nope_out", "k_nope_out"), got):
+            assert t is outs[name]
+    unq = [unquantized_rope(q_rope, cache, pos, neox, sq), unquantized_rope(k_rope, cache, pos, neox, skv),
+           None if q_nope is None else q_nope.float() * sq, None if k_nope is None else k_nope.float() * skv]
+    for name, g, w, u in zip(("q_rope", "k_rope", "q_nope", "k_nope"), got, want, unq):
+        assert_fp8_matches(g, w, u, name)
+    if nope == 0:
+        assert got[2].shape == (nnz, hq, 0) and got[3].shape == tuple(k_rope.shape[:-1]) + (0,)
+    for before, after in zip(inputs, (q_rope, k_rope, q_nope, k_nope)):
+        assert before is None or torch.equal(before, after)
+
+
+@pytest.mark.parametrize("qdt", FP8)
+def test_rope_quantize_fp8_saturates_and_keeps_nan(device, qdt):
+    """Values beyond the format's largest finite one become it (no inf, no NaN from overflow), as
+    FlashInfer's saturating conversion; a NaN input stays NaN; subnormal fp8 values are kept."""
+    q_rope, k_rope, q_nope, k_nope = random_parts(6, 2, 1, 8, 8, torch.float16, device, False, scale=300.0)
+    q_nope[0, 0, :4] = torch.tensor([1e-3, -2e-3, 6e-5, 3e-6], dtype=torch.float16)
+    k_nope[1, 0, 0] = float("nan")
+    cache = make_cos_sin_cache(16, 8, device=device)
+    pos = torch.arange(6, device=device)
+    got = rope.rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cache, pos, quantize_dtype=qdt,
+                                 quant_scale_q=200.0, quant_scale_kv=1.0)
+    want = reference.rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cache, pos, True, qdt, 200.0, 1.0)
+    mx = testing.fp8_max(qdt)
+    assert (got[0].float().abs() == mx).any(), "the test needs saturated values"
+    assert not torch.isinf(got[0].float()).any() and not torch.isnan(got[0].float()).any()
+    assert torch.isnan(got[3].float()[1, 0, 0]) and torch.isfinite(got[3].float()[1, 0, 1:]).all()
+    for g, w in zip(got, want):
+        o, r = g.cpu().view(torch.uint8), w.cpu().view(torch.uint8)
+        assert torch.equal(o, r) or ON_GPU  # on the GPU, FMA contraction may move a code (assert_fp8_matches)
+
+
+def test_rope_quantize_fp8_positions_outside_cache_unrotated(device):
+    q_rope, k_rope, _, _ = random_parts(3, 1, 1, 8, 0, torch.float16, device, False)
+    cache = make_cos_sin_cache(8, 8, device=device)
+    pos = torch.tensor([2, 8, -1], device=device)
+    q_out, k_out, _, _ = rope.rope_quantize_fp8(q_rope, k_rope, None, None, cache, pos)
+    plain = reference.quantize_fp8_saturating(q_rope.float(), torch.float8_e4m3fn)
+    assert torch.equal(q_out[1:].view(torch.uint8), plain[1:].view(torch.uint8))
+
+
+def test_mla_rope_quantize_fp8_deepseek_dims(device):
+    """DeepSeek's MLA dims (rope 64, kv_lora_rank 512), FlashInfer's call: slices of 576-wide q/k and outputs."""
+    nnz, heads = 3, 2
+    q = torch.randn(nnz, heads, 576, device=device).to(torch.bfloat16)
+    k = torch.randn(nnz, 576, device=device).to(torch.bfloat16)
+    cache = make_cos_sin_cache(32, 64, device=device)
+    pos = torch.tensor([0, 7, 31], device=device)
+    q_out = torch.full((nnz, heads, 576), float("nan"), device=device).to(torch.float8_e4m3fn)
+    k_out = torch.full((nnz, 576), float("nan"), device=device).to(torch.float8_e4m3fn)
+    rope.mla_rope_quantize_fp8(q[..., :64], k[..., :64], q[..., 64:], k[..., 64:], cache, pos, is_neox=False,
+                               q_rope_out=q_out[..., :64], k_rope_out=k_out[..., :64],
+                               q_nope_out=q_out[..., 64:], k_nope_out=k_out[..., 64:])
+    want = reference.mla_rope_quantize_fp8(q[..., :64], k[..., :64], q[..., 64:], k[..., 64:], cache, pos, False)
+    assert_fp8_matches(q_out[..., :64], want[0], None, "q_rope")
+    assert_fp8_matches(k_out[..., :64], want[1], None, "k_rope")
+    assert_fp8_matches(q_out[..., 64:], want[2], None, "q_nope")
+    assert_fp8_matches(k_out[..., 64:], want[3], None, "k_nope")
+
+
+def test_rope_quantize_fp8_dtype_inference(device):
+    q_rope, k_rope, q_nope, k_nope = random_parts(2, 1, 1, 8, 4, torch.float16, device, False)
+    cache = make_cos_sin_cache(4, 8, device=device)
+    pos = torch.tensor([0, 3], device=device)
+    outs = rope.rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cache, pos)
+    assert all(t.dtype == torch.float8_e4m3fn for t in outs)
+    k_nope_out = torch.empty_like(k_nope, dtype=torch.float8_e5m2)
+    outs = rope.rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cache, pos, k_nope_out=k_nope_out)
+    assert all(t.dtype == torch.float8_e5m2 for t in outs) and outs[3] is k_nope_out
+
+
+def test_rope_quantize_fp8_errors(device):
+    q_rope, k_rope, q_nope, k_nope = random_parts(4, 2, 1, 8, 4, torch.float16, device, False)
+    cache = make_cos_sin_cache(8, 8, device=device)
+    pos = torch.arange(4, device=device)
+    call = rope.rope_quantize_fp8
+    with pytest.raises(ValueError, match="cos_sin_cache"):
+        call(q_rope, k_rope, q_nope, k_nope, cache.half(), pos)
+    with pytest.raises(ValueError, match="cos_sin_cache"):
+        call(q_rope, k_rope, q_nope, k_nope, make_cos_sin_cache(8, 16, device=device), pos)
+    with pytest.raises(ValueError, match="q_rope"):
+        call(q_rope[0], k_rope, q_nope, k_nope, cache, pos)
+    with pytest.raises(ValueError, match="k_rope"):
+        call(q_rope, k_rope[:3], q_nope, k_nope, cache, pos)
+    with pytest.raises(ValueError, match="k_nope"):
+        call(q_rope, k_rope, None, k_nope, cache, pos)
+    with pytest.raises(ValueError, match="k_nope"):
+        call(q_rope, k_rope, q_nope, k_nope.float(), cache, pos)
+    with pytest.raises(ValueError, match="pos_ids"):
+        call(q_rope, k_rope, q_nope, k_nope, cache, pos[:3])
+    with pytest.raises(ValueError, match="quantize_dtype"):
+        call(q_rope, k_rope, q_nope, k_nope, cache, pos, quantize_dtype=torch.float16)
+    with pytest.raises(ValueError, match="q_rope_out"):
+        call(q_rope, k_rope, q_nope, k_nope, cache, pos, quantize_dtype=torch.float8_e5m2,
+             q_rope_out=torch.empty_like(q_rope, dtype=torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match="k_rope_out"):
+        call(q_rope, k_rope, q_nope, k_nope, cache, pos, k_rope_out=torch.empty(4, 8, dtype=torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match="q_rope"):
+        call(q_rope.to(torch.int32), k_rope, q_nope, k_nope, cache, pos)
+    with pytest.raises(ValueError, match="last dimension"):
+        wide = torch.randn(4, 2, 16, device=device).half()
+        call(wide[..., ::2], k_rope, q_nope, k_nope, cache, pos)
+
+
+# --- the paged-append variant ---
+
+
+def make_append_batch(lens_before, appends, page_size, device, idx_dtype=torch.int32, spare_pages=2, padding=0):
+    """Page table after appending ``appends[i]`` tokens to request ``i`` of ``lens_before[i]`` tokens,
+    pages in random order among ``spare_pages`` unused ones; ``padding`` extra tokens with batch index -1."""
+    after = [a + b for a, b in zip(lens_before, appends)]
+    pages = [-(-n // page_size) for n in after]
+    kv_indptr = torch.tensor([0] + torch.tensor(pages).cumsum(0).tolist(), dtype=idx_dtype)
+    num_pages = int(kv_indptr[-1]) + spare_pages
+    kv_indices = torch.randperm(num_pages)[: int(kv_indptr[-1])].to(idx_dtype)
+    append_indptr = torch.tensor([0] + torch.tensor(appends).cumsum(0).tolist(), dtype=torch.int32)
+    nnz = sum(appends) + padding
+    bi, pos = reference.get_batch_indices_positions(append_indptr, torch.tensor(after, dtype=torch.int32), nnz)
+    return (kv_indices.to(device), kv_indptr.to(device), bi.to(idx_dtype).to(device), pos.to(idx_dtype).to(device),
+            num_pages)
+
+
+def nan_cache(shape, dtype, device):
+    """fp8 cache filled with NaN: a slot the kernel should have written but did not shows up."""
+    return torch.full(shape, float("nan"), device=device).to(dtype)
+
+
+# (kind, kv_layout, page_size, input dtype, quantize dtype, is_neox, no_rope_dim, index dtype, padding tokens)
+APPEND_CASES = [
+    ("gqa", "NHD", 4, torch.float16, torch.float8_e4m3fn, False, 8, torch.int32, 0),
+    ("gqa", "HND", 1, torch.bfloat16, torch.float8_e5m2, True, 0, torch.int64, 2),
+    ("mha", "NHD", 3, torch.float32, torch.float8_e4m3fn, True, 4, torch.int32, 0),
+    ("mla", "NHD", 4, torch.bfloat16, torch.float8_e4m3fn, False, 16, torch.int32, 1),
+    ("mla", "HND", 2, torch.float16, torch.float8_e5m2, True, 0, torch.int64, 0),
+]
+
+
+def run_append(device, kind, layout, ps, dtype, qdt, neox, nope, idx_dtype, padding, scales=(1.5, 0.75),
+               lens_before=(3, 0, 6, 2), appends=(2, 5, 1, 0)):
+    hq, hk, rot = 3, 2, 8
+    mla = kind == "mla"
+    hk = 1 if mla else (hq if kind == "mha" else hk)
+    kv_indices, kv_indptr, bi, pos, num_pages = make_append_batch(list(lens_before), list(appends), ps, device,
+                                                                   idx_dtype, padding=padding)
+    nnz = bi.numel()
+    q_rope, k_rope, q_nope, k_nope = random_parts(nnz, hq, hk, rot, nope, dtype, device, mla)
+    v = None if mla else torch.randn(nnz, hk, rot + nope, device=device).mul(3).to(dtype)
+    if mla:
+        cache = (nan_cache((num_pages, ps, nope), qdt, device), nan_cache((num_pages, ps, rot), qdt, device))
+    else:
+        shape = (num_pages, ps, hk, rot + nope) if layout == "NHD" else (num_pages, hk, ps, rot + nope)
+        cache = (nan_cache(shape, qdt, device), nan_cache(shape, qdt, device))
+    rope_cache = make_cos_sin_cache(32, rot, device=device)
+    pos_ids = (pos.long() + 5).clamp_min(0)  # RoPE positions need not be the KV positions
+    want = reference.rope_quantize_fp8_append_paged_kv_cache(
+        q_rope, k_rope, q_nope, k_nope, v, rope_cache, pos_ids, cache, kv_indices, kv_indptr, bi, pos, neox,
+        *scales, layout)
+    got = rope.rope_quantize_fp8_append_paged_kv_cache(
+        q_rope, k_rope, q_nope, k_nope, v, rope_cache, pos_ids, cache, kv_indices, kv_indptr, bi, pos,
+        is_neox=neox, quantize_dtype=qdt, quant_scale_q=scales[0], quant_scale_kv=scales[1], page_size=ps,
+        kv_layout=layout)
+    return got, want, cache, (q_rope, k_rope, q_nope, k_nope, v, rope_cache, pos_ids, neox)
+
+
+@pytest.mark.parametrize("kind,layout,ps,dtype,qdt,neox,nope,idx_dtype,padding", APPEND_CASES)
+def test_rope_quantize_fp8_append_paged_kv_cache(device, kind, layout, ps, dtype, qdt, neox, nope, idx_dtype,
+                                                 padding):
+    got, want, cache, (q_rope, _, q_nope, _, _, rope_cache, pos_ids, _) = run_append(
+        device, kind, layout, ps, dtype, qdt, neox, nope, idx_dtype, padding)
+    assert_fp8_matches(got[0], want[0], unquantized_rope(q_rope, rope_cache, pos_ids, neox, 1.5), "q_rope_out")
+    assert_fp8_matches(got[1], want[1], None if q_nope is None else q_nope.float() * 1.5, "q_nope_out")
+    # unwritten slots stay NaN in both; written ones hold the reference's codes
+    assert_fp8_matches(cache[0], want[2][0], None, "paged_kv_cache[0]")
+    assert_fp8_matches(cache[1], want[2][1], None, "paged_kv_cache[1]")
+    written = ~torch.isnan(want[2][1].float())  # V, or MLA's kpe cache (never size 0)
+    assert written.any() and (~written).any()
+
+
+@pytest.mark.parametrize("bad", ["page_id", "negative_page_id", "position", "batch_index"])
+def test_rope_quantize_fp8_append_bad_indices_reported_not_written(device, bad):
+    """A token whose page id, position or request is outside the page table or the cache is not written
+    (the cache keeps its NaN there) and is reported: raised on CPU tensors, by check_errors() on the GPU."""
+    layout, ps = "HND", 4
+    kv_indices, kv_indptr, bi, pos, num_pages = make_append_batch([3, 0, 6], [2, 5, 1], ps, device)
+    if bad == "page_id":
+        kv_indices = kv_indices.clone()
+        kv_indices[int(kv_indptr[1])] = num_pages + 100  # the first page of request 1
+    elif bad == "negative_page_id":
+        kv_indices = kv_indices.clone()
+        kv_indices[int(kv_indptr[3]) - 1] = -3  # the page of request 2's appended token
+    elif bad == "position":
+        pos = pos.clone()
+        pos[0] = 40  # beyond the pages request 0 owns
+    else:
+        bi = bi.clone()
+        bi[3] = 9  # no such request
+    nnz = bi.numel()
+    q_rope, k_rope, q_nope, k_nope = random_parts(nnz, 2, 1, 8, 8, torch.float16, device, False)
+    v = torch.randn(nnz, 1, 16, device=device).half()
+    cache = tuple(nan_cache((num_pages, 1, ps, 16), torch.float8_e4m3fn, device) for _ in range(2))
+    rope_cache = make_cos_sin_cache(32, 8, device=device)
+    want = reference.rope_quantize_fp8_append_paged_kv_cache(
+        q_rope, k_rope, q_nope, k_nope, v, rope_cache, pos, cache, kv_indices, kv_indptr, bi, pos, True, 1.0, 1.0,
+        layout)
+    args = (q_rope, k_rope, q_nope, k_nope, v, rope_cache, pos, cache, kv_indices, kv_indptr, bi, pos)
+    match = {"page_id": "kv_indices", "negative_page_id": "kv_indices", "position": "positions",
+             "batch_index": "batch_indices"}[bad]
+    if ON_GPU:
+        q_out = rope.rope_quantize_fp8_append_paged_kv_cache(*args, page_size=ps, kv_layout=layout)
+        with pytest.raises(ValueError, match=match):
+            tritoninfer.check_errors()
+    else:
+        q_out = tuple(torch.empty_like(t, dtype=torch.float8_e4m3fn) for t in (q_rope, q_nope))
+        with pytest.raises(ValueError, match=match):
+            rope.rope_quantize_fp8_append_paged_kv_cache(*args, page_size=ps, kv_layout=layout, q_rope_out=q_out[0],
+                                                         q_nope_out=q_out[1])
+    # the reference drops the same token; everything else was written, q included
+    assert_fp8_matches(cache[0], want[2][0], None, "k_cache")
+    assert_fp8_matches(cache[1], want[2][1], None, "v_cache")
+    assert_fp8_matches(q_out[0], want[0], None, "q_rope_out")
+    written_slots = int((~torch.isnan(cache[0].float()[:, 0, :, 0])).sum())
+    assert 0 < written_slots < nnz
+
+
+def test_rope_quantize_fp8_append_two_steps(device):
+    """Prefill then decode into the same cache: the second call leaves the first call's tokens alone."""
+    ps, rot, nope = 4, 8, 8
+    rope_cache = make_cos_sin_cache(32, rot, device=device)
+    cache = tuple(nan_cache((4, ps, 1, rot + nope), torch.float8_e4m3fn, device) for _ in range(2))
+    kv_indices = torch.tensor([2, 0, 3], dtype=torch.int32, device=device)
+    states = []
+    for lens_before, n_new in ((0, 6), (6, 3)):
+        kv_indptr = torch.tensor([0, -(-(lens_before + n_new) // ps)], dtype=torch.int32, device=device)
+        bi = torch.zeros(n_new, dtype=torch.int32, device=device)
+        pos = torch.arange(lens_before, lens_before + n_new, dtype=torch.int32, device=device)
+        q_rope, k_rope, q_nope, k_nope = random_parts(n_new, 2, 1, rot, nope, torch.float16, device, False)
+        v = torch.randn(n_new, 1, rot + nope, device=device).half()
+        want = reference.rope_quantize_fp8_append_paged_kv_cache(
+            q_rope, k_rope, q_nope, k_nope, v, rope_cache, pos, cache, kv_indices, kv_indptr, bi, pos)
+        rope.rope_quantize_fp8_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, rope_cache, pos, cache,
+                                                     kv_indices, kv_indptr, bi, pos, page_size=ps)
+        assert_fp8_matches(cache[0], want[2][0], None, "k_cache")
+        assert_fp8_matches(cache[1], want[2][1], None, "v_cache")
+        states.append(cache[0].clone())
+    first = ~torch.isnan(states[0].float())
+    assert torch.equal(states[1].view(torch.uint8)[first], states[0].view(torch.uint8)[first])
+
+
+def test_rope_quantize_fp8_append_errors(device):
+    kv_indices, kv_indptr, bi, pos, num_pages = make_append_batch([1], [2], 4, device)
+    q_rope, k_rope, q_nope, k_nope = random_parts(2, 2, 1, 8, 8, torch.float16, device, False)
+    v = torch.randn(2, 1, 16, device=device).half()
+    kc = nan_cache((num_pages, 4, 1, 16), torch.float8_e4m3fn, device)
+    rc = make_cos_sin_cache(8, 8, device=device)
+    ok = dict(q_rope=q_rope, k_rope=k_rope, q_nope=q_nope, k_nope=k_nope, v=v, cos_sin_cache=rc, pos_ids=pos,
+              paged_kv_cache=(kc, kc.clone()), kv_indices=kv_indices, kv_indptr=kv_indptr, batch_indices=bi,
+              positions=pos, page_size=4)
+    call = rope.rope_quantize_fp8_append_paged_kv_cache
+    call(**ok)
+    cases = [
+        (dict(v=None), "v"),
+        (dict(v=v[..., :8]), "v"),
+        (dict(paged_kv_cache=(kc.to(torch.float8_e5m2), kc.to(torch.float8_e5m2))), "paged_kv_cache"),
+        (dict(page_size=16), "paged_kv_cache"),
+        (dict(paged_kv_cache=(kc[0], kc[0])), "paged_kv_cache"),
+        (dict(kv_layout="NDH"), "kv_layout"),
+        (dict(kv_indptr=torch.zeros(0, dtype=torch.int32, device=device)), "kv_indptr"),
+        (dict(batch_indices=bi[:1]), "batch_indices"),
+        (dict(positions=pos.float()), "positions"),
+        (dict(page_size=0), "page_size"),
+    ]
+    for over, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call(**{**ok, **over})
+    with pytest.raises(TypeError, match="paged_kv_cache"):
+        call(**{**ok, "paged_kv_cache": kc})
+    mla = dict(ok, k_rope=k_rope[:, 0], k_nope=k_nope[:, 0],
+               paged_kv_cache=(nan_cache((num_pages, 4, 8), torch.float8_e4m3fn, device),
+                               nan_cache((num_pages, 4, 8), torch.float8_e4m3fn, device)))
+    with pytest.raises(ValueError, match="v"):
+        call(**mla)  # MLA takes no V
+    with pytest.raises(ValueError, match="paged_kv_cache"):
+        call(**dict(mla, v=None, paged_kv_cache=(kc, kc)))
+
+
+_RQ = ["q_rope", "k_rope", "q_nope", "k_nope", "cos_sin_cache", "pos_ids", "is_neox", "quantize_dtype",
+       "quant_scale_q", "quant_scale_kv", "q_rope_out", "k_rope_out", "q_nope_out", "k_nope_out", "enable_pdl"]
+_RQ_DEFAULTS = {"is_neox": True, "quantize_dtype": None, "quant_scale_q": 1.0, "quant_scale_kv": 1.0,
+                "q_rope_out": None, "k_rope_out": None, "q_nope_out": None, "k_nope_out": None, "enable_pdl": False}
+_RQ_APPEND = ["q_rope", "k_rope", "q_nope", "k_nope", "v", "cos_sin_cache", "pos_ids", "paged_kv_cache",
+              "kv_indices", "kv_indptr", "batch_indices", "positions", "is_neox", "quantize_dtype", "quant_scale_q",
+              "quant_scale_kv", "page_size", "kv_layout", "q_rope_out", "q_nope_out", "enable_pdl"]
+_RQ_APPEND_DEFAULTS = {"is_neox": True, "quantize_dtype": None, "quant_scale_q": 1.0, "quant_scale_kv": 1.0,
+                       "page_size": 16, "kv_layout": "NHD", "q_rope_out": None, "q_nope_out": None,
+                       "enable_pdl": False}
+RQ_SIGNATURES = {
+    "rope_quantize_fp8": (_RQ, _RQ_DEFAULTS),
+    "mla_rope_quantize_fp8": (_RQ, _RQ_DEFAULTS),
+    "rope_quantize_fp8_append_paged_kv_cache": (_RQ_APPEND, _RQ_APPEND_DEFAULTS),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RQ_SIGNATURES))
+def test_rope_quantize_signature(name):
+    """FlashInfer 0.5.3's parameter names, order and defaults (the top-level export is wired separately)."""
+    names, defaults = RQ_SIGNATURES[name]
+    params = inspect.signature(getattr(rope, name)).parameters
+    assert list(params) == names
+    for p in params:
+        if p in defaults:
+            assert params[p].default == defaults[p] and type(params[p].default) is type(defaults[p])
+        else:
+            assert params[p].default is inspect.Parameter.empty
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,hq,hk,rot,nope", [("gqa", 32, 8, 128, 0), ("mla", 128, 1, 64, 512),
+                                                 ("gqa", 64, 16, 128, 128)])
+@pytest.mark.parametrize("qdt", FP8)
+def test_gpu_rope_quantize_fp8_large(kind, hq, hk, rot, nope, qdt):
+    nnz = 2047
+    q_rope, k_rope, q_nope, k_nope = random_parts(nnz, hq, hk, rot, nope, torch.bfloat16, "cuda", kind == "mla")
+    cache = make_cos_sin_cache(4096, rot, device="cuda")
+    pos = torch.randint(0, 4096, (nnz,), device="cuda")
+    got = rope.rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cache, pos, is_neox=False, quantize_dtype=qdt,
+                                 quant_scale_q=0.5, quant_scale_kv=2.0)
+    want = reference.rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cache, pos, False, qdt, 0.5, 2.0)
+    for name, g, w in zip(("q_rope", "k_rope", "q_nope", "k_nope"), got, want):
+        assert_fp8_matches(g, w, None, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,layout", [("gqa", "NHD"), ("gqa", "HND"), ("mla", "NHD")])
+def test_gpu_rope_quantize_fp8_append_large(kind, layout):
+    """64 requests appending 1..512 tokens onto 0..1000, page 16; no host synchronisation."""
+    g = torch.Generator().manual_seed(5)
+    lens_before = torch.randint(0, 1000, (64,), generator=g).tolist()
+    appends = torch.randint(1, 512, (64,), generator=g).tolist()
+    ps, hq, hk, rot, nope = 16, (32 if kind == "gqa" else 128), (8 if kind == "gqa" else 1), 64, 64
+    kv_indices, kv_indptr, bi, pos, num_pages = make_append_batch(lens_before, appends, ps, "cuda", spare_pages=50)
+    nnz = bi.numel()
+    q_rope, k_rope, q_nope, k_nope = random_parts(nnz, hq, hk, rot, nope, torch.bfloat16, "cuda", kind == "mla")
+    v = None if kind == "mla" else torch.randn(nnz, hk, rot + nope, device="cuda").to(torch.bfloat16)
+    if kind == "mla":
+        cache = (nan_cache((num_pages, ps, nope), torch.float8_e4m3fn, "cuda"),
+                 nan_cache((num_pages, ps, rot), torch.float8_e4m3fn, "cuda"))
+    else:
+        shape = (num_pages, ps, hk, rot + nope) if layout == "NHD" else (num_pages, hk, ps, rot + nope)
+        cache = (nan_cache(shape, torch.float8_e4m3fn, "cuda"), nan_cache(shape, torch.float8_e4m3fn, "cuda"))
+    rc = make_cos_sin_cache(2048, rot, device="cuda")
+    want = reference.rope_quantize_fp8_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, rc, pos, cache,
+                                                             kv_indices, kv_indptr, bi, pos, False, 1.0, 0.5, layout)
+    args = (q_rope, k_rope, q_nope, k_nope, v, rc, pos, cache, kv_indices, kv_indptr, bi, pos)
+    kw = dict(is_neox=False, quant_scale_kv=0.5, page_size=ps, kv_layout=layout)
+    rope.rope_quantize_fp8_append_paged_kv_cache(*args, **kw)  # compile first (appending twice is idempotent)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = rope.rope_quantize_fp8_append_paged_kv_cache(*args, **kw)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert_fp8_matches(got[0], want[0], None, "q_rope_out")
+    assert_fp8_matches(got[1], want[1], None, "q_nope_out")
+    assert_fp8_matches(cache[0], want[2][0], None, "paged_kv_cache[0]")
+    assert_fp8_matches(cache[1], want[2][1], None, "paged_kv_cache[1]")
+
+
+_SM90_COMPILE = """
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tritoninfer.kernels.rope import rope_quantize_kernel
+from tritoninfer.rope import _fp8_constexprs
+
+for append, has_v, fp8, interleave, nope in ((False, False, torch.float8_e4m3fn, True, 0),
+                                             (True, True, torch.float8_e5m2, False, 64),
+                                             (True, False, torch.float8_e4m3fn, False, 512)):
+    ce = dict(ROT=64, HALF_PAD=32, NOPE=nope, NOPE_PAD=max(nope, 1), VD=64 + nope,
+              VD_PAD=triton.next_power_of_2(64 + nope) if has_v else 1, INTERLEAVE=interleave, APPEND=append,
+              HAS_V=has_v, SOFT_FP8=False, BLOCK_T=8, **_fp8_constexprs(fp8))
+    f8 = "*fp8e4nv" if fp8 == torch.float8_e4m3fn else "*fp8e5"
+    sig, attrs = {}, {}
+    for i, p in enumerate(rope_quantize_kernel.params):
+        n = p.name
+        if n in ce:
+            sig[n] = "constexpr"
+        elif n.endswith("_ptr"):
+            sig[n] = ("*bf16" if n in ("q_rope_ptr", "q_nope_ptr", "k_rope_ptr", "k_nope_ptr", "v_ptr") else
+                      "*fp32" if n == "cache_ptr" else "*i64" if n in ("pos_ptr", "err_ptr") else
+                      f8 if n.endswith("out_ptr") else "*i32")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[n] = "fp32" if n.startswith("quant_scale") else "i32"
+    k = triton.compile(ASTSource(rope_quantize_kernel, sig, ce, attrs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=4))
+    cvt = "cvt.rn.satfinite." + ("e4m3x2" if fp8 == torch.float8_e4m3fn else "e5m2x2")
+    print("case", append, has_v, bool(k.asm["cubin"]), cvt in k.asm["ptx"], flush=True)
+"""
+
+
+def test_rope_quantize_kernel_compiles_for_sm90():
+    """The interpreter runs the kernel's semantics, not the compiler's type rules, and computes the fp8
+    bits itself: compile the GPU variants (hardware cast) for sm_90 on the CPU (Triton ships ptxas) and
+    check that the cast is the saturating round-to-nearest one FlashInfer uses."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    done = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=root)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("case")]
+    assert len(lines) == 3 and all(line.endswith("True True") for line in lines), done.stdout

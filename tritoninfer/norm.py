@@ -1,4 +1,4 @@
-"""tritoninfer.norm: RMSNorm and fused residual-add RMSNorm, FlashInfer 0.5.3's ``flashinfer.norm``.
+"""tritoninfer.norm: RMSNorm, fused residual-add RMSNorm and LayerNorm, FlashInfer 0.5.3's ``flashinfer.norm``.
 
 ``input`` is 2-D ``[batch, hidden]`` or 3-D ``[batch, heads, head_dim]`` (normalised over the last
 dim, e.g. per-head q/k norm), fp16, bf16 or fp32, any strides. ``weight`` is 1-D over the last dim
@@ -18,12 +18,14 @@ import torch
 from . import _device, _ops
 from ._launch import CachedLauncher
 from ._plan import cdiv, next_pow2
-from .kernels.norm import rmsnorm_kernel
+from .kernels.norm import layernorm_kernel, rmsnorm_kernel
 
 # the launches on every call's path skip Triton's per-call binding (_launch.py)
 _RMSNORM = CachedLauncher(rmsnorm_kernel)
+_LAYERNORM = CachedLauncher(layernorm_kernel)
 
 __all__ = ["rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rmsnorm"]
+# layernorm (issue #23) joins __all__ together with its export in tritoninfer/__init__.py and _compat.py
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # columns held in registers per program before the kernel switches to a two-pass chunked loop
@@ -227,3 +229,85 @@ def gemma_fused_add_rmsnorm(
     Parameters are those of :func:`fused_add_rmsnorm` (``enable_pdl`` has no effect in Triton).
     """
     _fused_add_rmsnorm(input, residual, weight, eps, 1.0)
+
+
+def _check_affine(t, name: str, input: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 1 or t.shape[0] != input.shape[-1]:
+        raise ValueError(f"{name}: expected shape ({input.shape[-1]},) (the last dim of input), got {tuple(t.shape)}")
+    if t.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{name}: expected dtype float32 (float16 or bfloat16 accepted), got {t.dtype}")
+    if t.device != input.device:
+        raise ValueError(f"{name}: expected a tensor on {input.device}, got one on {t.device}")
+
+
+def _layernorm_into(input, gemma, beta, out, eps) -> None:
+    """Checks, then one launch (the work of :func:`layernorm`, also its custom op's)."""
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"input: expected a torch.Tensor, got {type(input).__name__}")
+    if input.dim() != 2:
+        raise ValueError(f"input: expected a 2-D tensor [batch_size, hidden_size], got shape {tuple(input.shape)}")
+    if input.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"input: expected dtype bfloat16 (float16 or float32 accepted), got {input.dtype}")
+    _check_affine(gemma, "gemma", input)
+    _check_affine(beta, "beta", input)
+    _check_like(out, "out", input)
+    m, n = input.shape
+    if m == 0 or n == 0:
+        return
+    _device.check_launchable(input.device, "input")
+    block_n = min(next_pow2(n), _MAX_BLOCK_N)
+    if _device.is_interpreter():
+        # each interpreted op costs the same whatever the tile: few, large programs
+        rows, num_warps = max(1, min(next_pow2(m), 16384 // block_n)), 4
+    else:
+        # one row per program for wide rows (FlashInfer's one block per token), several for narrow ones
+        rows = max(1, min(next_pow2(m), 2048 // block_n))
+        elems = rows * block_n
+        num_warps = 4 if elems <= 1024 else 8 if elems <= 4096 else 16
+    _LAYERNORM[(cdiv(m, rows),)](
+        input, gemma, beta, out, m, n,
+        input.stride(0), input.stride(1), out.stride(0), out.stride(1), gemma.stride(0), beta.stride(0),
+        float(eps),
+        ROWS=rows, BLOCK_N=block_n, NUM_CHUNKS=cdiv(n, block_n), num_warps=num_warps,
+    )
+
+
+@_ops.custom_op("layernorm", mutates_args=("out",))
+def _layernorm_op(input: torch.Tensor, gemma: torch.Tensor, beta: torch.Tensor, out: torch.Tensor, eps: float) -> None:
+    _layernorm_into(input, gemma, beta, out, eps)
+
+
+def layernorm(
+    input: torch.Tensor,
+    gemma: torch.Tensor,
+    beta: torch.Tensor,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    r"""Layer normalisation: ``out = (input - mean) / sqrt(var + eps) * gemma + beta`` per row, with
+    ``var`` the biased variance ``mean((input - mean)^2)``; fp32 arithmetic, rounded once.
+
+    Parameters
+    ----------
+    input : torch.Tensor
+        ``[batch_size, hidden_size]``, bfloat16 (FlashInfer 0.5.3's only dtype; float16 and float32
+        are accepted too), any strides.
+    gemma : torch.Tensor
+        The scale (FlashInfer's name for gamma), ``[hidden_size]``, float32 (fp16/bf16 accepted).
+    beta : torch.Tensor
+        The shift, ``[hidden_size]``, float32 (fp16/bf16 accepted).
+    eps : float
+        Added to the variance. Default ``1e-6``.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[batch_size, hidden_size]``, the dtype of ``input`` (a new tensor).
+    """
+    out = torch.empty_like(input)
+    if _ops.compiling():
+        _layernorm_op(input, gemma, beta, out, float(eps))
+    else:
+        _layernorm_into(input, gemma, beta, out, eps)
+    return out

@@ -1,4 +1,4 @@
-"""RMSNorm and fused residual-add RMSNorm: ``@triton.jit`` code only.
+"""RMSNorm, fused residual-add RMSNorm and LayerNorm: ``@triton.jit`` code only.
 
     y = x / sqrt(mean(x^2) + eps) * (weight + weight_bias)        (weight_bias 1 for Gemma)
 
@@ -87,3 +87,68 @@ def rmsnorm_kernel(
             w = tl.load(w_ptr + cc * sw, mask=m_c, other=0.0).to(tl.float32) + weight_bias
             y = x * rrms[:, None] * w[None, :]
             tl.store(out_ptr + row_o[:, None] + cc[None, :] * so2, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def layernorm_kernel(
+    x_ptr,  # [M, N]
+    gamma_ptr,  # [N]
+    beta_ptr,  # [N]
+    out_ptr,  # [M, N]
+    M, N,
+    sx0, sx1, so0, so1, sg, sb,
+    eps,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+):
+    """y = (x - mean) / sqrt(var + eps) * gamma + beta, with mean and the biased variance
+    ``mean((x - mean)^2)`` over a row (two-pass, as FlashInfer's kernel), all in fp32; rounded once.
+
+    One program handles ``ROWS`` rows of ``BLOCK_N`` columns; longer rows are walked in
+    ``NUM_CHUNKS`` chunks three times (sum, squared deviations, normalise).
+    """
+    pid = tl.program_id(0)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    m_r = rows < M
+    row_x = rows.to(tl.int64) * sx0
+    row_o = rows.to(tl.int64) * so0
+    cols = tl.arange(0, BLOCK_N)
+
+    if NUM_CHUNKS == 1:
+        m_c = cols < N
+        m = m_r[:, None] & m_c[None, :]
+        # [ROWS, BLOCK_N]
+        x = tl.load(x_ptr + row_x[:, None] + cols[None, :] * sx1, mask=m, other=0.0).to(tl.float32)
+        # [ROWS]
+        mean = tl.sum(x, axis=1) / N
+        d = tl.where(m, x - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=1) / N + eps)
+        # [BLOCK_N]
+        g = tl.load(gamma_ptr + cols * sg, mask=m_c, other=0.0).to(tl.float32)
+        # [BLOCK_N]
+        b = tl.load(beta_ptr + cols * sb, mask=m_c, other=0.0).to(tl.float32)
+        y = d * rstd[:, None] * g[None, :] + b[None, :]
+        tl.store(out_ptr + row_o[:, None] + cols[None, :] * so1, y.to(out_ptr.dtype.element_ty), mask=m)
+    else:
+        acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+        for c in range(NUM_CHUNKS):
+            cc = c * BLOCK_N + cols
+            m = m_r[:, None] & (cc < N)[None, :]
+            acc += tl.load(x_ptr + row_x[:, None] + cc[None, :] * sx1, mask=m, other=0.0).to(tl.float32)
+        mean = tl.sum(acc, axis=1) / N
+        acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+        for c in range(NUM_CHUNKS):
+            cc = c * BLOCK_N + cols
+            m = m_r[:, None] & (cc < N)[None, :]
+            x = tl.load(x_ptr + row_x[:, None] + cc[None, :] * sx1, mask=m, other=0.0).to(tl.float32)
+            d = tl.where(m, x - mean[:, None], 0.0)
+            acc += d * d
+        rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=1) / N + eps)
+        for c in range(NUM_CHUNKS):
+            cc = c * BLOCK_N + cols
+            m_c = cc < N
+            m = m_r[:, None] & m_c[None, :]
+            x = tl.load(x_ptr + row_x[:, None] + cc[None, :] * sx1, mask=m, other=0.0).to(tl.float32)
+            g = tl.load(gamma_ptr + cc * sg, mask=m_c, other=0.0).to(tl.float32)
+            b = tl.load(beta_ptr + cc * sb, mask=m_c, other=0.0).to(tl.float32)
+            y = (x - mean[:, None]) * rstd[:, None] * g[None, :] + b[None, :]
+            tl.store(out_ptr + row_o[:, None] + cc[None, :] * so1, y.to(out_ptr.dtype.element_ty), mask=m)

@@ -1,6 +1,7 @@
 """Rotary positional embedding (RoPE) applied to ragged q/k tensors: ``@triton.jit`` code only.
 
-One kernel serves every public form of ``tritoninfer.rope``:
+``rope_kernel`` serves every ``apply_rope*`` form of ``tritoninfer.rope``, ``rope_quantize_kernel``
+(at the end) the fused RoPE + fp8 quantisation (+ paged KV append) forms. ``rope_kernel``:
 
 - positions from ``pos_ids`` (``RAGGED=False``) or from a CSR ``indptr`` plus per-request
   ``offsets`` (``RAGGED=True``: token ``indptr[b] + j`` is at position ``offsets[b] + j``; the
@@ -24,6 +25,8 @@ Dimensions ``[ROT, HEAD_DIM)`` pass through unchanged (copied bit for bit when n
 
 import triton
 import triton.language as tl
+
+from .faults import report_fault
 
 
 @triton.jit
@@ -150,3 +153,226 @@ def rope_kernel(
             k_ptr, k_out_ptr, row_kx + hk * skh, row_ko + hk * sokh, skd, sokd,
             e1, e2, m_2d, cos, sin, m_t, ROT, HEAD_DIM, PASS_PAD, COPY_PASS,
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE + fp8 quantisation (+ paged KV append): rope_quantize_fp8 and its append variant
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fp8_bits(y, FP8_MBITS: tl.constexpr, FP8_EBIAS: tl.constexpr, FP8_MAX_BITS: tl.constexpr):
+    """fp32 ``y`` -> fp8 bits (uint8), in integer arithmetic: round to nearest even, subnormals
+    kept, saturating to the largest finite value (``FP8_MAX_BITS`` is its fp32 bit pattern), NaN
+    kept. Used under the interpreter, whose own fp32 -> fp8 cast loses the carry of a round-up
+    into the exponent, flushes subnormals and overflows to NaN."""
+    DROP: tl.constexpr = 23 - FP8_MBITS
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    # clamping the magnitude's bits saturates (inf included); NaN is restored below
+    a = tl.minimum(bits & 0x7FFFFFFF, FP8_MAX_BITS)
+    e = a >> 23
+    # normal fp8 range: rounding the fp32 exponent|mantissa field carries into the exponent
+    r_norm = ((a + ((1 << (DROP - 1)) - 1) + ((a >> DROP) & 1)) >> DROP) - ((127 - FP8_EBIAS) << FP8_MBITS)
+    # subnormal fp8 range: the 24-bit significand shifted down to multiples of the smallest subnormal
+    mant = (a & 0x7FFFFF) | 0x800000
+    sh = tl.minimum(151 - FP8_EBIAS - FP8_MBITS - e, 31)
+    r_sub = (mant + ((1 << (sh - 1)) - 1) + ((mant >> sh) & 1)) >> sh
+    r = tl.where(e < 128 - FP8_EBIAS, r_sub, r_norm)
+    r = tl.where(y != y, 0x7F, r)
+    return (r | sign).to(tl.uint8)
+
+
+@triton.jit
+def _quantize(y, o_ptr, SOFT_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MBITS: tl.constexpr,
+              FP8_EBIAS: tl.constexpr, FP8_MAX_BITS: tl.constexpr):
+    """fp32 -> the fp8 dtype of ``o_ptr``, saturating (as FlashInfer's ``__NV_SATFINITE``); with
+    ``SOFT_FP8`` ``o_ptr`` is a uint8 view and the bits are computed by ``_fp8_bits``."""
+    if SOFT_FP8:
+        return _fp8_bits(y, FP8_MBITS, FP8_EBIAS, FP8_MAX_BITS)
+    else:
+        # Triton casts with cvt.rn.satfinite on sm_89+; the clamp keeps other lowerings saturating
+        # too (comparisons are false for NaN, which stays NaN)
+        y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))
+        return y.to(o_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _rope_quant_head(
+    x_ptr, o_ptr, row_x, row_o, m_load, m_store, e1, e2, cos, sin, scale,
+    SOFT_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MBITS: tl.constexpr, FP8_EBIAS: tl.constexpr,
+    FP8_MAX_BITS: tl.constexpr,
+):
+    """Rotate one head of ``BLOCK_T`` rows (``row_x``/``row_o`` [T] int64, last dim contiguous),
+    scale and quantise."""
+    # [BLOCK_T, HALF_PAD]
+    x1 = tl.load(x_ptr + row_x[:, None] + e1[None, :], mask=m_load, other=0.0).to(tl.float32)
+    # [BLOCK_T, HALF_PAD]
+    x2 = tl.load(x_ptr + row_x[:, None] + e2[None, :], mask=m_load, other=0.0).to(tl.float32)
+    o1 = (x1 * cos - x2 * sin) * scale
+    o2 = (x2 * cos + x1 * sin) * scale
+    tl.store(o_ptr + row_o[:, None] + e1[None, :],
+             _quantize(o1, o_ptr, SOFT_FP8, FP8_MAX, FP8_MBITS, FP8_EBIAS, FP8_MAX_BITS), mask=m_store)
+    tl.store(o_ptr + row_o[:, None] + e2[None, :],
+             _quantize(o2, o_ptr, SOFT_FP8, FP8_MAX, FP8_MBITS, FP8_EBIAS, FP8_MAX_BITS), mask=m_store)
+
+
+@triton.jit
+def _quant_rows(
+    x_ptr, o_ptr, row_x, row_o, offs, m_load, m_store, scale,
+    SOFT_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MBITS: tl.constexpr, FP8_EBIAS: tl.constexpr,
+    FP8_MAX_BITS: tl.constexpr,
+):
+    """Scale and quantise one head of ``BLOCK_T`` rows, columns ``offs``."""
+    # [BLOCK_T, len(offs)]
+    x = tl.load(x_ptr + row_x[:, None] + offs[None, :], mask=m_load, other=0.0).to(tl.float32)
+    tl.store(o_ptr + row_o[:, None] + offs[None, :],
+             _quantize(x * scale, o_ptr, SOFT_FP8, FP8_MAX, FP8_MBITS, FP8_EBIAS, FP8_MAX_BITS), mask=m_store)
+
+
+@triton.jit(do_not_specialize=["batch_size", "num_pages", "num_indices", "max_pos"])
+def rope_quantize_kernel(
+    q_rope_ptr,  # [nnz, Hq, ROT]
+    q_nope_ptr,  # [nnz, Hq, NOPE]
+    k_rope_ptr,  # [nnz, Hk, ROT] (MLA: [nnz, ROT], Hk = 1)
+    k_nope_ptr,  # [nnz, Hk, NOPE]
+    v_ptr,  # [nnz, Hk, VD] (HAS_V)
+    q_rope_out_ptr,  # [nnz, Hq, ROT] fp8
+    q_nope_out_ptr,  # [nnz, Hq, NOPE] fp8
+    k_rope_out_ptr,  # rows (a, b, h): [nnz, Hk, ROT] with (a, b) = (token, 0), or the cache with (page, slot)
+    k_nope_out_ptr,  # rows (a, b, h), NOPE wide
+    v_out_ptr,  # rows (a, b, h), VD wide (HAS_V)
+    cache_ptr,  # [max_pos, ROT] float32: [cos | sin]
+    pos_ptr,  # [nnz] RoPE positions
+    batch_indices_ptr,  # [nnz] (APPEND)
+    positions_ptr,  # [nnz] positions in the KV sequence (APPEND)
+    kv_indices_ptr,  # [num_indices] page ids (APPEND)
+    kv_indptr_ptr,  # [batch_size + 1] (APPEND)
+    err_ptr,  # the fault record (tritoninfer/_errors.py) (APPEND)
+    nnz, num_q_heads, num_k_heads, units_per_prog, max_pos,
+    batch_size, num_pages, num_indices, page_size,
+    s_qr_n, s_qr_h, s_qn_n, s_qn_h, s_oqr_n, s_oqr_h, s_oqn_n, s_oqn_h,
+    s_kr_n, s_kr_h, s_kn_n, s_kn_h, s_v_n, s_v_h,
+    s_okr_a, s_okr_b, s_okr_h, s_okn_a, s_okn_b, s_okn_h, s_ov_a, s_ov_b, s_ov_h,
+    s_cp, s_cd,
+    quant_scale_q, quant_scale_kv,
+    ROT: tl.constexpr, HALF_PAD: tl.constexpr, NOPE: tl.constexpr, NOPE_PAD: tl.constexpr,
+    VD: tl.constexpr, VD_PAD: tl.constexpr, INTERLEAVE: tl.constexpr, APPEND: tl.constexpr,
+    HAS_V: tl.constexpr, SOFT_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MBITS: tl.constexpr,
+    FP8_EBIAS: tl.constexpr, FP8_MAX_BITS: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """RoPE on the rope part of q and k, everything times its scale and cast to fp8 (saturating):
+
+        q_rope_out = fp8(rope(q_rope) * quant_scale_q),   q_nope_out = fp8(q_nope * quant_scale_q)
+        k_rope_out = fp8(rope(k_rope) * quant_scale_kv),  k_nope_out = fp8(k_nope * quant_scale_kv)
+        v_out      = fp8(v * quant_scale_kv)                                     (HAS_V)
+
+    cos/sin of pair j at position p are ``cache[p, j]`` / ``cache[p, ROT/2 + j]``; positions outside
+    ``[0, max_pos)`` leave the token unrotated. With ``APPEND`` the K (and V) rows go to the paged
+    cache: token t to page ``kv_indices[kv_indptr[b] + pos // page_size]``, slot ``pos % page_size``
+    (``b = batch_indices[t]``, ``pos = positions[t]``); a token whose request, position or page id
+    is outside the page table or the cache is not written and is reported in the fault record (by
+    the programs of head group 0; codes of append_paged_kv_cache), batch index -1 (padding) silently.
+
+    Grid ``(cdiv(nnz, BLOCK_T), head_groups)``: a program loads positions and cos/sin once for its
+    tokens and walks ``units_per_prog`` of the ``Hq + Hk (+ Hk)`` heads (q, then k, then v).
+    """
+    HALF: tl.constexpr = ROT // 2
+    pid_t = tl.program_id(0)
+    pid_g = tl.program_id(1)
+
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    m_t = offs_t < nnz
+    t64 = offs_t.to(tl.int64)
+
+    # [BLOCK_T]
+    pos = tl.load(pos_ptr + t64, mask=m_t, other=0).to(tl.int64)
+    offs_j = tl.arange(0, HALF_PAD)
+    m_j = offs_j < HALF
+    m_c = m_t & (pos >= 0) & (pos < max_pos)
+    p_c = cache_ptr + pos[:, None] * s_cp + offs_j[None, :] * s_cd
+    m_cj = m_c[:, None] & m_j[None, :]
+    # [BLOCK_T, HALF_PAD]
+    cos = tl.load(p_c, mask=m_cj, other=1.0).to(tl.float32)
+    # [BLOCK_T, HALF_PAD]
+    sin = tl.load(p_c + HALF * s_cd, mask=m_cj, other=0.0).to(tl.float32)
+    if INTERLEAVE:
+        e1 = 2 * offs_j
+        e2 = 2 * offs_j + 1
+    else:
+        e1 = offs_j
+        e2 = offs_j + HALF
+    offs_n = tl.arange(0, NOPE_PAD)
+    m_rot = m_t[:, None] & m_j[None, :]
+    m_nope = m_t[:, None] & (offs_n < NOPE)[None, :]
+
+    if APPEND:
+        # [BLOCK_T]
+        b_b = tl.load(batch_indices_ptr + t64, mask=m_t, other=-1).to(tl.int64)
+        # [BLOCK_T]
+        b_pos = tl.load(positions_ptr + t64, mask=m_t, other=-1).to(tl.int64)
+        m_tok = m_t & (b_b != -1)  # tokens that are not padding
+        m_req = m_tok & (b_b >= 0) & (b_b < batch_size)
+        b_start = tl.load(kv_indptr_ptr + b_b, mask=m_req, other=0).to(tl.int64)
+        b_end = tl.load(kv_indptr_ptr + b_b + 1, mask=m_req, other=0).to(tl.int64)
+        b_page_in_req = b_pos // page_size
+        o_idx = b_start + b_page_in_req
+        m_pos = m_req & (b_pos >= 0) & (b_page_in_req < b_end - b_start) & (o_idx >= 0) & (o_idx < num_indices)
+        # [BLOCK_T]
+        b_page = tl.load(kv_indices_ptr + o_idx, mask=m_pos, other=0).to(tl.int64)
+        m_kv = m_pos & (b_page >= 0) & (b_page < num_pages)
+        row_a = b_page
+        row_b = b_pos % page_size
+        if pid_g == 0:
+            if tl.max((m_tok & ~m_req).to(tl.int32), 0) > 0:
+                report_fault(err_ptr, 5, 0, tl.max(tl.where(m_tok & ~m_req, b_b, -2147483648), 0), batch_size)
+            if tl.max((m_req & ~m_pos).to(tl.int32), 0) > 0:
+                bad = m_req & ~m_pos
+                report_fault(err_ptr, 4, tl.max(tl.where(bad, b_b, 0), 0),
+                             tl.max(tl.where(bad, b_pos, -2147483648), 0), num_indices)
+            if tl.max((m_pos & ~m_kv).to(tl.int32), 0) > 0:
+                bad = m_pos & ~m_kv
+                report_fault(err_ptr, 3, tl.max(tl.where(bad, b_b, 0), 0),
+                             tl.max(tl.where(bad, b_page, -2147483648), 0), num_pages)
+    else:
+        m_kv = m_t
+        row_a = t64
+        row_b = t64 * 0
+
+    num_qk = num_q_heads + num_k_heads
+    num_units = num_qk
+    if HAS_V:
+        num_units = num_qk + num_k_heads
+    # int64 loop bounds: the head index multiplies strides
+    u_begin = pid_g.to(tl.int64) * units_per_prog
+    u_end = tl.minimum(u_begin + units_per_prog, num_units)
+    for h in range(u_begin, tl.minimum(u_end, num_q_heads)):
+        _rope_quant_head(q_rope_ptr, q_rope_out_ptr, t64 * s_qr_n + h * s_qr_h, t64 * s_oqr_n + h * s_oqr_h,
+                         m_rot, m_rot, e1, e2, cos, sin, quant_scale_q,
+                         SOFT_FP8, FP8_MAX, FP8_MBITS, FP8_EBIAS, FP8_MAX_BITS)
+        if NOPE > 0:
+            _quant_rows(q_nope_ptr, q_nope_out_ptr, t64 * s_qn_n + h * s_qn_h, t64 * s_oqn_n + h * s_oqn_h,
+                        offs_n, m_nope, m_nope, quant_scale_q,
+                        SOFT_FP8, FP8_MAX, FP8_MBITS, FP8_EBIAS, FP8_MAX_BITS)
+    m_rot_kv = m_kv[:, None] & m_j[None, :]
+    m_nope_kv = m_kv[:, None] & (offs_n < NOPE)[None, :]
+    for h in range(tl.maximum(u_begin, num_q_heads), tl.minimum(u_end, num_qk)):
+        hk = h - num_q_heads
+        _rope_quant_head(k_rope_ptr, k_rope_out_ptr, t64 * s_kr_n + hk * s_kr_h,
+                         row_a * s_okr_a + row_b * s_okr_b + hk * s_okr_h,
+                         m_rot, m_rot_kv, e1, e2, cos, sin, quant_scale_kv,
+                         SOFT_FP8, FP8_MAX, FP8_MBITS, FP8_EBIAS, FP8_MAX_BITS)
+        if NOPE > 0:
+            _quant_rows(k_nope_ptr, k_nope_out_ptr, t64 * s_kn_n + hk * s_kn_h,
+                        row_a * s_okn_a + row_b * s_okn_b + hk * s_okn_h,
+                        offs_n, m_nope, m_nope_kv, quant_scale_kv,
+                        SOFT_FP8, FP8_MAX, FP8_MBITS, FP8_EBIAS, FP8_MAX_BITS)
+    if HAS_V:
+        offs_v = tl.arange(0, VD_PAD)
+        m_vd = (offs_v < VD)[None, :]
+        for h in range(tl.maximum(u_begin, num_qk), u_end):
+            hv = h - num_qk
+            _quant_rows(v_ptr, v_out_ptr, t64 * s_v_n + hv * s_v_h,
+                        row_a * s_ov_a + row_b * s_ov_b + hv * s_ov_h,
+                        offs_v, m_t[:, None] & m_vd, m_kv[:, None] & m_vd, quant_scale_kv,
+                        SOFT_FP8, FP8_MAX, FP8_MBITS, FP8_EBIAS, FP8_MAX_BITS)

@@ -1,4 +1,5 @@
-"""Reference semantics of the elementwise APIs: RoPE, RMSNorm variants, gated activations.
+"""Reference semantics of the elementwise APIs: RoPE (and RoPE + fp8 quantisation), RMSNorm
+variants, LayerNorm, gated activations.
 
 Pure PyTorch, computed in float32 from the (upcast) inputs, written from the FlashInfer 0.5.3
 documentation and the Llama 3.1 paper/code conventions, independently of the Triton kernels. Every
@@ -34,10 +35,14 @@ __all__ = [
     "apply_llama31_rope",
     "apply_llama31_rope_pos_ids",
     "apply_rope_with_cos_sin_cache",
+    "quantize_fp8_saturating",
+    "rope_quantize_fp8",
+    "mla_rope_quantize_fp8",
     "rmsnorm",
     "fused_add_rmsnorm",
     "gemma_rmsnorm",
     "gemma_fused_add_rmsnorm",
+    "layernorm",
     "silu_and_mul",
     "gelu_and_mul",
     "gelu_tanh_and_mul",
@@ -218,6 +223,70 @@ def apply_rope_with_cos_sin_cache(
 
 
 # ---------------------------------------------------------------------------------------------
+# RoPE + fp8 quantisation
+# ---------------------------------------------------------------------------------------------
+
+
+def quantize_fp8_saturating(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 ``x`` -> fp8 ``dtype``: round to nearest even, values beyond the largest finite one
+    (infinities included) become it, NaN stays NaN (CUDA's ``__NV_SATFINITE`` conversion, which
+    FlashInfer uses; ``Tensor.to`` alone overflows e5m2 to inf)."""
+    mx = torch.finfo(dtype).max
+    x = x.to(torch.float32)
+    return torch.where(torch.isnan(x), x, x.clamp(-mx, mx)).to(dtype)
+
+
+def _cache_cos_sin(cos_sin_cache: torch.Tensor, pos_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ``[nnz, rope_dim/2]`` from a ``[max_pos, rope_dim]`` ``[cos | sin]`` cache; positions
+    outside the cache give cos 1, sin 0 (the token is left unrotated)."""
+    cache = cos_sin_cache.to(torch.float32)
+    half = cache.shape[1] // 2
+    pos = pos_ids.long().to(cache.device)
+    inside = (pos >= 0) & (pos < cache.shape[0])
+    rows = cache[torch.where(inside, pos, torch.zeros_like(pos))]
+    cos = torch.where(inside[:, None], rows[:, :half], torch.ones_like(rows[:, :half]))
+    sin = torch.where(inside[:, None], rows[:, half:], torch.zeros_like(rows[:, half:]))
+    return cos, sin
+
+
+def rope_quantize_fp8(
+    q_rope: torch.Tensor,
+    k_rope: torch.Tensor,
+    q_nope: Optional[torch.Tensor],
+    k_nope: Optional[torch.Tensor],
+    cos_sin_cache: torch.Tensor,
+    pos_ids: torch.Tensor,
+    is_neox: bool = True,
+    quantize_dtype: Optional[torch.dtype] = None,
+    quant_scale_q: float = 1.0,
+    quant_scale_kv: float = 1.0,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q_rope_out, k_rope_out, q_nope_out, k_nope_out)`` in the fp8 ``quantize_dtype`` (default
+    e4m3): the rope parts rotated in float32 with ``cos_sin_cache[pos]`` (pairs ``(j, j + rope_dim/2)``
+    when ``is_neox``, else ``(2j, 2j+1)``; pair ``j`` uses column ``j``), every part times its scale
+    (``quant_scale_q`` for q, ``quant_scale_kv`` for k) and cast by :func:`quantize_fp8_saturating`.
+    ``k_*`` may be 2-D (MLA); ``None`` nope parts give size-0 outputs."""
+    dtype = torch.float8_e4m3fn if quantize_dtype is None else quantize_dtype
+    if q_nope is None:
+        q_nope = q_rope.new_zeros((q_rope.shape[0], q_rope.shape[1], 0))
+    if k_nope is None:
+        k_nope = k_rope.new_zeros(tuple(k_rope.shape[:-1]) + (0,))
+    cos, sin = _cache_cos_sin(cos_sin_cache, pos_ids)
+    q_rot = rotate_pairs(q_rope, cos, sin, interleave=not is_neox)
+    k3 = k_rope if k_rope.dim() == 3 else k_rope.unsqueeze(1)
+    k_rot = rotate_pairs(k3, cos, sin, interleave=not is_neox).reshape(k_rope.shape)
+    return (
+        quantize_fp8_saturating(q_rot * quant_scale_q, dtype),
+        quantize_fp8_saturating(k_rot * quant_scale_kv, dtype),
+        quantize_fp8_saturating(q_nope.to(torch.float32) * quant_scale_q, dtype),
+        quantize_fp8_saturating(k_nope.to(torch.float32) * quant_scale_kv, dtype),
+    )
+
+
+mla_rope_quantize_fp8 = rope_quantize_fp8
+
+
+# ---------------------------------------------------------------------------------------------
 # RMSNorm
 # ---------------------------------------------------------------------------------------------
 
@@ -252,6 +321,15 @@ def gemma_fused_add_rmsnorm(
     """:func:`fused_add_rmsnorm` with Gemma's ``1 + weight``."""
     r = input.to(torch.float32) + residual.to(torch.float32)
     return _rms_normalize(r, 1.0 + weight.to(torch.float32), eps), r
+
+
+def layernorm(input: torch.Tensor, gemma: torch.Tensor, beta: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``(x - mean) / sqrt(var + eps) * gemma + beta`` over the last dim, float32 (``var`` the
+    biased variance ``mean((x - mean)^2)``)."""
+    x = input.to(torch.float32)
+    mean = x.mean(dim=-1, keepdim=True)
+    var = (x - mean).pow(2).mean(dim=-1, keepdim=True)
+    return (x - mean) * torch.rsqrt(var + eps) * gemma.to(torch.float32) + beta.to(torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------

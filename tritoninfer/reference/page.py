@@ -1,4 +1,5 @@
-"""Reference semantics of ``tritoninfer.page`` and ``tritoninfer.quantization``'s bit packing.
+"""Reference semantics of ``tritoninfer.page``, ``tritoninfer.quantization``'s bit packing, and the
+fused RoPE + fp8 + paged append of ``tritoninfer.rope``.
 
 Pure torch (``packbits``/``segment_packbits`` via ``numpy.packbits``), written from FlashInfer
 0.5.3's documented behaviour, independent of the kernels. Slow and simple on purpose.
@@ -6,10 +7,12 @@ Pure torch (``packbits``/``segment_packbits`` via ``numpy.packbits``), written f
 
 from __future__ import annotations
 
-from typing import Tuple, Union
+from typing import Optional, Tuple, Union
 
 import numpy as np
 import torch
+
+from .elementwise import quantize_fp8_saturating, rope_quantize_fp8
 
 __all__ = [
     "append_paged_kv_cache",
@@ -17,6 +20,7 @@ __all__ = [
     "get_seq_lens",
     "packbits",
     "segment_packbits",
+    "rope_quantize_fp8_append_paged_kv_cache",
 ]
 
 CacheLike = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
@@ -128,3 +132,71 @@ def segment_packbits(
         torch.from_numpy(y.astype(np.uint8)).to(x.device),
         torch.tensor(new_indptr, dtype=indptr.dtype, device=indptr.device),
     )
+
+
+def rope_quantize_fp8_append_paged_kv_cache(
+    q_rope: torch.Tensor,
+    k_rope: torch.Tensor,
+    q_nope: Optional[torch.Tensor],
+    k_nope: Optional[torch.Tensor],
+    v: Optional[torch.Tensor],
+    cos_sin_cache: torch.Tensor,
+    pos_ids: torch.Tensor,
+    paged_kv_cache: Tuple[torch.Tensor, torch.Tensor],
+    kv_indices: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    batch_indices: torch.Tensor,
+    positions: torch.Tensor,
+    is_neox: bool = True,
+    quant_scale_q: float = 1.0,
+    quant_scale_kv: float = 1.0,
+    kv_layout: str = "NHD",
+) -> Tuple[torch.Tensor, torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """``(q_rope_out, q_nope_out, new_cache)``: q as :func:`rope_quantize_fp8` gives it, and a copy of
+    the ``(k_cache, v_cache)`` (GQA/MHA, 3-D ``k_rope``) or ``(ckv_cache, kpe_cache)`` (MLA, 2-D
+    ``k_rope``) pair with the quantised tokens written in the caches' dtype.
+
+    Token ``t`` goes to page ``kv_indices[kv_indptr[b] + pos // page_size]``, slot ``pos % page_size``
+    (``b = batch_indices[t]``, ``pos = positions[t]``): K as ``[rope(k_rope) | k_nope]`` and V (times
+    ``quant_scale_kv``) for GQA/MHA; ``kpe = rope(k_rope)``, ``ckv = k_nope`` for MLA. Tokens that
+    have no valid slot (batch index outside the batch, -1 included; a position outside the pages the
+    request owns; a page id outside the cache) are not written.
+    """
+    dtype = paged_kv_cache[0].dtype
+    q_ro, k_ro, q_no, k_no = rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is_neox,
+                                                dtype, quant_scale_q, quant_scale_kv)
+    c0, c1 = paged_kv_cache[0].clone(), paged_kv_cache[1].clone()
+    is_mla = k_rope.dim() == 2
+    if is_mla:
+        views = (c1.unsqueeze(2), c0.unsqueeze(2))  # (kpe, ckv) as [P, page_size, 1, d]
+        rows = (k_ro.unsqueeze(1), k_no.unsqueeze(1))
+    else:
+        k_cache, v_cache = (c0, c1) if kv_layout == "NHD" else (c0.transpose(1, 2), c1.transpose(1, 2))
+        views = (k_cache, v_cache)
+        rows = (torch.cat([k_ro.view(torch.uint8), k_no.view(torch.uint8)], dim=-1).view(dtype),
+                quantize_fp8_saturating(v.to(torch.float32) * quant_scale_kv, dtype))
+    num_pages, page_size = views[0].shape[0], views[0].shape[1]
+    dev = c0.device
+    b = batch_indices.long()
+    pos = positions.long()
+    indptr = kv_indptr.tolist()
+    indices = kv_indices.tolist()
+    batch_size = len(indptr) - 1
+    # tokens with a slot, looked up one by one (slow and simple)
+    keep, page, slot = [], [], []
+    for t, (bt, pt) in enumerate(zip(b.tolist(), pos.tolist())):
+        if not (0 <= bt < batch_size and pt >= 0):
+            continue
+        idx = indptr[bt] + pt // page_size
+        if not (idx < indptr[bt + 1] and 0 <= idx < len(indices)):
+            continue
+        p = indices[idx]
+        if 0 <= p < num_pages:
+            keep.append(t)
+            page.append(p)
+            slot.append(pt % page_size)
+    keep, page, slot = (torch.tensor(x, dtype=torch.int64, device=dev) for x in (keep, page, slot))
+    # assign through uint8 views: index_put does not take every fp8 dtype
+    for view, src in zip(views, rows):
+        view.view(torch.uint8)[page, slot] = src.to(dev).view(torch.uint8)[keep]
+    return q_ro, q_no, (c0, c1)
