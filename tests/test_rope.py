@@ -635,6 +635,20 @@ def test_rope_quantize_fp8_dtype_inference(device):
     assert all(t.dtype == torch.float8_e5m2 for t in outs) and outs[3] is k_nope_out
 
 
+def test_rope_quantize_fp8_empty(device):
+    q_rope, k_rope, q_nope, k_nope = random_parts(0, 2, 1, 8, 4, torch.float16, device, False)
+    cache = make_cos_sin_cache(4, 8, device=device)
+    pos = torch.zeros(0, dtype=torch.int32, device=device)
+    outs = rope.rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cache, pos)
+    assert [tuple(t.shape) for t in outs] == [(0, 2, 8), (0, 1, 8), (0, 2, 4), (0, 1, 4)]
+    kc = nan_cache((2, 4, 1, 12), torch.float8_e4m3fn, device)
+    v = torch.zeros(0, 1, 12, dtype=torch.float16, device=device)
+    indptr = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    q_out = rope.rope_quantize_fp8_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, cache, pos, (kc, kc),
+                                                         indptr[:1], indptr, pos, pos, page_size=4)
+    assert tuple(q_out[0].shape) == (0, 2, 8) and torch.isnan(kc.float()).all()
+
+
 def test_rope_quantize_fp8_errors(device):
     q_rope, k_rope, q_nope, k_nope = random_parts(4, 2, 1, 8, 4, torch.float16, device, False)
     cache = make_cos_sin_cache(8, 8, device=device)
