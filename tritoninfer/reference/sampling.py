@@ -83,8 +83,11 @@ def top_p_keep_mask(probs: torch.Tensor, top_p: Param) -> torch.Tensor:
     """bool ``[B, V]``: ``sum(p_i for p_i > p_j) < top_p`` (float64 sums); all when ``top_p >= 1``."""
     x = probs.double()
     p = _per_row(top_p, x.shape[0], x.device, torch.float64)
-    greater = x[:, None, :] > x[:, :, None]  # [B, j, i]: p_i > p_j
-    mass_above = (x[:, None, :] * greater).sum(-1)
+    ascending = torch.sort(x, dim=-1).values
+    cdf = torch.cumsum(ascending, dim=-1)
+    # mass of the entries <= p_j: the cdf at the last entry equal to p_j
+    at_or_below = cdf.gather(1, torch.searchsorted(ascending, x.contiguous(), right=True) - 1)
+    mass_above = cdf[:, -1:] - at_or_below
     return (mass_above < p) | (p >= 1)
 
 
