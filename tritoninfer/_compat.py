@@ -38,6 +38,7 @@ from . import _device
 from . import activation as _activation
 from . import cascade as _cascade
 from . import decode as _decode
+from . import logits_processor as _logits_processor
 from . import norm as _norm
 from . import page as _page
 from . import prefill as _prefill
@@ -519,7 +520,7 @@ _CASCADE_WRAPPERS = ("MultiLevelCascadeAttentionWrapper", "BatchDecodeWithShared
                      "BatchPrefillWithSharedPrefixPagedKVCacheWrapper")
 
 _SUBMODULES = ("decode", "prefill", "cascade", "page", "rope", "norm", "activation", "quantization", "sampling",
-               "jit", "utils", "mla", "gemm", "autotuner", "xqa", "attention", "pod", "sparse")
+               "logits_processor", "jit", "utils", "mla", "gemm", "autotuner", "xqa", "attention", "pod", "sparse")
 
 _DOCS = {
     "flashinfer": "tritoninfer registered as ``flashinfer`` (FlashInfer {v} API) by tritoninfer.install_as_flashinfer().",
@@ -541,6 +542,9 @@ def _module_contents() -> Dict[str, Dict[str, Any]]:
     contents["flashinfer.sampling"].update(
         top_k_renorm_prob=_sampling.top_k_renorm_prob, top_p_renorm_prob=_sampling.top_p_renorm_prob,
     )
+    # not re-exported at FlashInfer's top level: engines import them from the submodule
+    contents["flashinfer.logits_processor"].update(
+        {name: getattr(_logits_processor, name) for name in _logits_processor.__all__})
     contents["flashinfer.prefill"].update(
         BatchPrefillWithPagedKVCacheWrapper=BatchPrefillWithPagedKVCacheWrapper,
         BatchPrefillWithRaggedKVCacheWrapper=BatchPrefillWithRaggedKVCacheWrapper,
