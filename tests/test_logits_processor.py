@@ -23,13 +23,6 @@ from tritoninfer.testing import assert_close
 
 from test_sampling import check_frequencies, crafted_probs
 
-# Workaround for a test-harness ordering bug (belongs in tests/conftest.py): Dynamo records torch's
-# functions the first time anything compiles in a process; if that happens inside a test whose
-# NaN-poisoning fixture has replaced torch.empty/empty_like (tests/test_bench.py's quick runs do),
-# a later fullgraph compile calling torch.empty_like fails (tests/test_compile.py). Compiling once
-# here, at collection, in every worker, makes Dynamo record the real functions.
-torch.compile(lambda t: t + 1, backend="eager")(torch.zeros(1))
-
 
 def generators(device, seed=42):
     return (torch.Generator(device=device).manual_seed(seed), torch.Generator(device=device).manual_seed(seed))
