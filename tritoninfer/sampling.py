@@ -14,7 +14,8 @@ to exactly 1.
 Randomness: each output row uses uniform numbers drawn with ``torch.rand`` from ``generator`` (the
 device's default generator when ``None``) on the device, then read by the kernel; the same generator
 state gives the same samples, and nothing synchronises with the host (a sampling step can be
-captured in a CUDA graph). ``check_nan=True`` synchronises: it reads the input on the host to raise
+captured in a CUDA graph; with the default generator each replay draws new numbers, a generator of
+your own must be registered with the graph, ``torch.cuda.CUDAGraph.register_generator_state``). ``check_nan=True`` synchronises: it reads the input on the host to raise
 on NaN (and checks ``indices`` bounds). ``deterministic`` is accepted: the kernels are always
 deterministic. ``enable_pdl`` is accepted and has no effect (Triton launches do not expose PDL).
 
@@ -749,8 +750,8 @@ def chain_speculative_sampling(
     rows, block, tiles, warps = _tiles(vocab, b, search=False)
     _CHAIN[(cdiv(b, rows),)](
         draft, ids, target, u, out, counts[0], counts[1],
-        b, n, vocab, draft.stride(0), draft.stride(1), ids.stride(0), target.stride(0), target.stride(1),
-        ROWS=rows, BLOCK=block, NUM_TILES=tiles, num_warps=warps,
+        b, vocab, draft.stride(0), draft.stride(1), ids.stride(0), target.stride(0), target.stride(1),
+        N=n, ROWS=rows, BLOCK=block, NUM_TILES=tiles, num_warps=warps,
     )
     accepted.add_(counts[0])
     emitted.add_(counts[1])

@@ -282,15 +282,16 @@ def softmax_kernel(
 @triton.jit
 def chain_speculative_kernel(
     draft_ptr, ids_ptr, target_ptr, u_ptr, out_ptr, accepted_ptr, emitted_ptr,
-    B, N, V, sd_b, sd_n, si_b, st_b, st_n,
-    ROWS: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
+    B, V, sd_b, sd_n, si_b, st_b, st_n,
+    N: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
 ):
     """``ROWS`` requests per program. Draft token ``i`` is accepted while ``u_i * p(d_i) < q(d_i)``;
     at the first rejection ``pos`` (or ``N`` when all pass) a token is drawn from ``relu(q - p)``
     of row ``pos`` (``q`` alone for the bonus row ``N``, or when ``relu(q - p)`` has no mass) and the
     rest are -1. ``accepted`` counts ``pos`` plus independent re-tests of rows ``pos..N-1`` with
     fresh uniforms (FlashInfer's metric). Uniforms per request: ``N`` chain tests, ``N`` re-tests,
-    one draw, at ``u_ptr + b * (2N + 1)``."""
+    one draw, at ``u_ptr + b * (2N + 1)``. ``N`` (the draft length, fixed for a deployment) is a
+    compile-time constant."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     m_r = rows < B
     b = rows.to(tl.int64)
