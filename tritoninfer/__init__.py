@@ -19,7 +19,7 @@ from typing import Any, Dict, List
 
 from ._version import __version__
 
-# Public name -> the submodule that defines it: every name of the eight API modules' __all__, the
+# Public name -> the submodule that defines it: every name of the nine API modules' __all__, the
 # option enums, and the FlashInfer stand-in installer (tests/test_cli.py checks it against them).
 _EXPORTS: Dict[str, str] = {
     **dict.fromkeys(["silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul"], "activation"),
@@ -31,7 +31,7 @@ _EXPORTS: Dict[str, str] = {
         "single_decode_with_kv_cache", "BatchDecodeWithPagedKVCacheWrapper",
         "CUDAGraphBatchDecodeWithPagedKVCacheWrapper", "fast_decode_plan",
     ], "decode"),
-    **dict.fromkeys(["rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rmsnorm"], "norm"),
+    **dict.fromkeys(["rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rmsnorm", "layernorm"], "norm"),
     **dict.fromkeys(["append_paged_kv_cache", "get_batch_indices_positions", "get_seq_lens"], "page"),
     **dict.fromkeys([
         "single_prefill_with_kv_cache", "single_prefill_with_kv_cache_return_lse",
@@ -42,13 +42,14 @@ _EXPORTS: Dict[str, str] = {
         "apply_rope", "apply_rope_inplace", "apply_rope_pos_ids", "apply_rope_pos_ids_inplace",
         "apply_llama31_rope", "apply_llama31_rope_inplace", "apply_llama31_rope_pos_ids",
         "apply_llama31_rope_pos_ids_inplace", "apply_rope_with_cos_sin_cache",
-        "apply_rope_with_cos_sin_cache_inplace",
+        "apply_rope_with_cos_sin_cache_inplace", "rope_quantize_fp8", "mla_rope_quantize_fp8",
+        "rope_quantize_fp8_append_paged_kv_cache",
     ], "rope"),
     **dict.fromkeys([
         "softmax", "sampling_from_probs", "sampling_from_logits", "top_p_sampling_from_probs",
         "top_k_sampling_from_probs", "min_p_sampling_from_probs", "top_k_top_p_sampling_from_probs",
-        "top_k_top_p_sampling_from_logits", "top_p_renorm_probs", "top_k_renorm_probs", "top_k_mask_logits",
-        "chain_speculative_sampling",
+        "top_k_top_p_sampling_from_logits", "top_p_renorm_probs", "top_p_renorm_prob", "top_k_renorm_probs",
+        "top_k_renorm_prob", "top_k_mask_logits", "chain_speculative_sampling",
     ], "sampling"),
     **dict.fromkeys(["MaskMode", "PosEncodingMode", "TensorLayout"], "_options"),
     "install_as_flashinfer": "_compat",
@@ -60,10 +61,8 @@ _EXPORTS: Dict[str, str] = {
 _SUBMODULES = ("activation", "cascade", "decode", "norm", "page", "prefill", "quantization", "rope",
                "sampling", "reference", "testing")
 
-# The sampling names (FlashInfer's top-level ones) resolve as attributes and are listed by dir(), but
-# stay out of __all__ until tests/test_cli.py counts "sampling" among the API modules (issue #21).
 __all__ = ["MaskMode", "PosEncodingMode", "TensorLayout", "__version__", "install_as_flashinfer", "check_errors"] + [
-    name for name, module in _EXPORTS.items() if not module.startswith("_") and module != "sampling"
+    name for name, module in _EXPORTS.items() if not module.startswith("_")
 ]
 
 

@@ -121,9 +121,6 @@ UNSUPPORTED: Tuple[Tuple[str, str, str, bool], ...] = (
     ("flashinfer.pod", "PODWithPagedKVCacheWrapper", "POD (fused prefill + decode) attention", True),
     ("flashinfer.sparse", "BlockSparseAttentionWrapper", "block-sparse attention", True),
     ("flashinfer.sparse", "VariableBlockSparseAttentionWrapper", "variable block-sparse attention", True),
-    ("flashinfer.rope", "mla_rope_quantize_fp8", "fused MLA RoPE + fp8 quantization", False),
-    ("flashinfer.rope", "rope_quantize_fp8", "fused RoPE + fp8 quantization", False),
-    ("flashinfer.rope", "rope_quantize_fp8_append_paged_kv_cache", "fused RoPE + fp8 quantization + KV append", False),
     ("flashinfer.activation", "silu_and_mul_scaled_nvfp4_experts_quantize", _FP4, False),
     # quantization / gemm / moe (top level in FlashInfer)
     *((("flashinfer", n, _FP4, False)) for n in (
@@ -506,7 +503,8 @@ _PACKAGES = ("flashinfer", "flashinfer.jit")
 # FlashInfer 0.5.3's names implemented by tritoninfer, per home module.
 _IMPLEMENTED = {
     "flashinfer.activation": (_activation, ("silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul")),
-    "flashinfer.norm": (_norm, ("rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rmsnorm")),
+    "flashinfer.norm": (_norm, ("rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rmsnorm",
+                                "layernorm")),
     "flashinfer.page": (_page, ("append_paged_kv_cache", "get_batch_indices_positions", "get_seq_lens")),
     "flashinfer.quantization": (_quantization, ("packbits", "segment_packbits")),
     "flashinfer.rope": (_rope, tuple(_rope.__all__)),

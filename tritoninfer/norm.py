@@ -24,8 +24,7 @@ from .kernels.norm import layernorm_kernel, rmsnorm_kernel
 _RMSNORM = CachedLauncher(rmsnorm_kernel)
 _LAYERNORM = CachedLauncher(layernorm_kernel)
 
-__all__ = ["rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rmsnorm"]
-# layernorm (issue #23) joins __all__ together with its export in tritoninfer/__init__.py and _compat.py
+__all__ = ["rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rmsnorm", "layernorm"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # columns held in registers per program before the kernel switches to a two-pass chunked loop

@@ -59,9 +59,10 @@ __all__ = [
     "apply_llama31_rope_pos_ids_inplace",
     "apply_rope_with_cos_sin_cache",
     "apply_rope_with_cos_sin_cache_inplace",
+    "rope_quantize_fp8",
+    "mla_rope_quantize_fp8",
+    "rope_quantize_fp8_append_paged_kv_cache",
 ]
-# rope_quantize_fp8, mla_rope_quantize_fp8 and rope_quantize_fp8_append_paged_kv_cache (issue #23) join
-# __all__ together with their export in tritoninfer/__init__.py and tritoninfer/_compat.py
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
