@@ -14,10 +14,14 @@ specialised); anything else (``None``, the keyword constexprs) itself.
 
 ``BoundLaunch`` goes further for a wrapper's ``run()``: the arguments its plan fixes are bound
 once (their key computed and their tensors turned into addresses), and a call keys and converts
-only the per-call arguments.
+only the per-call arguments. After a specialisation's first call (Triton's path, which compiles and
+loads the kernel), its calls go through ``DriverLaunch``: the parameter buffer Triton's generated
+launcher would build is built once, a call writes its values into it and makes one
+``cuLaunchKernel`` (``_driver.py``, ctypes); ~10 µs per launch on the H200 host, of which the
+driver call is most (``benchmarks/host_primitives.py``).
 
-Launch hooks registered with Triton (profilers) are called as Triton's own launch calls them;
-under the interpreter every call takes the ordinary path.
+Launch hooks registered with Triton (profilers) are called as Triton's own launch calls them (such
+calls take Triton's path); under the interpreter every call takes the ordinary path.
 """
 
 from __future__ import annotations
