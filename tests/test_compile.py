@@ -70,11 +70,12 @@ def test_decoder_layer_compiles_fullgraph_and_matches_eager(backend):
 
 def test_ops_are_registered_custom_ops():
     # the submodules load lazily (tritoninfer/__init__.py); each registers its ops on import
-    for module in ("activation", "cascade", "decode", "norm", "page", "prefill", "quantization", "rope"):
+    for module in ("activation", "cascade", "decode", "norm", "page", "prefill", "quantization", "rope", "sampling"):
         importlib.import_module(f"tritoninfer.{module}")
     for name in ("rmsnorm", "fused_add_rmsnorm", "act_and_mul", "rope", "rope_inplace", "rope_cos_sin_cache",
                  "rope_cos_sin_cache_inplace", "segment_packbits", "wrapper_run", "rope_quantize_fp8",
-                 "rope_quantize_fp8_append_paged_kv_cache", "layernorm"):
+                 "rope_quantize_fp8_append_paged_kv_cache", "layernorm", "sample", "renorm", "softmax",
+                 "chain_speculative_sampling"):
         assert hasattr(torch.ops.tritoninfer, name), name
 
 
@@ -466,3 +467,45 @@ def test_rope_quantize_fp8_append_and_layernorm_compile(mla):
         return q_rope_out.view(torch.uint8), q_nope_out.view(torch.uint8), tritoninfer.norm.layernorm(x, gemma, beta)
 
     _matches_eager(fn, q, k, v, c0, c1, x)
+
+
+SAMPLING_CASES = {
+    "softmax": lambda p, l, i, d, t: tritoninfer.sampling.softmax(l, 0.7),
+    "sampling_from_probs": lambda p, l, i, d, t: tritoninfer.sampling.sampling_from_probs(p, i),
+    "sampling_from_logits": lambda p, l, i, d, t: tritoninfer.sampling.sampling_from_logits(l),
+    "top_p_sampling_from_probs": lambda p, l, i, d, t: tritoninfer.sampling.top_p_sampling_from_probs(p, 0.8),
+    "top_k_sampling_from_probs": lambda p, l, i, d, t: tritoninfer.sampling.top_k_sampling_from_probs(p, 5),
+    "min_p_sampling_from_probs": lambda p, l, i, d, t: tritoninfer.sampling.min_p_sampling_from_probs(p, 0.1),
+    "top_k_top_p_sampling_from_probs":
+        lambda p, l, i, d, t: tritoninfer.sampling.top_k_top_p_sampling_from_probs(p, 6, 0.9),
+    "top_k_top_p_sampling_from_logits":
+        lambda p, l, i, d, t: tritoninfer.sampling.top_k_top_p_sampling_from_logits(l, 6, 0.9),
+    "top_p_renorm_probs": lambda p, l, i, d, t: tritoninfer.sampling.top_p_renorm_probs(p, 0.7),
+    "top_k_renorm_probs": lambda p, l, i, d, t: tritoninfer.sampling.top_k_renorm_probs(p, 4),
+    "top_k_mask_logits": lambda p, l, i, d, t: tritoninfer.sampling.top_k_mask_logits(l, 4),
+    "chain_speculative_sampling": lambda p, l, i, d, t: tritoninfer.sampling.chain_speculative_sampling(d, i, t),
+}
+
+
+@pytest.mark.parametrize("name", list(SAMPLING_CASES))
+def test_sampling_compiles(name):
+    """FlashInfer's compile tests wrap the sampling functions too: each is one custom op around its
+    kernel (its uniforms drawn in the traced code), and gives eager's result for the same seed."""
+    g = torch.Generator().manual_seed(13)
+    logits = testing.randn((3, 40), torch.float32, DEVICE, g)
+    probs = torch.softmax(logits, -1)
+    draft = torch.softmax(testing.randn((3, 2, 40), torch.float32, DEVICE, g), -1)
+    target = torch.softmax(testing.randn((3, 3, 40), torch.float32, DEVICE, g), -1)
+    ids = torch.tensor([[1, 7], [3, 3], [39, 0]], dtype=torch.int32, device=DEVICE)
+    if name == "sampling_from_probs":
+        ids = torch.tensor([2, 0, 0, 1], dtype=torch.int32, device=DEVICE)  # indices: rows shared
+    fn = SAMPLING_CASES[name]
+    torch.manual_seed(123)  # the default generator: eager and compiled calls draw the same uniforms
+    want = fn(probs, logits, ids, draft, target)
+    for backend in ["aot_eager"] + (["inductor"] if ON_GPU else []):
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, fullgraph=True, backend=backend)
+        torch.manual_seed(123)
+        got = compiled(probs, logits, ids, draft, target)
+        for a, b in zip(*(x if isinstance(x, tuple) else (x,) for x in (got, want))):
+            assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b), backend

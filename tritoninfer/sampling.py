@@ -34,7 +34,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from . import _device
+from . import _device, _ops
 from ._launch import CachedLauncher
 from ._plan import cdiv, next_pow2
 from .kernels.sampling import chain_speculative_kernel, renorm_kernel, sample_kernel, softmax_kernel
@@ -235,25 +235,42 @@ def _sample(x: torch.Tensor, indices, generator, *, is_logits=False, top_k: Opti
     out = torch.empty(batch, dtype=torch.int32, device=x.device)
     if batch == 0:
         return out
-    _device.check_launchable(x.device, "sampling")
     u = _uniforms(batch, x.device, generator)
     if indices is not None:
         indices = indices.contiguous()
     p = top_p if top_p is not None else min_p
-    rows, block, tiles, warps = _tiles(vocab, batch, search=top_k is not None or top_p is not None)
-    _SAMPLE[(cdiv(batch, rows),)](
-        x, indices, u, out,
-        top_k.arr if top_k is not None else None, p.arr if p is not None else None,
+    (_sample_op if _ops.compiling() else _launch_sample)(
+        x, indices, u, out, top_k.arr if top_k is not None else None, p.arr if p is not None else None,
         top_k.val if top_k is not None and top_k.arr is None else 0,
         float(p.val) if p is not None and p.arr is None else 1.0,
-        batch, num_rows, vocab, x.stride(0),
-        HAS_INDICES=indices is not None, IS_LOGITS=is_logits,
-        USE_K=top_k is not None, USE_P=top_p is not None, USE_MIN_P=min_p is not None,
-        K_ARR=top_k is not None and top_k.arr is not None, P_ARR=p is not None and p.arr is not None,
-        PARAM_BY_SOURCE=_by_source(top_k, p),
+        is_logits, top_k is not None, top_p is not None, min_p is not None, _by_source(top_k, p))
+    return out
+
+
+def _launch_sample(x: torch.Tensor, indices: Optional[torch.Tensor], u: torch.Tensor, out: torch.Tensor,
+                   k_arr: Optional[torch.Tensor], p_arr: Optional[torch.Tensor], k_val: int, p_val: float,
+                   is_logits: bool, use_k: bool, use_p: bool, use_min_p: bool, by_source: bool) -> None:
+    """The sampling kernel over checked arguments: ``out[i]`` from row ``indices[i]`` (or ``i``) of ``x``
+    with uniform ``u[i]``; ``k_arr``/``p_arr`` per-row parameters or ``k_val``/``p_val`` for all rows
+    (``p`` is top-p's or min-p's)."""
+    _device.check_launchable(x.device, "sampling")
+    num_rows, vocab = x.shape
+    batch = out.shape[0]
+    rows, block, tiles, warps = _tiles(vocab, batch, search=use_k or use_p)
+    _SAMPLE[(cdiv(batch, rows),)](
+        x, indices, u, out, k_arr, p_arr, k_val, p_val, batch, num_rows, vocab, x.stride(0),
+        HAS_INDICES=indices is not None, IS_LOGITS=is_logits, USE_K=use_k, USE_P=use_p, USE_MIN_P=use_min_p,
+        K_ARR=k_arr is not None, P_ARR=p_arr is not None, PARAM_BY_SOURCE=by_source,
         ROWS=rows, BLOCK=block, NUM_TILES=tiles, num_warps=warps,
     )
-    return out
+
+
+@_ops.custom_op("sample", mutates_args=("out",))
+def _sample_op(x: torch.Tensor, indices: Optional[torch.Tensor], u: torch.Tensor, out: torch.Tensor,
+               k_arr: Optional[torch.Tensor], p_arr: Optional[torch.Tensor], k_val: int, p_val: float,
+               is_logits: bool, use_k: bool, use_p: bool, use_min_p: bool, by_source: bool) -> None:
+    """``_launch_sample`` for torch.compile (``_ops.py``)."""
+    _launch_sample(x, indices, u, out, k_arr, p_arr, k_val, p_val, is_logits, use_k, use_p, use_min_p, by_source)
 
 
 def _renorm(x: torch.Tensor, *, top_k: Optional[_Params] = None, top_p: Optional[_Params] = None,
@@ -262,19 +279,49 @@ def _renorm(x: torch.Tensor, *, top_k: Optional[_Params] = None, top_p: Optional
     out = torch.empty((num_rows, vocab), dtype=torch.float32, device=x.device)
     if num_rows == 0:
         return out
-    _device.check_launchable(x.device, "sampling")
-    rows, block, tiles, warps = _tiles(vocab, num_rows, search=True)
-    _RENORM[(cdiv(num_rows, rows),)](
-        x, out,
-        top_k.arr if top_k is not None else None, top_p.arr if top_p is not None else None,
+    (_renorm_op if _ops.compiling() else _launch_renorm)(
+        x, out, top_k.arr if top_k is not None else None, top_p.arr if top_p is not None else None,
         top_k.val if top_k is not None and top_k.arr is None else 0,
         float(top_p.val) if top_p is not None and top_p.arr is None else 1.0,
-        num_rows, vocab, x.stride(0), out.stride(0),
-        USE_K=top_k is not None, USE_P=top_p is not None, MASK_LOGITS=mask_logits,
-        K_ARR=top_k is not None and top_k.arr is not None, P_ARR=top_p is not None and top_p.arr is not None,
+        top_k is not None, top_p is not None, mask_logits)
+    return out
+
+
+def _launch_renorm(x: torch.Tensor, out: torch.Tensor, k_arr: Optional[torch.Tensor], p_arr: Optional[torch.Tensor],
+                   k_val: int, p_val: float, use_k: bool, use_p: bool, mask_logits: bool) -> None:
+    """The renorm / mask kernel over checked arguments, into ``out`` [num_rows, vocab] float32."""
+    _device.check_launchable(x.device, "sampling")
+    num_rows, vocab = x.shape
+    rows, block, tiles, warps = _tiles(vocab, num_rows, search=True)
+    _RENORM[(cdiv(num_rows, rows),)](
+        x, out, k_arr, p_arr, k_val, p_val, num_rows, vocab, x.stride(0), out.stride(0),
+        USE_K=use_k, USE_P=use_p, MASK_LOGITS=mask_logits, K_ARR=k_arr is not None, P_ARR=p_arr is not None,
         ROWS=rows, BLOCK=block, NUM_TILES=tiles, num_warps=warps,
     )
-    return out
+
+
+@_ops.custom_op("renorm", mutates_args=("out",))
+def _renorm_op(x: torch.Tensor, out: torch.Tensor, k_arr: Optional[torch.Tensor], p_arr: Optional[torch.Tensor],
+               k_val: int, p_val: float, use_k: bool, use_p: bool, mask_logits: bool) -> None:
+    """``_launch_renorm`` for torch.compile (``_ops.py``)."""
+    _launch_renorm(x, out, k_arr, p_arr, k_val, p_val, use_k, use_p, mask_logits)
+
+
+def _launch_softmax(logits: torch.Tensor, out: torch.Tensor, t_arr: Optional[torch.Tensor], t_val: float) -> None:
+    """The softmax kernel over checked arguments, into ``out`` [num_rows, vocab] float32."""
+    _device.check_launchable(logits.device, "softmax")
+    num_rows, vocab = logits.shape
+    rows, block, tiles, warps = _tiles(vocab, num_rows, search=False)
+    _SOFTMAX[(cdiv(num_rows, rows),)](
+        logits, out, t_arr, t_val, num_rows, vocab, logits.stride(0), out.stride(0),
+        T_ARR=t_arr is not None, ROWS=rows, BLOCK=block, NUM_TILES=tiles, num_warps=warps,
+    )
+
+
+@_ops.custom_op("softmax", mutates_args=("out",))
+def _softmax_op(logits: torch.Tensor, out: torch.Tensor, t_arr: Optional[torch.Tensor], t_val: float) -> None:
+    """``_launch_softmax`` for torch.compile (``_ops.py``)."""
+    _launch_softmax(logits, out, t_arr, t_val)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -317,12 +364,7 @@ def softmax(
     out = torch.empty((num_rows, vocab), dtype=torch.float32, device=logits.device)
     if num_rows == 0:
         return out
-    _device.check_launchable(logits.device, "softmax")
-    rows, block, tiles, warps = _tiles(vocab, num_rows, search=False)
-    _SOFTMAX[(cdiv(num_rows, rows),)](
-        logits, out, t_arr, float(t_val), num_rows, vocab, logits.stride(0), out.stride(0),
-        T_ARR=t_arr is not None, ROWS=rows, BLOCK=block, NUM_TILES=tiles, num_warps=warps,
-    )
+    (_softmax_op if _ops.compiling() else _launch_softmax)(logits, out, t_arr, float(t_val))
     return out
 
 
@@ -741,18 +783,33 @@ def chain_speculative_sampling(
     out = torch.empty((b, n + 1), dtype=torch.int32, device=device)
     if b == 0:
         return out, accepted, emitted
-    _device.check_launchable(device, "chain_speculative_sampling")
     draft = draft_probs if draft_probs.stride(2) == 1 else draft_probs.contiguous()
     target = target_probs if target_probs.stride(2) == 1 else target_probs.contiguous()
     ids = draft_token_ids.contiguous()
     u = _uniforms(b * (2 * n + 1), device, generator)
     counts = torch.empty((2, b), dtype=torch.int32, device=device)
+    (_chain_op if _ops.compiling() else _launch_chain)(draft, ids, target, u, out, counts)
+    accepted.add_(counts[0])
+    emitted.add_(counts[1])
+    return out, accepted, emitted
+
+
+def _launch_chain(draft: torch.Tensor, ids: torch.Tensor, target: torch.Tensor, u: torch.Tensor, out: torch.Tensor,
+                  counts: torch.Tensor) -> None:
+    """The chain speculative sampling kernel over checked arguments: ``out`` [b, n + 1] int32 and
+    ``counts`` [2, b] int32 (accepted, emitted)."""
+    _device.check_launchable(draft.device, "chain_speculative_sampling")
+    b, n, vocab = draft.shape
     rows, block, tiles, warps = _tiles(vocab, b, search=False)
     _CHAIN[(cdiv(b, rows),)](
         draft, ids, target, u, out, counts[0], counts[1],
         b, vocab, draft.stride(0), draft.stride(1), ids.stride(0), target.stride(0), target.stride(1),
         N=n, ROWS=rows, BLOCK=block, NUM_TILES=tiles, num_warps=warps,
     )
-    accepted.add_(counts[0])
-    emitted.add_(counts[1])
-    return out, accepted, emitted
+
+
+@_ops.custom_op("chain_speculative_sampling", mutates_args=("out", "counts"))
+def _chain_op(draft: torch.Tensor, ids: torch.Tensor, target: torch.Tensor, u: torch.Tensor, out: torch.Tensor,
+              counts: torch.Tensor) -> None:
+    """``_launch_chain`` for torch.compile (``_ops.py``)."""
+    _launch_chain(draft, ids, target, u, out, counts)
