@@ -127,6 +127,14 @@ def _check_generator(generator, device: torch.device) -> None:
         raise ValueError(f"generator: expected a generator on {device.type}, got one on {generator.device}")
 
 
+def _sampling_input(x, name: str, indices, generator, check_nan: bool) -> Tuple[torch.Tensor, int]:
+    """A sampling function's input rows, checked with its ``indices`` and ``generator``, and the batch
+    size (outputs)."""
+    x = _check_rows(x, name)
+    _check_generator(generator, x.device)
+    return x, _check_indices(indices, x.shape[0], x.device, check_nan)
+
+
 def _tensor_param(param: torch.Tensor, name: str, num_rows: int, batch: int, device, dtype) -> Tuple[torch.Tensor, bool]:
     """(the parameter as a contiguous ``dtype`` tensor, indexed by source row?)"""
     # the phrases after the name are FlashInfer's (its tests match them)
@@ -408,9 +416,7 @@ def sampling_from_probs(
         shape ``[num_rows, vocab_size]``, dtype float32, float16 or bfloat16, non-negative.
     {sampling_args}
     """
-    probs = _check_rows(probs, "probs")
-    _check_generator(generator, probs.device)
-    _check_indices(indices, probs.shape[0], probs.device, check_nan)
+    probs, _ = _sampling_input(probs, "probs", indices, generator, check_nan)
     _check_nan(probs, "probs", check_nan)
     return _sample(probs, indices, generator)
 
@@ -432,9 +438,7 @@ def sampling_from_logits(
         shape ``[num_rows, vocab_size]``, dtype float32, float16 or bfloat16.
     {sampling_args}
     """
-    logits = _check_rows(logits, "logits")
-    _check_generator(generator, logits.device)
-    _check_indices(indices, logits.shape[0], logits.device, check_nan)
+    logits, _ = _sampling_input(logits, "logits", indices, generator, check_nan)
     _check_nan(logits, "logits", check_nan)
     return _sample(logits, indices, generator, is_logits=True)
 
@@ -459,9 +463,7 @@ def top_p_sampling_from_probs(
         A number in ``(0, 1]`` or a float tensor of shape ``[num_rows]`` (or ``[batch_size]``).
     {sampling_args}
     """
-    probs = _check_rows(probs, "probs")
-    _check_generator(generator, probs.device)
-    batch = _check_indices(indices, probs.shape[0], probs.device, check_nan)
+    probs, batch = _sampling_input(probs, "probs", indices, generator, check_nan)
     params = _top_p(top_p, probs.shape[0], batch, probs.device)
     _check_nan(probs, "probs", check_nan)
     return _sample(probs, indices, generator, top_p=params)
@@ -487,9 +489,7 @@ def top_k_sampling_from_probs(
         An integer ``>= 1`` or an integer tensor of shape ``[num_rows]`` (or ``[batch_size]``).
     {sampling_args}
     """
-    probs = _check_rows(probs, "probs")
-    _check_generator(generator, probs.device)
-    batch = _check_indices(indices, probs.shape[0], probs.device, check_nan)
+    probs, batch = _sampling_input(probs, "probs", indices, generator, check_nan)
     params = _top_k(top_k, probs.shape[0], batch, probs.device)
     _check_nan(probs, "probs", check_nan)
     return _sample(probs, indices, generator, top_k=params)
@@ -514,9 +514,7 @@ def min_p_sampling_from_probs(
         A number in ``[0, 1]`` or a tensor of shape ``[num_rows]`` (or ``[batch_size]``).
     {sampling_args}
     """
-    probs = _check_rows(probs, "probs")
-    _check_generator(generator, probs.device)
-    batch = _check_indices(indices, probs.shape[0], probs.device, check_nan)
+    probs, batch = _sampling_input(probs, "probs", indices, generator, check_nan)
     params = _min_p(min_p, probs.shape[0], batch, probs.device)
     _check_nan(probs, "probs", check_nan)
     return _sample(probs, indices, generator, min_p=params)
@@ -556,10 +554,8 @@ def top_k_top_p_sampling_from_probs(
         ``"top_k_first"`` (default) or ``"joint"``.
     {sampling_args}
     """
-    probs = _check_rows(probs, "probs")
     _check_order(filter_apply_order)
-    _check_generator(generator, probs.device)
-    batch = _check_indices(indices, probs.shape[0], probs.device, check_nan)
+    probs, batch = _sampling_input(probs, "probs", indices, generator, check_nan)
     k = _top_k(top_k, probs.shape[0], batch, probs.device)
     p = _top_p(top_p, probs.shape[0], batch, probs.device)
     by_source = _by_source(k, p)
@@ -603,10 +599,8 @@ def top_k_top_p_sampling_from_logits(
         ``"top_k_first"`` (default) or ``"joint"``.
     {sampling_args}
     """
-    logits = _check_rows(logits, "logits")
     _check_order(filter_apply_order)
-    _check_generator(generator, logits.device)
-    batch = _check_indices(indices, logits.shape[0], logits.device, check_nan)
+    logits, batch = _sampling_input(logits, "logits", indices, generator, check_nan)
     k = _top_k(top_k, logits.shape[0], batch, logits.device)
     p = _top_p(top_p, logits.shape[0], batch, logits.device)
     by_source = _by_source(k, p)

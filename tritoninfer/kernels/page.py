@@ -10,6 +10,44 @@ import triton.language as tl
 from .faults import report_fault
 
 
+@triton.jit
+def append_slots(o_t, m_t, batch_indices_ptr, positions_ptr, kv_indptr_ptr, kv_indices_ptr, err_ptr, batch_size,
+                 num_pages, num_indices, page_size, report):
+    """The cache slot of each appended token ``o_t`` [BLOCK_T] (``m_t``: tokens that exist): page id
+    ``kv_indices[kv_indptr[b] + pos // page_size]`` and slot ``pos % page_size`` with
+    ``b = batch_indices[t]``, ``pos = positions[t]``, and the mask of tokens to write. A request index,
+    position or page id outside the page table or the cache masks the token (never read or written
+    past a tensor) and, when ``report``, goes to the fault record; batch index -1 is padding."""
+    # [BLOCK_T]
+    b_b = tl.load(batch_indices_ptr + o_t, mask=m_t, other=-1).to(tl.int64)
+    # [BLOCK_T]
+    b_pos = tl.load(positions_ptr + o_t, mask=m_t, other=-1).to(tl.int64)
+    m_tok = m_t & (b_b != -1)  # tokens that are not padding
+    m_req = m_tok & (b_b >= 0) & (b_b < batch_size)
+    # [BLOCK_T]
+    b_start = tl.load(kv_indptr_ptr + b_b, mask=m_req, other=0).to(tl.int64)
+    # [BLOCK_T]
+    b_end = tl.load(kv_indptr_ptr + b_b + 1, mask=m_req, other=0).to(tl.int64)
+    b_page_in_req = b_pos // page_size
+    o_idx = b_start + b_page_in_req
+    m_pos = m_req & (b_pos >= 0) & (b_page_in_req < b_end - b_start) & (o_idx >= 0) & (o_idx < num_indices)
+    # [BLOCK_T]
+    b_page = tl.load(kv_indices_ptr + o_idx, mask=m_pos, other=0).to(tl.int64)
+    m_kv = m_pos & (b_page >= 0) & (b_page < num_pages)
+    if report:
+        if tl.max((m_tok & ~m_req).to(tl.int32), 0) > 0:
+            report_fault(err_ptr, 5, 0, tl.max(tl.where(m_tok & ~m_req, b_b, -2147483648), 0), batch_size)
+        if tl.max((m_req & ~m_pos).to(tl.int32), 0) > 0:
+            bad = m_req & ~m_pos
+            report_fault(err_ptr, 4, tl.max(tl.where(bad, b_b, 0), 0), tl.max(tl.where(bad, b_pos, -2147483648), 0),
+                         num_indices)
+        if tl.max((m_pos & ~m_kv).to(tl.int32), 0) > 0:
+            bad = m_pos & ~m_kv
+            report_fault(err_ptr, 3, tl.max(tl.where(bad, b_b, 0), 0), tl.max(tl.where(bad, b_page, -2147483648), 0),
+                         num_pages)
+    return b_page, b_pos % page_size, m_kv
+
+
 @triton.jit(do_not_specialize=["batch_size", "num_pages", "num_indices"])
 def append_paged_kv_cache_kernel(
     k_append_ptr,  # [nnz, H, D]
@@ -57,34 +95,8 @@ def append_paged_kv_cache_kernel(
 
     o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
     m_t = o_t < nnz
-    # [BLOCK_T]
-    b_b = tl.load(batch_indices_ptr + o_t, mask=m_t, other=-1).to(tl.int64)
-    # [BLOCK_T]
-    b_pos = tl.load(positions_ptr + o_t, mask=m_t, other=-1).to(tl.int64)
-    m_tok = m_t & (b_b != -1)  # tokens that are not padding
-    m_req = m_tok & (b_b >= 0) & (b_b < batch_size)
-    # [BLOCK_T]
-    b_start = tl.load(kv_indptr_ptr + b_b, mask=m_req, other=0).to(tl.int64)
-    # [BLOCK_T]
-    b_end = tl.load(kv_indptr_ptr + b_b + 1, mask=m_req, other=0).to(tl.int64)
-    b_page_in_req = b_pos // page_size
-    o_idx = b_start + b_page_in_req
-    m_pos = m_req & (b_pos >= 0) & (b_page_in_req < b_end - b_start) & (o_idx >= 0) & (o_idx < num_indices)
-    # [BLOCK_T]
-    b_page = tl.load(kv_indices_ptr + o_idx, mask=m_pos, other=0).to(tl.int64)
-    m_t = m_pos & (b_page >= 0) & (b_page < num_pages)
-    b_slot = b_pos % page_size
-    if i_h == 0:
-        if tl.max((m_tok & ~m_req).to(tl.int32), 0) > 0:
-            report_fault(err_ptr, 5, 0, tl.max(tl.where(m_tok & ~m_req, b_b, -2147483648), 0), batch_size)
-        if tl.max((m_req & ~m_pos).to(tl.int32), 0) > 0:
-            bad = m_req & ~m_pos
-            report_fault(err_ptr, 4, tl.max(tl.where(bad, b_b, 0), 0), tl.max(tl.where(bad, b_pos, -2147483648), 0),
-                         num_indices)
-        if tl.max((m_pos & ~m_t).to(tl.int32), 0) > 0:
-            bad = m_pos & ~m_t
-            report_fault(err_ptr, 3, tl.max(tl.where(bad, b_b, 0), 0), tl.max(tl.where(bad, b_page, -2147483648), 0),
-                         num_pages)
+    b_page, b_slot, m_t = append_slots(o_t, m_t, batch_indices_ptr, positions_ptr, kv_indptr_ptr, kv_indices_ptr,
+                                       err_ptr, batch_size, num_pages, num_indices, page_size, i_h == 0)
 
     o_ta = o_t.to(tl.int64)
 

@@ -26,7 +26,7 @@ Dimensions ``[ROT, HEAD_DIM)`` pass through unchanged (copied bit for bit when n
 import triton
 import triton.language as tl
 
-from .faults import report_fault
+from .page import append_slots
 
 
 @triton.jit
@@ -307,33 +307,8 @@ def rope_quantize_kernel(
     m_nope = m_t[:, None] & (offs_n < NOPE)[None, :]
 
     if APPEND:
-        # [BLOCK_T]
-        b_b = tl.load(batch_indices_ptr + t64, mask=m_t, other=-1).to(tl.int64)
-        # [BLOCK_T]
-        b_pos = tl.load(positions_ptr + t64, mask=m_t, other=-1).to(tl.int64)
-        m_tok = m_t & (b_b != -1)  # tokens that are not padding
-        m_req = m_tok & (b_b >= 0) & (b_b < batch_size)
-        b_start = tl.load(kv_indptr_ptr + b_b, mask=m_req, other=0).to(tl.int64)
-        b_end = tl.load(kv_indptr_ptr + b_b + 1, mask=m_req, other=0).to(tl.int64)
-        b_page_in_req = b_pos // page_size
-        o_idx = b_start + b_page_in_req
-        m_pos = m_req & (b_pos >= 0) & (b_page_in_req < b_end - b_start) & (o_idx >= 0) & (o_idx < num_indices)
-        # [BLOCK_T]
-        b_page = tl.load(kv_indices_ptr + o_idx, mask=m_pos, other=0).to(tl.int64)
-        m_kv = m_pos & (b_page >= 0) & (b_page < num_pages)
-        row_a = b_page
-        row_b = b_pos % page_size
-        if pid_g == 0:
-            if tl.max((m_tok & ~m_req).to(tl.int32), 0) > 0:
-                report_fault(err_ptr, 5, 0, tl.max(tl.where(m_tok & ~m_req, b_b, -2147483648), 0), batch_size)
-            if tl.max((m_req & ~m_pos).to(tl.int32), 0) > 0:
-                bad = m_req & ~m_pos
-                report_fault(err_ptr, 4, tl.max(tl.where(bad, b_b, 0), 0),
-                             tl.max(tl.where(bad, b_pos, -2147483648), 0), num_indices)
-            if tl.max((m_pos & ~m_kv).to(tl.int32), 0) > 0:
-                bad = m_pos & ~m_kv
-                report_fault(err_ptr, 3, tl.max(tl.where(bad, b_b, 0), 0),
-                             tl.max(tl.where(bad, b_page, -2147483648), 0), num_pages)
+        row_a, row_b, m_kv = append_slots(t64, m_t, batch_indices_ptr, positions_ptr, kv_indptr_ptr, kv_indices_ptr,
+                                          err_ptr, batch_size, num_pages, num_indices, page_size, pid_g == 0)
     else:
         m_kv = m_t
         row_a = t64

@@ -153,13 +153,17 @@ class FusedTemperatureSoftmaxOp(ParameterizedOp):
         return TaggedTensor(sampling.softmax(tensor.data, t if isinstance(t, torch.Tensor) else float(t)), out)
 
 
-class FusedProbsTopKSampleOp(ParameterizedOp):
-    """PROBS -> INDICES: :func:`tritoninfer.sampling.top_k_sampling_from_probs`."""
-
-    IN, OUT = TensorType.PROBS, TensorType.INDICES
+class _FusedSampleOp(ParameterizedOp):
+    """A fused sampling op: ``deterministic`` (default True) is one of its compile-time parameters."""
 
     def __init__(self, deterministic: bool = True, **default_params: Any) -> None:
         super().__init__(deterministic=deterministic, **default_params)
+
+
+class FusedProbsTopKSampleOp(_FusedSampleOp):
+    """PROBS -> INDICES: :func:`tritoninfer.sampling.top_k_sampling_from_probs`."""
+
+    IN, OUT = TensorType.PROBS, TensorType.INDICES
 
     def __call__(self, tensor: TaggedTensor, **kwargs: Any) -> TaggedTensor:
         out = self._validate_input_type(tensor)
@@ -167,13 +171,10 @@ class FusedProbsTopKSampleOp(ParameterizedOp):
         return TaggedTensor(sampling.top_k_sampling_from_probs(tensor.data, top_k, **_sampling_args(self, kwargs)), out)
 
 
-class FusedProbsTopPSampleOp(ParameterizedOp):
+class FusedProbsTopPSampleOp(_FusedSampleOp):
     """PROBS -> INDICES: :func:`tritoninfer.sampling.top_p_sampling_from_probs`."""
 
     IN, OUT = TensorType.PROBS, TensorType.INDICES
-
-    def __init__(self, deterministic: bool = True, **default_params: Any) -> None:
-        super().__init__(deterministic=deterministic, **default_params)
 
     def __call__(self, tensor: TaggedTensor, **kwargs: Any) -> TaggedTensor:
         out = self._validate_input_type(tensor)
@@ -181,13 +182,10 @@ class FusedProbsTopPSampleOp(ParameterizedOp):
         return TaggedTensor(sampling.top_p_sampling_from_probs(tensor.data, top_p, **_sampling_args(self, kwargs)), out)
 
 
-class FusedProbsMinPSampleOp(ParameterizedOp):
+class FusedProbsMinPSampleOp(_FusedSampleOp):
     """PROBS -> INDICES: :func:`tritoninfer.sampling.min_p_sampling_from_probs`."""
 
     IN, OUT = TensorType.PROBS, TensorType.INDICES
-
-    def __init__(self, deterministic: bool = True, **default_params: Any) -> None:
-        super().__init__(deterministic=deterministic, **default_params)
 
     def __call__(self, tensor: TaggedTensor, **kwargs: Any) -> TaggedTensor:
         out = self._validate_input_type(tensor)
@@ -195,13 +193,10 @@ class FusedProbsMinPSampleOp(ParameterizedOp):
         return TaggedTensor(sampling.min_p_sampling_from_probs(tensor.data, min_p, **_sampling_args(self, kwargs)), out)
 
 
-class FusedProbsTopKTopPSampleOp(ParameterizedOp):
+class FusedProbsTopKTopPSampleOp(_FusedSampleOp):
     """PROBS -> INDICES: :func:`tritoninfer.sampling.top_k_top_p_sampling_from_probs`, joint."""
 
     IN, OUT = TensorType.PROBS, TensorType.INDICES
-
-    def __init__(self, deterministic: bool = True, **default_params: Any) -> None:
-        super().__init__(deterministic=deterministic, **default_params)
 
     def __call__(self, tensor: TaggedTensor, **kwargs: Any) -> TaggedTensor:
         out = self._validate_input_type(tensor)
