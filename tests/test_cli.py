@@ -15,7 +15,8 @@ import tritoninfer
 from tritoninfer import _version, cli
 
 REPO = Path(__file__).resolve().parents[1]
-API_MODULES = ("activation", "cascade", "decode", "norm", "page", "prefill", "quantization", "rope", "sampling")
+API_MODULES = ("activation", "cascade", "decode", "norm", "page", "prefill", "quantization", "rope", "sampling",
+               "sparse", "attention", "pod", "mla")
 EXTRAS = {"MaskMode", "PosEncodingMode", "TensorLayout", "__version__", "install_as_flashinfer", "check_errors"}
 
 

@@ -509,3 +509,61 @@ def test_sampling_compiles(name):
         got = compiled(probs, logits, ids, draft, target)
         for a, b in zip(*(x if isinstance(x, tuple) else (x,) for x in (got, want))):
             assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b), backend
+
+
+def test_sparse_wrappers_compile():
+    """The block-sparse wrappers' run() under fullgraph compile (``tritoninfer::sparse_run``; fp8 queries
+    with per-head scales and an fp32 output): the eager result."""
+    from tritoninfer import sparse
+
+    torch._dynamo.reset()
+    assert hasattr(torch.ops.tritoninfer, "sparse_run")
+    g = torch.Generator().manual_seed(5)
+    fp8 = torch.float8_e4m3fn
+    q = testing.randn((8, HQ, D), torch.float16, DEVICE, g).to(fp8)
+    k = testing.randn((8, HK, D), torch.float16, DEVICE, g).to(fp8)
+    v = testing.randn((8, HK, D), torch.float16, DEVICE, g).to(fp8)
+    sq, sk, sv = (torch.rand(n, generator=g).to(DEVICE) + 0.5 for n in (HQ, HK, HK))
+    bsr = sparse.BlockSparseAttentionWrapper(testing.make_workspace(8 << 20, DEVICE))
+    bsr.plan(torch.tensor([0, 1, 3], dtype=torch.int32), torch.tensor([1, 0, 1], dtype=torch.int32), 8, 8, 4, 4,
+             HQ, HK, D, causal=True, q_data_type=fp8, kv_data_type=fp8, o_data_type=torch.float32)
+    var = sparse.VariableBlockSparseAttentionWrapper(testing.make_workspace(8 << 20, DEVICE))
+    var.plan(torch.tensor([[[True, False], [True, True]]] * HK), torch.tensor([[3, 5]] * HK, dtype=torch.int32),
+             torch.tensor([[2, 6]] * HK, dtype=torch.int32), HQ, HK, D)
+    qh = testing.randn((HQ, 8, D), torch.float16, DEVICE, g)
+    kh, vh = (testing.randn((HK, 8, D), torch.float16, DEVICE, g) for _ in range(2))
+
+    def both(q, k, v, qh, kh, vh):
+        o1, lse1 = bsr.run(q, k, v, sq, sk, sv, return_lse=True)
+        return o1, lse1, var.run(qh, kh, vh)
+
+    o1, lse1, o2 = torch.compile(both, fullgraph=True, backend="aot_eager")(q, k, v, qh, kh, vh)
+    o1_ref, lse1_ref = bsr.run(q, k, v, sq, sk, sv, return_lse=True)
+    assert o1.dtype == torch.float32
+    testing.assert_close(o1, o1_ref, tol=0.0)
+    testing.assert_lse_close(lse1, lse1_ref, atol=0.0, rtol=0.0)
+    testing.assert_close(o2, var.run(qh, kh, vh), torch.float16, tol=0.0)
+
+
+def test_mla_wrapper_run_compiles():
+    """The MLA wrapper's run() under fullgraph compile: one op (tritoninfer::mla_run), the eager result."""
+    from tritoninfer.mla import BatchMLAPagedAttentionWrapper
+
+    torch._dynamo.reset()
+    heads, ps = 4, 4
+    q_nope = torch.randn(3, heads, 32).half().to(DEVICE)
+    q_pe = torch.randn(3, heads, 16).half().to(DEVICE)
+    cache = torch.randn(6, ps, 48).half().to(DEVICE)
+    ckv, kpe = cache[..., :32], cache[..., 32:]
+    qo_indptr = torch.tensor([0, 2, 3], dtype=torch.int32, device=DEVICE)
+    kv_indptr = torch.tensor([0, 3, 5], dtype=torch.int32, device=DEVICE)
+    kv_indices = torch.tensor([5, 0, 2, 1, 4], dtype=torch.int32, device=DEVICE)
+    kv_len = torch.tensor([10, 6], dtype=torch.int32, device=DEVICE)
+    w = BatchMLAPagedAttentionWrapper(testing.make_workspace(8 << 20, DEVICE))
+    w.plan(qo_indptr, kv_indptr, kv_indices, kv_len, heads, 32, 16, ps, True, 0.2, torch.float16, torch.float16)
+    assert hasattr(torch.ops.tritoninfer, "mla_run")
+    o, lse = torch.compile(lambda a, b, c, d: w.run(a, b, c, d, return_lse=True), fullgraph=True,
+                           backend="aot_eager")(q_nope, q_pe, ckv, kpe)
+    o_ref, lse_ref = w.run(q_nope, q_pe, ckv, kpe, return_lse=True)
+    testing.assert_close(o, o_ref, torch.float16, tol=0.0)
+    testing.assert_lse_close(lse, lse_ref, atol=0.0, rtol=0.0)

@@ -23,7 +23,7 @@ FP32_POINTERS = {"lse_ptr", "part_o_ptr", "part_lse_ptr", "alibi_ptr", "sinks_pt
                  "scale_v_ptr"}
 
 
-def _signature(kv_dtype: str, constexprs: dict):
+def _signature(kv_dtype: str, constexprs: dict, q_dtype: str = "bf16", o_dtype: str = "bf16"):
     """Argument types as a real launch specialises them (16-byte aligned pointers, strides divisible by 16)."""
     sig, attrs = {}, {}
     for i, p in enumerate(attention_fwd_kernel.params):
@@ -32,7 +32,7 @@ def _signature(kv_dtype: str, constexprs: dict):
             sig[name] = "constexpr"
             continue
         if name in ("q_ptr", "o_ptr"):
-            sig[name] = "*bf16"
+            sig[name] = "*" + (q_dtype if name == "q_ptr" else o_dtype)
         elif name in ("k_ptr", "v_ptr"):
             sig[name] = "*" + kv_dtype
         elif name in FP32_POINTERS:
@@ -61,6 +61,13 @@ CASES = {
     "decode-lanes": (lambda: _plan.decode_tiles(1, 1, 128, 1, lanes_ok=True), "fp8e4nv", 1, False, {}),
     # prefill tiles, causal, with a custom mask and RoPE
     "prefill": (lambda: _plan.prefill_tiles(4, 128), "bf16", 4, True, dict(rope=True, has_mask=True)),
+    # fp8 queries over fp8 K/V with per-head scales and an fp16 output (single_prefill's and the
+    # block-sparse wrapper's fp8 path), with a custom mask (block-internal masks)
+    "prefill-fp8q": (lambda: _plan.prefill_tiles(4, 128, None, 1), "fp8e4nv", 4, False,
+                     dict(q_dtype="fp8e4nv", o_dtype="fp16", head_scales=True, has_mask=True)),
+    # the same with e5m2 and 16 query rows per request (block-sparse R=16: decode-sized tiles), fp32 out
+    "prefill-fp8q-rows16": (lambda: _plan.prefill_tiles(1, 128, 16, 1), "fp8e5", 1, True,
+                            dict(q_dtype="fp8e5", o_dtype="fp32", head_scales=True)),
 }
 
 
@@ -74,13 +81,49 @@ def compile_case(name: str):
     dot = tl.float16 if kv_dtype.startswith("fp8") else tl.bfloat16
     variant = attention_variant(params, tiles, group=group, head_dim_qk=128, head_dim_vo=128, page_size=16,
                                 has_custom_mask=extra.get("has_mask", False), has_sinks=extra.get("has_sinks", False),
-                                has_head_scales=False, write_lse=extra.get("write_lse", False), dot=dot)
+                                has_head_scales=extra.get("head_scales", False),
+                                write_lse=extra.get("write_lse", False), dot=dot)
     kwargs = variant.kwargs()
     options = dict(num_warps=kwargs.pop("num_warps"), num_stages=kwargs.pop("num_stages"))
-    sig, attrs = _signature(kv_dtype, kwargs)
+    sig, attrs = _signature(kv_dtype, kwargs, extra.get("q_dtype", "bf16"), extra.get("o_dtype", "bf16"))
     compiled = triton.compile(ASTSource(attention_fwd_kernel, sig, kwargs, attrs), target=GPUTarget("cuda", 90, 32),
                               options=options)
     return tiles, compiled
+
+
+def compile_pair():
+    """POD's pair kernel (``attention_pair_kernel``): a causal prefill half (prefill tiles) and a bf16
+    decode half (decode tiles, KV as M, paged), compiled for sm_90."""
+    from tritoninfer.kernels.attention import attention_pair_kernel
+
+    halves = []
+    for prefix, tiles, causal, page_size in (("p_", _plan.prefill_tiles(4, 128), True, 0),
+                                             ("d_", _plan.prefill_tiles(4, 128, 4.0), False, 16)):
+        params = score_params("NONE", -1, None, None, None, None, 128, causal=causal)
+        variant = attention_variant(params, tiles, group=4, head_dim_qk=128, head_dim_vo=128, page_size=page_size,
+                                    has_custom_mask=False, has_sinks=False, has_head_scales=False, write_lse=True,
+                                    dot=tl.bfloat16)
+        halves.append((prefix, variant.kwargs()))
+    half_sig, half_attrs = _signature("bf16", halves[0][1])
+    names = [p.name for p in attention_fwd_kernel.params]
+    sig, attrs, constexprs = {}, {}, {}
+    for i, p in enumerate(attention_pair_kernel.params):
+        name = p.name
+        if name == "num_items_p":
+            sig[name] = "i32"
+            continue
+        prefix, base = name[:2], name[2:]
+        kw = dict(halves)[prefix.lower()]
+        if base in kw:
+            sig[name] = "constexpr"
+            constexprs[name] = kw[base]
+            continue
+        sig[name] = half_sig[base]
+        if (names.index(base),) in half_attrs:
+            attrs[(i,)] = half_attrs[(names.index(base),)]
+    options = dict(num_warps=max(k["num_warps"] for _, k in halves), num_stages=max(k["num_stages"] for _, k in halves))
+    return triton.compile(ASTSource(attention_pair_kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=options)
 
 
 def test_attention_kernel_compiles_for_sm90():
@@ -92,14 +135,81 @@ def test_attention_kernel_compiles_for_sm90():
     done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600, cwd=root)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     report = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.startswith("case-"))
-    assert set(report) == {f"case-{n}" for n in CASES}, done.stdout
+    assert set(report) == {f"case-{n}" for n in CASES} | {"case-pod-pair"}, done.stdout
     assert "kv_as_m" in report["case-decode-bf16"] and "lanes" in report["case-decode-lanes"]
     assert "block_m=128" in report["case-prefill"] or "block_m=64" in report["case-prefill"]
 
 
-if __name__ == "__main__":
+# the MLA kernel (kernels/mla.py) at DeepSeek's dims: (heads, mean query tokens, causal, page size, lse)
+MLA_CASES = {
+    "mla-128h-decode": (128, 1, False, 1, False),
+    "mla-16h-decode": (16, 1, False, 64, True),  # 16 rows: KV as the dots' M
+    "mla-32h-decode": (32, 1, False, 1, False),
+    "mla-16h-q4-causal": (16, 4, True, 64, True),
+}
+
+
+def compile_mla_case(name: str):
+    """Compiles one MLA case for sm_90 with the GPU tiles of ``mla.mla_tiles`` and the constexprs its
+    launcher binds."""
+    from tritoninfer.kernels.mla import mla_fwd_kernel
+    from tritoninfer.mla import mla_tiles
+
+    heads, q_len, causal, page_size, write_lse = MLA_CASES[name]
+    tiles = mla_tiles(heads, q_len)
+    merge_dv = min(512, max(16, 4096 // tiles.block_m))
+    constexprs = dict(NUM_HEADS=heads, HEAD_DIM_CKV=512, HEAD_DIM_KPE=64, BLOCK_M=tiles.block_m,
+                      BLOCK_N=tiles.block_n, BLOCK_CKV=512, BLOCK_KPE=64, PAGE_SIZE=page_size, IS_CAUSAL=causal,
+                      WRITE_LSE=write_lse, DOT_DTYPE=tl.bfloat16, FOLD_SCALE=True, NUM_STAGES=tiles.num_stages, KV_AS_M=tiles.kv_as_m,
+                      MERGE_DV_CHUNK=merge_dv, MERGE_SPLIT_BLOCK=max(1, min(8, 8192 // (tiles.block_m * merge_dv))))
+    sig, attrs = {}, {}
+    for i, p in enumerate(mla_fwd_kernel.params):
+        n = p.name
+        if n in constexprs:
+            sig[n] = "constexpr"
+            continue
+        if n in ("q_nope_ptr", "q_pe_ptr", "ckv_ptr", "kpe_ptr", "o_ptr"):
+            sig[n] = "*bf16"
+        elif n in ("lse_ptr", "part_o_ptr", "part_lse_ptr"):
+            sig[n] = "*fp32"
+        elif n == "err_ptr":
+            sig[n] = "*i64"
+        elif n.endswith("_ptr"):
+            sig[n] = "*i32"
+        else:
+            sig[n] = "fp32" if n in ("sm_scale_log2", "lse_scale") else "i32"
+        if n.endswith("_ptr") or (n.startswith("stride_") and n != "stride_lse_head"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(ASTSource(mla_fwd_kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
+    return tiles, compiled
+
+
+def test_mla_kernel_compiles_for_sm90():
+    """The MLA kernel's GPU variants compile to a cubin (one subprocess without the interpreter)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    done = subprocess.run([sys.executable, __file__, "mla"], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=root)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    report = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.startswith("case-"))
+    assert set(report) == {f"case-{n}" for n in MLA_CASES}, done.stdout
+    assert "kv_as_m" in report["case-mla-16h-decode"]
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["mla"]:
+    for case in MLA_CASES:
+        tiles, kernel = compile_mla_case(case)
+        assert kernel.asm["cubin"], case
+        facts = [f"block_m={tiles.block_m}", f"block_n={tiles.block_n}"] + ["kv_as_m"] * tiles.kv_as_m
+        print(f"case-{case} {' '.join(facts)} shared={kernel.metadata.shared}", flush=True)
+elif __name__ == "__main__":
     for case in CASES:
         tiles, kernel = compile_case(case)
         assert kernel.asm["cubin"], case
         facts = [f"block_m={tiles.block_m}"] + [k for k in ("kv_as_m", "lanes") if getattr(tiles, k)]
         print(f"case-{case} {' '.join(facts)} shared={kernel.metadata.shared}", flush=True)
+    pair = compile_pair()
+    assert pair.asm["cubin"]
+    print(f"case-pod-pair shared={pair.metadata.shared}", flush=True)

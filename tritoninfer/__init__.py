@@ -3,7 +3,8 @@
 Engines import from the same submodules as FlashInfer's (``tritoninfer.decode``,
 ``tritoninfer.prefill``, ``tritoninfer.cascade``, ``tritoninfer.page``, ``tritoninfer.rope``,
 ``tritoninfer.norm``, ``tritoninfer.activation``, ``tritoninfer.quantization``,
-``tritoninfer.sampling``); the public names are re-exported here as FlashInfer does at its top level.
+``tritoninfer.sampling``, ``tritoninfer.sparse``, ``tritoninfer.mla``); the public names are re-exported here as FlashInfer
+does at its top level.
 
 The re-exports are lazy (PEP 562): ``import tritoninfer`` imports neither torch nor Triton nor any
 kernel module, and a name's submodule is imported when the name is first used, so the command line
@@ -19,7 +20,7 @@ from typing import Any, Dict, List
 
 from ._version import __version__
 
-# Public name -> the submodule that defines it: every name of the nine API modules' __all__, the
+# Public name -> the submodule that defines it: every name of the API modules' __all__, the
 # option enums, and the FlashInfer stand-in installer (tests/test_cli.py checks it against them).
 _EXPORTS: Dict[str, str] = {
     **dict.fromkeys(["silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul"], "activation"),
@@ -51,6 +52,13 @@ _EXPORTS: Dict[str, str] = {
         "top_k_top_p_sampling_from_logits", "top_p_renorm_probs", "top_p_renorm_prob", "top_k_renorm_probs",
         "top_k_renorm_prob", "top_k_mask_logits", "chain_speculative_sampling",
     ], "sampling"),
+    **dict.fromkeys(["BlockSparseAttentionWrapper", "VariableBlockSparseAttentionWrapper", "convert_bsr_mask_layout"],
+                    "sparse"),
+    **dict.fromkeys(["BatchAttention", "BatchAttentionWithAttentionSinkWrapper"], "attention"),
+    **dict.fromkeys(["PODWithPagedKVCacheWrapper", "BatchPODWithPagedKVCacheWrapper"], "pod"),
+    **dict.fromkeys([
+        "BatchMLAPagedAttentionWrapper", "BatchDecodeMlaWithPagedKVCacheWrapper", "append_paged_mla_kv_cache",
+    ], "mla"),
     **dict.fromkeys(["MaskMode", "PosEncodingMode", "TensorLayout"], "_options"),
     "install_as_flashinfer": "_compat",
     "check_errors": "_errors",
@@ -59,7 +67,7 @@ _EXPORTS: Dict[str, str] = {
 # The submodules a user reaches as attributes; listed by dir(). Any other submodule
 # (tritoninfer.kernels, tritoninfer.bench, ...) is imported on attribute access as well.
 _SUBMODULES = ("activation", "cascade", "decode", "norm", "page", "prefill", "quantization", "rope",
-               "sampling", "reference", "testing")
+               "sampling", "sparse", "attention", "pod", "mla", "reference", "testing")
 
 __all__ = ["MaskMode", "PosEncodingMode", "TensorLayout", "__version__", "install_as_flashinfer", "check_errors"] + [
     name for name, module in _EXPORTS.items() if not module.startswith("_")

@@ -36,15 +36,18 @@ import torch
 
 from . import _device
 from . import activation as _activation
+from . import attention as _attention_api
 from . import cascade as _cascade
 from . import decode as _decode
 from . import logits_processor as _logits_processor
 from . import norm as _norm
 from . import page as _page
+from . import pod as _pod
 from . import prefill as _prefill
 from . import quantization as _quantization
 from . import rope as _rope
 from . import sampling as _sampling
+from . import sparse as _sparse
 from ._options import MaskMode, PosEncodingMode, TensorLayout, canonicalize_dtype
 from ._plan import alibi_slopes as _alibi_slopes
 
@@ -98,7 +101,6 @@ def _unsupported_class(qualname: str, feature: str) -> type:
 # (module, name, feature, is_class). The home module is where FlashInfer 0.5.3 defines the name;
 # names it re-exports at the top level are listed under "flashinfer" too (same object).
 _TRTLLM_ATTN = "TensorRT-LLM (trtllm-gen) attention kernels"
-_MLA = "multi-head latent attention (MLA) wrappers"
 _FP4 = "FP4 / MXFP8 quantization"
 _GEMM = "FlashInfer's GEMM kernels"
 _MOE = "FlashInfer's fused MoE kernels"
@@ -108,19 +110,12 @@ UNSUPPORTED: Tuple[Tuple[str, str, str, bool], ...] = (
     ("flashinfer.decode", "trtllm_batch_decode_with_kv_cache_mla", _TRTLLM_ATTN + " for MLA", False),
     ("flashinfer.decode", "xqa_batch_decode_with_kv_cache", "XQA decode kernels", False),
     ("flashinfer.decode", "cudnn_batch_decode_with_kv_cache", "cuDNN decode attention", False),
-    ("flashinfer.decode", "BatchDecodeMlaWithPagedKVCacheWrapper", _MLA, True),
     ("flashinfer.prefill", "trtllm_batch_context_with_kv_cache", _TRTLLM_ATTN, False),
     ("flashinfer.prefill", "trtllm_ragged_attention_deepseek", _TRTLLM_ATTN + " for DeepSeek ragged prefill", False),
     ("flashinfer.prefill", "cudnn_batch_prefill_with_kv_cache", "cuDNN prefill attention", False),
     ("flashinfer.prefill", "fmha_varlen", "the CUTLASS (SM100) variable-length FMHA entry point", False),
     ("flashinfer.xqa", "xqa", "XQA decode kernels", False),
     ("flashinfer.xqa", "xqa_mla", "XQA MLA decode kernels", False),
-    ("flashinfer.page", "append_paged_mla_kv_cache", "MLA paged KV-cache append", False),
-    ("flashinfer.mla", "BatchMLAPagedAttentionWrapper", _MLA, True),
-    ("flashinfer.attention", "BatchAttention", "the persistent BatchAttention kernel", True),
-    ("flashinfer.pod", "PODWithPagedKVCacheWrapper", "POD (fused prefill + decode) attention", True),
-    ("flashinfer.sparse", "BlockSparseAttentionWrapper", "block-sparse attention", True),
-    ("flashinfer.sparse", "VariableBlockSparseAttentionWrapper", "variable block-sparse attention", True),
     ("flashinfer.activation", "silu_and_mul_scaled_nvfp4_experts_quantize", _FP4, False),
     # quantization / gemm / moe (top level in FlashInfer)
     *((("flashinfer", n, _FP4, False)) for n in (
@@ -154,7 +149,9 @@ _TOP_LEVEL_REEXPORTS = (
     ("flashinfer.decode", "cudnn_batch_decode_with_kv_cache"),
     ("flashinfer.mla", "BatchMLAPagedAttentionWrapper"),
     ("flashinfer.attention", "BatchAttention"),
+    ("flashinfer.attention", "BatchAttentionWithAttentionSinkWrapper"),
     ("flashinfer.pod", "PODWithPagedKVCacheWrapper"),
+    ("flashinfer.pod", "BatchPODWithPagedKVCacheWrapper"),
     ("flashinfer.sparse", "BlockSparseAttentionWrapper"),
     ("flashinfer.sparse", "VariableBlockSparseAttentionWrapper"),
     ("flashinfer.xqa", "xqa"),
@@ -512,6 +509,9 @@ _IMPLEMENTED = {
     "flashinfer.decode": (_decode, ("single_decode_with_kv_cache",)),
     "flashinfer.prefill": (_prefill, ("single_prefill_with_kv_cache", "single_prefill_with_kv_cache_return_lse")),
     "flashinfer.sampling": (_sampling, _SAMPLING_TOP_LEVEL),
+    "flashinfer.sparse": (_sparse, ("BlockSparseAttentionWrapper", "VariableBlockSparseAttentionWrapper")),
+    "flashinfer.attention": (_attention_api, tuple(_attention_api.__all__)),
+    "flashinfer.pod": (_pod, tuple(_pod.__all__)),
 }
 
 _CASCADE_WRAPPERS = ("MultiLevelCascadeAttentionWrapper", "BatchDecodeWithSharedPrefixPagedKVCacheWrapper",
@@ -543,6 +543,8 @@ def _module_contents() -> Dict[str, Dict[str, Any]]:
     # not re-exported at FlashInfer's top level: engines import them from the submodule
     contents["flashinfer.logits_processor"].update(
         {name: getattr(_logits_processor, name) for name in _logits_processor.__all__})
+    # not at FlashInfer's top level
+    contents["flashinfer.sparse"]["convert_bsr_mask_layout"] = _sparse.convert_bsr_mask_layout
     contents["flashinfer.prefill"].update(
         BatchPrefillWithPagedKVCacheWrapper=BatchPrefillWithPagedKVCacheWrapper,
         BatchPrefillWithRaggedKVCacheWrapper=BatchPrefillWithRaggedKVCacheWrapper,
@@ -563,6 +565,10 @@ def _module_contents() -> Dict[str, Dict[str, Any]]:
     )
     contents["flashinfer.jit"].update(has_prebuilt_ops=True, MissingJITCacheError=MissingJITCacheError)
     contents["flashinfer.autotuner"]["autotune"] = autotune
+    from . import _compat_mla  # imports this module: only once it is complete
+
+    for module, names in _compat_mla.contents().items():
+        contents[module].update(names)
     for module, name, feature, is_class in UNSUPPORTED:
         make = _unsupported_class if is_class else _unsupported_function
         contents[module][name] = make(f"{module}.{name}", feature)

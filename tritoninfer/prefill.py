@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from . import _device, _errors, _ops
+from . import _device, _errors, _ops, _variants
 from ._attention import KVSource, PlanUploader, score_params, scratch_workspace
 from ._route import PREFILL, PlanFacts
 from ._step import GraphBuffers, PlannedStep, Settings, plan_single, plan_work, run_step, upload_plan
@@ -96,8 +96,8 @@ class _BatchPrefillBase:
                      mask_indptr_buf, backend, jit_args, jit_kwargs) -> None:
         check_tensor(float_workspace_buffer, "float_workspace_buffer")
         _check_backend(backend)
-        if jit_args is not None or jit_kwargs is not None:
-            raise NotImplementedError("jit_args/jit_kwargs: custom CUDA attention variants cannot run on tritoninfer's Triton kernels")
+        # FlashInfer's AttentionSink variant runs as the sinks path (_variants.py); any other raises
+        self._jit_variant = _variants.sink_variant(jit_args, jit_kwargs)
         self._float_workspace_buffer = float_workspace_buffer
         self.device = float_workspace_buffer.device
         self._kv_layout = parse_layout(kv_layout)
@@ -261,7 +261,7 @@ class _BatchPrefillBase:
         if self._paged:
             self._run(q, kv, q_scale, k_scale, v_scale, out, lse, False, window_left, sinks)
         else:
-            self._run(q, *kv, out, lse, False)
+            self._run(q, *kv, out, lse, False, sinks=sinks, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
 
     def _override(self, causal, pos_encoding_mode, use_fp16_qk_reduction, window_left, logits_soft_cap, sm_scale,
                   rope_scale, rope_theta) -> None:
@@ -348,7 +348,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         ``"auto"``, ``"fa2"``, ``"fa3"``, ``"trtllm-gen"``, ``"cudnn"`` or ``"triton"``: every value
         runs tritoninfer's Triton kernels; other values raise.
     jit_args, jit_kwargs
-        FlashInfer's custom CUDA variants: anything but ``None`` raises ``NotImplementedError``.
+        FlashInfer's custom CUDA variants: its AttentionSink variant (the one
+        ``BatchAttentionWithAttentionSinkWrapper`` builds) runs as the sinks path, ``run(q, kv, sink,
+        sm_scale)`` (``_variants.py``); any other raises ``NotImplementedError``.
     """
 
     _paged = True
@@ -550,6 +552,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         sinks : Optional[torch.Tensor]
             float32 ``[num_qo_heads]`` attention-sink logits added to the softmax denominator only.
         """
+        if self._jit_variant is not None:
+            return _variants.run_sink_variant(self, q, (paged_kv_cache,), args, q_scale=q_scale, k_scale=k_scale,
+                                              v_scale=v_scale, out=out, lse=lse, return_lse=return_lse,
+                                              window_left=window_left, sinks=sinks)
         if args:
             raise TypeError("run(): options after paged_kv_cache must be passed by keyword")
         if _ops.compiling():
@@ -761,13 +767,15 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         out, lse, return_lse, enable_pdl
             As for the paged wrapper.
         """
+        if self._jit_variant is not None:
+            return _variants.run_sink_variant(self, q, (k, v), args, out=out, lse=lse, return_lse=return_lse)
         if args:
             raise TypeError("run(): options after v must be passed by keyword")
         if _ops.compiling():
             return _ops.traced_run(self, q, (k, v), out, lse, return_lse, zero_out=self._use_cuda_graph)
         return self._run(q, k, v, out, lse, return_lse)
 
-    def _run(self, q, k, v, out, lse, return_lse):
+    def _run(self, q, k, v, out, lse, return_lse, **scores):
         """``run()``'s work (``_ops.wrapper_run`` calls this, never the ``run`` attribute, which a caller
         may have wrapped in ``torch.compile``)."""
         step = self._step
@@ -776,7 +784,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         source, heads, dqk, dvo, nnz = _ragged_kv(k, v, self._kv_layout, step.kv_indptr)
         if heads != step.num_kv_heads or (nnz < step.total_kv if self._use_cuda_graph else nnz != step.total_kv):
             raise ValueError(f"k: expected {step.total_kv} rows (kv_indptr[-1]) of {step.num_kv_heads} heads, got {tuple(k.shape)}")
-        return self._run_common(q, source, k.dtype, dqk, dvo, out, lse, return_lse, route_kv=(k, v))
+        return self._run_common(q, source, k.dtype, dqk, dvo, out, lse, return_lse, route_kv=(k, v), **scores)
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
 
@@ -846,7 +854,8 @@ def single_prefill_with_kv_cache(
     Parameters
     ----------
     q : torch.Tensor
-        ``[qo_len, num_qo_heads, head_dim_qk]``, fp16 or bf16.
+        ``[qo_len, num_qo_heads, head_dim_qk]``, fp16 or bf16; or e4m3/e5m2 (fp8 K/V and ``o_dtype``
+        required, no RoPE; the fp8 values go through fp16 dot operands, exact).
     k, v : torch.Tensor
         ``[kv_len, num_kv_heads, head_dim_qk / head_dim_vo]`` (NHD) or ``[num_kv_heads, kv_len, ...]``
         (HND); fp16, bf16, e4m3 or e5m2.
@@ -881,7 +890,7 @@ def single_prefill_with_kv_cache(
         return (out, lse) if return_lse else out
     _check_backend(backend)
     _reject_unsupported(use_fp16_qk_reduction)
-    check_tensor(q, "q", ndim=3, dtype=Q_DTYPES)
+    check_tensor(q, "q", ndim=3, dtype=KV_DTYPES)  # fp16/bf16, or fp8 (FlashInfer's fa3 fp8 path)
     layout = parse_layout(kv_layout)
     device = q.device
     qo_len, num_qo_heads = q.shape[0], q.shape[1]
@@ -893,6 +902,8 @@ def single_prefill_with_kv_cache(
         raise ValueError(f"q: head_dim {q.shape[2]} does not match k's head_dim {head_dim_qk}")
     if q.stride(-1) != 1:
         raise ValueError("q: the last dimension must be contiguous")
+    if q.dtype not in Q_DTYPES:
+        _check_fp8_query(k.dtype, o_dtype, pos_encoding_mode)
     o_dtype = q.dtype if o_dtype is None else check_dtype_in(canonicalize_dtype(o_dtype, "o_dtype"), O_DTYPES, "o_dtype")
     _device.check_launchable(device, "single_prefill_with_kv_cache")
     packed = None
@@ -951,6 +962,19 @@ def _single_prefill_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
         lse.copy_(result[1])
     else:
         out.copy_(result)
+
+
+def _check_fp8_query(kv_dtype: torch.dtype, o_dtype, pos_encoding_mode) -> None:
+    """fp8 queries: fp8 K/V (the dots take fp16 operands converted from both), an explicit output
+    dtype (the kernel writes no fp8), and no RoPE (the rotated q would be rounded back to fp8)."""
+    if kv_dtype in Q_DTYPES:
+        raise ValueError(f"k: fp8 queries need fp8 K/V (as FlashInfer's fp8 path), got {kv_dtype}")
+    if o_dtype is None:
+        raise ValueError(f"o_dtype: required with fp8 queries, one of {O_DTYPES}")
+    from ._options import PosEncodingMode, parse_pos_encoding_mode
+
+    if parse_pos_encoding_mode(pos_encoding_mode) == PosEncodingMode.ROPE_LLAMA:
+        raise NotImplementedError("pos_encoding_mode='ROPE_LLAMA' with fp8 queries")
 
 
 def _head_scale(s: Optional[torch.Tensor], n: int, name: str, device) -> torch.Tensor:

@@ -318,8 +318,10 @@ def attend_lanes(
             tl.reshape(bad_page, [LANES * LANE_TOKENS]))
 
 
-@triton.jit(do_not_specialize=["num_pages", "num_indices"])
-def attention_fwd_kernel(
+@triton.jit
+def attention_item(
+    # the work item this program runs (its row of the work list)
+    i_item,
     # The arguments that change from call to call come first, those fixed by the plan after them
     # (``_attention.AttentionLaunch`` binds the second group once per plan).
     # q [tokens, H_qo, D_qk]; o [tokens, H_qo, D_vo]
@@ -358,7 +360,6 @@ def attention_fwd_kernel(
     # the dot-free single-row path computes plain (or soft-capped) scores of one row (_attention.attention_variant)
     tl.static_assert(LANES == 0 or not (HAS_ROPE or HAS_ALIBI or HAS_CUSTOM_MASK or HAS_HEAD_SCALES or KV_AS_M
                                         or GROUP != 1), "LANES: no RoPE, ALiBi, custom mask, head scales or groups")
-    i_item = tl.program_id(0)
     i_kvh = tl.program_id(1)
     i_rows = tl.program_id(2)
 
@@ -516,6 +517,132 @@ def attention_fwd_kernel(
                          tl.load(state_offset_ptr + req) * state_mult + m_tok * num_splits, num_splits, num_qo_heads,
                          m_start, m_tok, m_head, m_ok, sink_log2, v_scale,
                          HEAD_DIM_VO, MERGE_M, BLOCK_DV, MERGE_DV_CHUNK, MERGE_SPLIT_BLOCK, HAS_SINKS, WRITE_LSE)
+
+
+@triton.jit(do_not_specialize=["num_pages", "num_indices"])
+def attention_fwd_kernel(
+    # The arguments that change from call to call come first, those fixed by the plan after them
+    # (``_attention.AttentionLaunch`` binds the second group once per plan).
+    # q [tokens, H_qo, D_qk]; o [tokens, H_qo, D_vo]
+    q_ptr, stride_q_tok, stride_q_head,
+    o_ptr, stride_o_tok, stride_o_head,
+    # paged: K/V element (page, slot, head, d); ragged: (token, -, head, d) with stride_*_slot unused;
+    # num_pages: pages of the cache (paged; page ids outside [0, num_pages) are never read)
+    k_ptr, stride_k_page, stride_k_slot, stride_k_head,
+    v_ptr, stride_v_page, stride_v_slot, stride_v_head, num_pages,
+    sm_scale_log2, v_scale,
+    # the optional ones (a launch without them binds placeholders with the plan's arguments):
+    # lse [tokens, H_qo] float32; sinks [H_qo]; per-head scales (single_prefill's scale_q [H_qo],
+    # scale_k [H_kv], scale_v [H_kv])
+    lse_ptr, stride_lse_tok, sinks_ptr, scale_q_ptr, scale_k_ptr, scale_v_ptr,
+    # split-KV partial states: o [states, H_qo, D_vo] fp32, lse [states, H_qo] fp32; arrival counters
+    # int32 [groups * H_kv * row programs], zero between launches
+    part_o_ptr, part_lse_ptr, counter_ptr,
+    # plan: work items int32 [capacity, 7] = (request, first query token, kv_start, kv_end, split
+    # index, number of splits of the request, group); request < 0 marks an unused slot
+    work_ptr,
+    qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr, kv_len_ptr, state_offset_ptr,
+    mask_ptr, mask_indptr_ptr, alibi_ptr,
+    # the fault record (tritoninfer/_errors.py) and the length of kv_indices
+    err_ptr, num_indices,
+    q_len_per_req, tile_tokens, state_mult, num_qo_heads,
+    soft_cap, rope_rcp_scale, rope_log2_theta, window_left,
+    GROUP: tl.constexpr, HEAD_DIM_QK: tl.constexpr, HEAD_DIM_VO: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFT_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_ROPE: tl.constexpr,
+    HAS_CUSTOM_MASK: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_HEAD_SCALES: tl.constexpr,
+    WRITE_LSE: tl.constexpr, DOT_DTYPE: tl.constexpr, PREFETCH_PAGES: tl.constexpr, KV_AS_M: tl.constexpr,
+    MASK_FREE_TILES: tl.constexpr, FOLD_SCALE: tl.constexpr, LANES: tl.constexpr, LANE_TOKENS: tl.constexpr,
+    NUM_STAGES: tl.constexpr, MERGE_M: tl.constexpr, MERGE_DV_CHUNK: tl.constexpr, MERGE_SPLIT_BLOCK: tl.constexpr,
+):
+    """One launch of the attention core: program (item, KV head, row tile) runs work item ``item``
+    (``attention_item``, whose arguments these are)."""
+    attention_item(
+        tl.program_id(0),
+        q_ptr, stride_q_tok, stride_q_head, o_ptr, stride_o_tok, stride_o_head, k_ptr, stride_k_page,
+        stride_k_slot, stride_k_head, v_ptr, stride_v_page, stride_v_slot, stride_v_head, num_pages, sm_scale_log2,
+        v_scale, lse_ptr, stride_lse_tok, sinks_ptr, scale_q_ptr, scale_k_ptr, scale_v_ptr, part_o_ptr,
+        part_lse_ptr, counter_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr, kv_len_ptr,
+        state_offset_ptr, mask_ptr, mask_indptr_ptr, alibi_ptr, err_ptr, num_indices, q_len_per_req, tile_tokens,
+        state_mult, num_qo_heads, soft_cap, rope_rcp_scale, rope_log2_theta, window_left, GROUP, HEAD_DIM_QK,
+        HEAD_DIM_VO, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, IS_PAGED, PAGE_SIZE, IS_CAUSAL, HAS_WINDOW,
+        HAS_SOFT_CAP, HAS_ALIBI, HAS_ROPE, HAS_CUSTOM_MASK, HAS_SINKS, HAS_HEAD_SCALES, WRITE_LSE, DOT_DTYPE,
+        PREFETCH_PAGES, KV_AS_M, MASK_FREE_TILES, FOLD_SCALE, LANES, LANE_TOKENS, NUM_STAGES, MERGE_M,
+        MERGE_DV_CHUNK, MERGE_SPLIT_BLOCK,
+    )
+
+
+@triton.jit(do_not_specialize=["p_num_pages", "d_num_pages", "p_num_indices", "d_num_indices", "num_items_p"])
+def attention_pair_kernel(
+    p_q_ptr, p_stride_q_tok, p_stride_q_head, p_o_ptr, p_stride_o_tok, p_stride_o_head, p_k_ptr, p_stride_k_page,
+    p_stride_k_slot, p_stride_k_head, p_v_ptr, p_stride_v_page, p_stride_v_slot, p_stride_v_head, p_num_pages,
+    p_sm_scale_log2, p_v_scale, p_lse_ptr, p_stride_lse_tok, p_sinks_ptr, p_scale_q_ptr, p_scale_k_ptr,
+    p_scale_v_ptr, d_q_ptr, d_stride_q_tok, d_stride_q_head, d_o_ptr, d_stride_o_tok, d_stride_o_head, d_k_ptr,
+    d_stride_k_page, d_stride_k_slot, d_stride_k_head, d_v_ptr, d_stride_v_page, d_stride_v_slot, d_stride_v_head,
+    d_num_pages, d_sm_scale_log2, d_v_scale, d_lse_ptr, d_stride_lse_tok, d_sinks_ptr, d_scale_q_ptr,
+    d_scale_k_ptr, d_scale_v_ptr, p_part_o_ptr, p_part_lse_ptr, p_counter_ptr, p_work_ptr, p_qo_indptr_ptr,
+    p_kv_indptr_ptr, p_kv_indices_ptr, p_kv_len_ptr, p_state_offset_ptr, p_mask_ptr, p_mask_indptr_ptr,
+    p_alibi_ptr, p_err_ptr, p_num_indices, p_q_len_per_req, p_tile_tokens, p_state_mult, p_num_qo_heads,
+    p_soft_cap, p_rope_rcp_scale, p_rope_log2_theta, p_window_left, d_part_o_ptr, d_part_lse_ptr, d_counter_ptr,
+    d_work_ptr, d_qo_indptr_ptr, d_kv_indptr_ptr, d_kv_indices_ptr, d_kv_len_ptr, d_state_offset_ptr, d_mask_ptr,
+    d_mask_indptr_ptr, d_alibi_ptr, d_err_ptr, d_num_indices, d_q_len_per_req, d_tile_tokens, d_state_mult,
+    d_num_qo_heads, d_soft_cap, d_rope_rcp_scale, d_rope_log2_theta, d_window_left, num_items_p,
+    P_GROUP: tl.constexpr, P_HEAD_DIM_QK: tl.constexpr, P_HEAD_DIM_VO: tl.constexpr, P_BLOCK_M: tl.constexpr,
+    P_BLOCK_N: tl.constexpr, P_BLOCK_DQK: tl.constexpr, P_BLOCK_DV: tl.constexpr, P_IS_PAGED: tl.constexpr,
+    P_PAGE_SIZE: tl.constexpr, P_IS_CAUSAL: tl.constexpr, P_HAS_WINDOW: tl.constexpr, P_HAS_SOFT_CAP: tl.constexpr,
+    P_HAS_ALIBI: tl.constexpr, P_HAS_ROPE: tl.constexpr, P_HAS_CUSTOM_MASK: tl.constexpr,
+    P_HAS_SINKS: tl.constexpr, P_HAS_HEAD_SCALES: tl.constexpr, P_WRITE_LSE: tl.constexpr,
+    P_DOT_DTYPE: tl.constexpr, P_PREFETCH_PAGES: tl.constexpr, P_KV_AS_M: tl.constexpr,
+    P_MASK_FREE_TILES: tl.constexpr, P_FOLD_SCALE: tl.constexpr, P_LANES: tl.constexpr,
+    P_LANE_TOKENS: tl.constexpr, P_NUM_STAGES: tl.constexpr, P_MERGE_M: tl.constexpr,
+    P_MERGE_DV_CHUNK: tl.constexpr, P_MERGE_SPLIT_BLOCK: tl.constexpr, D_GROUP: tl.constexpr,
+    D_HEAD_DIM_QK: tl.constexpr, D_HEAD_DIM_VO: tl.constexpr, D_BLOCK_M: tl.constexpr, D_BLOCK_N: tl.constexpr,
+    D_BLOCK_DQK: tl.constexpr, D_BLOCK_DV: tl.constexpr, D_IS_PAGED: tl.constexpr, D_PAGE_SIZE: tl.constexpr,
+    D_IS_CAUSAL: tl.constexpr, D_HAS_WINDOW: tl.constexpr, D_HAS_SOFT_CAP: tl.constexpr, D_HAS_ALIBI: tl.constexpr,
+    D_HAS_ROPE: tl.constexpr, D_HAS_CUSTOM_MASK: tl.constexpr, D_HAS_SINKS: tl.constexpr,
+    D_HAS_HEAD_SCALES: tl.constexpr, D_WRITE_LSE: tl.constexpr, D_DOT_DTYPE: tl.constexpr,
+    D_PREFETCH_PAGES: tl.constexpr, D_KV_AS_M: tl.constexpr, D_MASK_FREE_TILES: tl.constexpr,
+    D_FOLD_SCALE: tl.constexpr, D_LANES: tl.constexpr, D_LANE_TOKENS: tl.constexpr, D_NUM_STAGES: tl.constexpr,
+    D_MERGE_M: tl.constexpr, D_MERGE_DV_CHUNK: tl.constexpr, D_MERGE_SPLIT_BLOCK: tl.constexpr,
+):
+    """Two planned attention launches in one grid (POD: a prefill batch and a decode batch). Programs
+    ``0 .. num_items_p - 1`` of axis 0 run the first launch's work items with its arguments (``p_*``)
+    and compile-time choices (``P_*``), the others the second's (``d_*``, ``D_*``). Each half has its
+    own work list, tensors, scores, tiles, partial states and split counters; both share the grid's
+    other axes (KV heads, row tiles: equal for both halves) and the launch's warps. Each half's
+    arguments are ``attention_fwd_kernel``'s: the per-call ones of both halves first, then the plan's."""
+    i_item = tl.program_id(0)
+    if i_item < num_items_p:
+        attention_item(
+            i_item,
+            p_q_ptr, p_stride_q_tok, p_stride_q_head, p_o_ptr, p_stride_o_tok, p_stride_o_head, p_k_ptr,
+            p_stride_k_page, p_stride_k_slot, p_stride_k_head, p_v_ptr, p_stride_v_page, p_stride_v_slot,
+            p_stride_v_head, p_num_pages, p_sm_scale_log2, p_v_scale, p_lse_ptr, p_stride_lse_tok, p_sinks_ptr,
+            p_scale_q_ptr, p_scale_k_ptr, p_scale_v_ptr, p_part_o_ptr, p_part_lse_ptr, p_counter_ptr, p_work_ptr,
+            p_qo_indptr_ptr, p_kv_indptr_ptr, p_kv_indices_ptr, p_kv_len_ptr, p_state_offset_ptr, p_mask_ptr,
+            p_mask_indptr_ptr, p_alibi_ptr, p_err_ptr, p_num_indices, p_q_len_per_req, p_tile_tokens, p_state_mult,
+            p_num_qo_heads, p_soft_cap, p_rope_rcp_scale, p_rope_log2_theta, p_window_left, P_GROUP, P_HEAD_DIM_QK,
+            P_HEAD_DIM_VO, P_BLOCK_M, P_BLOCK_N, P_BLOCK_DQK, P_BLOCK_DV, P_IS_PAGED, P_PAGE_SIZE, P_IS_CAUSAL,
+            P_HAS_WINDOW, P_HAS_SOFT_CAP, P_HAS_ALIBI, P_HAS_ROPE, P_HAS_CUSTOM_MASK, P_HAS_SINKS,
+            P_HAS_HEAD_SCALES, P_WRITE_LSE, P_DOT_DTYPE, P_PREFETCH_PAGES, P_KV_AS_M, P_MASK_FREE_TILES,
+            P_FOLD_SCALE, P_LANES, P_LANE_TOKENS, P_NUM_STAGES, P_MERGE_M, P_MERGE_DV_CHUNK, P_MERGE_SPLIT_BLOCK,
+        )
+    else:
+        attention_item(
+            i_item - num_items_p,
+            d_q_ptr, d_stride_q_tok, d_stride_q_head, d_o_ptr, d_stride_o_tok, d_stride_o_head, d_k_ptr,
+            d_stride_k_page, d_stride_k_slot, d_stride_k_head, d_v_ptr, d_stride_v_page, d_stride_v_slot,
+            d_stride_v_head, d_num_pages, d_sm_scale_log2, d_v_scale, d_lse_ptr, d_stride_lse_tok, d_sinks_ptr,
+            d_scale_q_ptr, d_scale_k_ptr, d_scale_v_ptr, d_part_o_ptr, d_part_lse_ptr, d_counter_ptr, d_work_ptr,
+            d_qo_indptr_ptr, d_kv_indptr_ptr, d_kv_indices_ptr, d_kv_len_ptr, d_state_offset_ptr, d_mask_ptr,
+            d_mask_indptr_ptr, d_alibi_ptr, d_err_ptr, d_num_indices, d_q_len_per_req, d_tile_tokens, d_state_mult,
+            d_num_qo_heads, d_soft_cap, d_rope_rcp_scale, d_rope_log2_theta, d_window_left, D_GROUP, D_HEAD_DIM_QK,
+            D_HEAD_DIM_VO, D_BLOCK_M, D_BLOCK_N, D_BLOCK_DQK, D_BLOCK_DV, D_IS_PAGED, D_PAGE_SIZE, D_IS_CAUSAL,
+            D_HAS_WINDOW, D_HAS_SOFT_CAP, D_HAS_ALIBI, D_HAS_ROPE, D_HAS_CUSTOM_MASK, D_HAS_SINKS,
+            D_HAS_HEAD_SCALES, D_WRITE_LSE, D_DOT_DTYPE, D_PREFETCH_PAGES, D_KV_AS_M, D_MASK_FREE_TILES,
+            D_FOLD_SCALE, D_LANES, D_LANE_TOKENS, D_NUM_STAGES, D_MERGE_M, D_MERGE_DV_CHUNK, D_MERGE_SPLIT_BLOCK,
+        )
 
 
 @triton.jit

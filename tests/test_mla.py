@@ -1,0 +1,338 @@
+"""Multi-head latent attention: ``BatchMLAPagedAttentionWrapper``, ``BatchDecodeMlaWithPagedKVCacheWrapper``
+and ``append_paged_mla_kv_cache`` against ``tritoninfer.reference.mla``.
+
+CPU cases use small latent dims (ckv 32, kpe 16) through the interpreter; the ``gpu`` cases use
+DeepSeek's (512 / 64, 128 and 16 heads, pages of 1 and 64, bf16).
+"""
+
+import math
+
+import pytest
+import torch
+
+import tritoninfer
+from tritoninfer import reference
+from tritoninfer.mla import (
+    BatchDecodeMlaWithPagedKVCacheWrapper,
+    BatchMLAPagedAttentionWrapper,
+    append_paged_mla_kv_cache,
+)
+from tritoninfer.testing import assert_close, assert_lse_close, make_workspace
+
+from conftest import DEVICE
+
+WS = 8 << 20
+
+
+def make_case(qo_lens, kv_lens, heads, d_ckv, d_kpe, page_size, dtype, strided=False, device=DEVICE, seed=0,
+              extra_pages=3):
+    """Queries, a paged latent cache with shuffled page ids and the page table. With ``strided``, q and
+    the cache are slices of one wider buffer each (as SGLang passes them)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = sum(qo_lens)
+    pages_per = [math.ceil(n / page_size) for n in kv_lens]
+    num_pages = sum(pages_per) + extra_pages
+    width = d_ckv + d_kpe + (8 if strided else 0)
+    q_full = torch.randn(rows, heads, width, generator=g).to(dtype).to(device)
+    cache_full = torch.randn(num_pages, page_size, width, generator=g).to(dtype).to(device)
+    if strided:
+        q_nope, q_pe = q_full[..., :d_ckv], q_full[..., d_ckv:d_ckv + d_kpe]
+        ckv, kpe = cache_full[..., :d_ckv], cache_full[..., d_ckv:d_ckv + d_kpe]
+    else:
+        q_nope, q_pe = q_full[..., :d_ckv].contiguous(), q_full[..., d_ckv:d_ckv + d_kpe].contiguous()
+        ckv, kpe = cache_full[..., :d_ckv].contiguous(), cache_full[..., d_ckv:d_ckv + d_kpe].contiguous()
+    perm = torch.randperm(num_pages, generator=g)[: sum(pages_per)].to(torch.int32)
+    qo_indptr = torch.tensor([0] + list(torch.tensor(qo_lens).cumsum(0)), dtype=torch.int32)
+    kv_indptr = torch.tensor([0] + list(torch.tensor(pages_per).cumsum(0)), dtype=torch.int32)
+    kv_len = torch.tensor(kv_lens, dtype=torch.int32)
+    return dict(q_nope=q_nope, q_pe=q_pe, ckv=ckv, kpe=kpe, qo_indptr=qo_indptr.to(device),
+                kv_indptr=kv_indptr.to(device), kv_indices=perm.to(device), kv_len=kv_len.to(device))
+
+
+def ref_of(c, sm_scale, causal):
+    return reference.mla_paged_attention(c["q_nope"], c["q_pe"], c["ckv"], c["kpe"], c["qo_indptr"], c["kv_indptr"],
+                                         c["kv_indices"], c["kv_len"], sm_scale, causal)
+
+
+def plan(wrapper, c, heads, page_size, causal, sm_scale, dtype):
+    wrapper.plan(c["qo_indptr"], c["kv_indptr"], c["kv_indices"], c["kv_len"], heads, c["ckv"].shape[-1],
+                 c["kpe"].shape[-1], page_size, causal, sm_scale, dtype, dtype)
+
+
+# (qo_lens, kv_lens, heads, page_size, causal, dtype, strided): sizes covered pairwise
+CASES = [
+    pytest.param([1, 1, 1], [5, 17, 0], 4, 1, False, torch.float16, True, id="decode-p1-empty-strided"),
+    pytest.param([3, 1, 2], [9, 6, 20], 4, 4, True, torch.float16, False, id="causal-p4"),
+    pytest.param([1, 2], [33, 7], 8, 4, True, torch.bfloat16, True, id="causal-bf16-strided"),
+    pytest.param([5], [11], 2, 3, True, torch.float16, False, id="causal-p3-two-heads"),
+    pytest.param([1, 1], [20, 3], 32, 4, False, torch.float16, False, id="two-row-programs"),
+]
+
+
+@pytest.mark.parametrize("qo_lens,kv_lens,heads,page_size,causal,dtype,strided", CASES)
+def test_mla_matches_reference(qo_lens, kv_lens, heads, page_size, causal, dtype, strided):
+    c = make_case(qo_lens, kv_lens, heads, 32, 16, page_size, dtype, strided)
+    if strided:
+        assert c["ckv"].stride(1) != c["ckv"].shape[-1] and c["q_nope"].stride(1) != c["q_nope"].shape[-1]
+    sm_scale = 1 / math.sqrt(24)
+    w = BatchMLAPagedAttentionWrapper(make_workspace(WS, DEVICE))
+    plan(w, c, heads, page_size, causal, sm_scale, dtype)
+    out, lse = w.run(c["q_nope"], c["q_pe"], c["ckv"], c["kpe"], return_lse=True)
+    ref_o, ref_lse = ref_of(c, sm_scale, causal)
+    assert_close(out, ref_o, dtype)
+    assert_lse_close(lse, ref_lse, dtype=dtype)
+
+
+def test_mla_kv_as_m_tiles(monkeypatch):
+    """The GPU's 16-row tiles put KV positions as the dots' M (transposed dots): same numbers."""
+    from tritoninfer import _plan, mla
+
+    monkeypatch.setattr(mla, "mla_tiles", lambda heads, q: _plan.Tiles(16, 16, 1, 1, 2, 1, prefetch_pages=False,
+                                                                       kv_as_m=True, programs_per_sm=1))
+    c = make_case([2, 1], [19, 40], 8, 32, 16, 4, torch.float16, strided=True)
+    w = BatchMLAPagedAttentionWrapper(make_workspace(WS, DEVICE))
+    plan(w, c, 8, 4, True, 0.2, torch.float16)
+    assert w._step.tiles.kv_as_m
+    out, lse = w.run(c["q_nope"], c["q_pe"], c["ckv"], c["kpe"], return_lse=True)
+    ref_o, ref_lse = ref_of(c, 0.2, True)
+    assert_close(out, ref_o, torch.float16)
+    assert_lse_close(lse, ref_lse, dtype=torch.float16)
+
+
+def test_mla_split_kv_merges_and_lse_base_e():
+    """A long request on few SMs is split; the last split merges the group in the same launch."""
+    c = make_case([2, 1], [150, 90], 4, 32, 16, 4, torch.float16)
+    w = BatchMLAPagedAttentionWrapper(make_workspace(WS, DEVICE))
+    plan(w, c, 4, 4, True, 0.2, torch.float16)
+    assert w._step.device_plan.has_splits
+    out, lse = w.run(c["q_nope"], c["q_pe"], c["ckv"], c["kpe"], return_lse=True, return_lse_base_on_e=True)
+    ref_o, ref_lse = ref_of(c, 0.2, True)
+    assert_close(out, ref_o, torch.float16)
+    assert_lse_close(lse, ref_lse * math.log(2), dtype=torch.float16)
+
+
+def test_mla_out_and_lse_buffers():
+    """A caller's ``out`` and ``lse`` are written (``lse`` even without ``return_lse``); longer
+    ``qo_indptr``/``kv_indptr`` than the batch (``kv_len_arr`` defines it) are accepted."""
+    c = make_case([1, 2], [7, 12], 4, 32, 16, 4, torch.float16)
+    w = BatchMLAPagedAttentionWrapper(make_workspace(WS, DEVICE))
+    qo = torch.cat([c["qo_indptr"], c["qo_indptr"][-1:]])
+    kvp = torch.cat([c["kv_indptr"], c["kv_indptr"][-1:]])
+    w.plan(qo, kvp, c["kv_indices"], c["kv_len"], 4, 32, 16, 4, False, 0.3, "float16", torch.float16)
+    out = torch.full_like(c["q_nope"], float("nan"))
+    lse = torch.full(c["q_nope"].shape[:2], float("nan"), device=DEVICE)
+    res = w.run(c["q_nope"], c["q_pe"], c["ckv"], c["kpe"], out=out, lse=lse)
+    assert res is out
+    ref_o, ref_lse = ref_of(c, 0.3, False)
+    assert_close(out, ref_o, torch.float16)
+    assert_lse_close(lse, ref_lse, dtype=torch.float16)
+
+
+def test_mla_cuda_graph_mode_replan_keeps_buffers():
+    """CUDA-graph mode: the first plan (empty KV, as a warmup) fixes the grid and the device buffers; a
+    re-plan with real lengths writes the same buffers, and the kernel reads page ids from the fixed
+    ``kv_indices`` buffer."""
+    heads, ps = 4, 4
+    c = make_case([1, 1, 1], [13, 40, 2], heads, 32, 16, ps, torch.float16)
+    batch = 3
+    bufs = dict(qo_indptr=torch.empty(batch + 1, dtype=torch.int32, device=DEVICE),
+                kv_indptr=torch.empty(batch + 1, dtype=torch.int32, device=DEVICE),
+                kv_indices=torch.zeros(64, dtype=torch.int32, device=DEVICE),
+                kv_len_arr=torch.empty(batch, dtype=torch.int32, device=DEVICE))
+    w = BatchMLAPagedAttentionWrapper(make_workspace(WS, DEVICE), use_cuda_graph=True, **bufs)
+    zeros = torch.zeros(batch + 1, dtype=torch.int32, device=DEVICE)
+    w.plan(c["qo_indptr"], zeros, torch.arange(batch, dtype=torch.int32, device=DEVICE),
+           torch.zeros(batch, dtype=torch.int32, device=DEVICE), heads, 32, 16, ps, False, 0.25, torch.float16,
+           torch.float16)
+    first = w._step.device_plan
+    out = torch.empty_like(c["q_nope"])
+    w.run(c["q_nope"], c["q_pe"], c["ckv"], c["kpe"], out=out)
+    assert bool((out == 0).all())
+    plan(w, c, heads, ps, False, 0.25, torch.float16)
+    again = w._step.device_plan
+    assert again.work.data_ptr() == first.work.data_ptr() and again.capacity == first.capacity
+    assert w._step.kv_indices is bufs["kv_indices"]
+    assert torch.equal(bufs["kv_indices"][: c["kv_indices"].numel()], c["kv_indices"])
+    w.run(c["q_nope"], c["q_pe"], c["ckv"], c["kpe"], out=out)
+    assert_close(out, ref_of(c, 0.25, False)[0], torch.float16)
+
+
+def test_mla_page_ids_from_device_buffers_are_bounded():
+    """A bad page id in the CUDA-graph ``kv_indices`` buffer (written by an engine, unseen by plan())
+    is never followed: the kernel reports it and ``check_errors`` raises."""
+    c = make_case([1], [8], 4, 32, 16, 4, torch.float16)
+    bufs = dict(qo_indptr=torch.empty(2, dtype=torch.int32, device=DEVICE),
+                kv_indptr=torch.empty(2, dtype=torch.int32, device=DEVICE),
+                kv_indices=torch.zeros(8, dtype=torch.int32, device=DEVICE),
+                kv_len_arr=torch.empty(1, dtype=torch.int32, device=DEVICE))
+    w = BatchMLAPagedAttentionWrapper(make_workspace(WS, DEVICE), use_cuda_graph=True, **bufs)
+    plan(w, c, 4, 4, False, 0.25, torch.float16)
+    bufs["kv_indices"][1] = 10_000
+    w.run(c["q_nope"], c["q_pe"], c["ckv"], c["kpe"])
+    with pytest.raises(ValueError, match="kv_indices"):
+        tritoninfer.check_errors()
+
+
+def test_mla_bad_inputs_name_the_argument():
+    c = make_case([1, 1], [6, 9], 4, 32, 16, 4, torch.float16)
+    w = BatchMLAPagedAttentionWrapper(make_workspace(WS, DEVICE))
+    with pytest.raises(ValueError, match="run\\(\\) was called before plan"):
+        w.run(c["q_nope"], c["q_pe"], c["ckv"], c["kpe"])
+    with pytest.raises(ValueError, match="kv_indptr.dtype"):
+        w.plan(c["qo_indptr"], c["kv_indptr"].long(), c["kv_indices"], c["kv_len"], 4, 32, 16, 4, False, 0.3,
+               torch.float16, torch.float16)
+    with pytest.raises(ValueError, match="kv_len_arr"):
+        w.plan(c["qo_indptr"], c["kv_indptr"], c["kv_indices"], c["kv_len"] + 8, 4, 32, 16, 4, False, 0.3,
+               torch.float16, torch.float16)
+    with pytest.raises(ValueError, match="backend"):
+        BatchMLAPagedAttentionWrapper(make_workspace(WS, DEVICE), backend="nope")
+    with pytest.raises(NotImplementedError, match="cutlass"):
+        BatchMLAPagedAttentionWrapper(make_workspace(WS, DEVICE), backend="cutlass")
+    plan(w, c, 4, 4, False, 0.3, torch.float16)
+    q_nope, q_pe, ckv, kpe = c["q_nope"], c["q_pe"], c["ckv"], c["kpe"]
+    with pytest.raises(ValueError, match="ckv_cache: latent dim 16 differs from the planned head_dim_ckv 32"):
+        w.run(q_nope, q_pe, ckv[..., :16], kpe)
+    with pytest.raises(ValueError, match="kpe_cache: latent dim 8 differs from the planned head_dim_kpe 16"):
+        w.run(q_nope, q_pe, ckv, kpe[..., :8])
+    with pytest.raises(ValueError, match="ckv_cache: page_size 2"):
+        w.run(q_nope, q_pe, ckv[:, :2], kpe[:, :2])
+    with pytest.raises(ValueError, match="kpe_cache: .* pages, but ckv_cache has"):
+        w.run(q_nope, q_pe, ckv, kpe[:-1])
+    with pytest.raises(ValueError, match="q_pe"):
+        w.run(q_nope, q_pe[..., :8], ckv, kpe)
+    with pytest.raises(ValueError, match="q_data_type"):
+        w.run(q_nope.to(torch.bfloat16), q_pe, ckv, kpe)
+    with pytest.raises(ValueError, match="kv_indices: page id"):
+        w.run(q_nope, q_pe, ckv[:2], kpe[:2])
+    with pytest.raises(ValueError, match="out"):
+        w.run(q_nope, q_pe, ckv, kpe, out=torch.empty(1, 4, 32, dtype=torch.float16))
+
+
+def test_append_paged_mla_kv_cache_matches_reference():
+    page_size, d_ckv, d_kpe = 4, 32, 16
+    kv_lens = [5, 1, 9]
+    pages_per = [math.ceil(n / page_size) for n in kv_lens]
+    num_pages = sum(pages_per) + 2
+    kv_indptr = torch.tensor([0, 2, 3, 6], dtype=torch.int32)
+    kv_indices = torch.tensor([4, 0, 6, 1, 3, 2], dtype=torch.int32)
+    last = torch.tensor([1, 1, 1], dtype=torch.int32)
+    append_indptr = torch.tensor([0, 5, 6, 15], dtype=torch.int32)
+    seq_lens = torch.tensor(kv_lens, dtype=torch.int32)
+    batch_indices, positions = tritoninfer.get_batch_indices_positions(append_indptr.to(DEVICE), seq_lens.to(DEVICE),
+                                                                     15)
+    ckv_app = torch.randn(15, d_ckv).half()
+    kpe_app = torch.randn(15, d_kpe).half()
+    # one 48-wide buffer sliced into ckv and kpe, as SGLang's
+    full = torch.zeros(num_pages, page_size, d_ckv + d_kpe, dtype=torch.float16)
+    ref_full = full.clone()
+    reference.append_paged_mla_kv_cache(ckv_app, kpe_app, batch_indices.cpu(), positions.cpu(), ref_full[..., :d_ckv],
+                                        ref_full[..., d_ckv:], kv_indices, kv_indptr, last)
+    full = full.to(DEVICE)
+    append_paged_mla_kv_cache(ckv_app.to(DEVICE), kpe_app.to(DEVICE), batch_indices, positions, full[..., :d_ckv],
+                              full[..., d_ckv:], kv_indices.to(DEVICE), kv_indptr.to(DEVICE), last.to(DEVICE))
+    assert torch.equal(full.cpu(), ref_full)
+    with pytest.raises(ValueError, match="kpe_cache"):
+        append_paged_mla_kv_cache(ckv_app, kpe_app, batch_indices, positions, full[..., :d_ckv],
+                                  full[:-1, :, d_ckv:], kv_indices, kv_indptr, last)
+
+
+def test_decode_mla_wrapper_matches_reference():
+    heads, ps = 4, 4
+    c = make_case([1, 1], [6, 13], heads, 32, 16, ps, torch.float16)
+    kv_lens = c["kv_len"].cpu()
+    last = torch.where(kv_lens > 0, (kv_lens - 1) % ps + 1, torch.zeros_like(kv_lens)).to(torch.int32)
+    w = BatchDecodeMlaWithPagedKVCacheWrapper(make_workspace(WS, DEVICE))
+    w.plan(c["kv_indptr"], c["kv_indices"], last.to(DEVICE), heads, 32, ps, 0.25, data_type=torch.float16)
+    out, lse = w.run(c["q_nope"], c["q_pe"], c["ckv"], c["kpe"], k_scale=2.0, v_scale=0.5, return_lse=True)
+    ref_o, ref_lse = ref_of(c, 0.5, False)
+    assert_close(out, ref_o * 0.5, torch.float16)
+    assert_lse_close(lse, ref_lse, dtype=torch.float16)
+    with pytest.raises(NotImplementedError, match="window_left"):
+        w.plan(c["kv_indptr"], c["kv_indices"], last, heads, 32, ps, 0.25, window_left=4)
+
+
+def test_compat_mla_fast_plan_and_private_attributes():
+    """SGLang's ``fast_mla_decode_plan``: it sets ``_causal``/``_page_size``/``_sm_scale``, then calls
+    ``_cached_module.plan`` with FlashInfer's argument list (host indptrs and lengths; the page ids
+    are in ``_kv_indices_buf``)."""
+    from tritoninfer import _compat
+
+    heads, ps = 4, 1
+    c = make_case([1, 1], [5, 9], heads, 32, 16, ps, torch.float16)
+    c2 = make_case([1, 1], [11, 3], heads, 32, 16, ps, torch.float16, seed=1)
+    bufs = dict(qo_indptr=torch.arange(3, dtype=torch.int32, device=DEVICE),
+                kv_indptr=torch.zeros(3, dtype=torch.int32, device=DEVICE),
+                kv_indices=torch.zeros(64, dtype=torch.int32, device=DEVICE),
+                kv_len_arr=torch.ones(2, dtype=torch.int32, device=DEVICE))
+    mods = _compat._module_contents()
+    cls = mods["flashinfer.mla"]["BatchMLAPagedAttentionWrapper"]
+    assert mods["flashinfer"]["BatchMLAPagedAttentionWrapper"] is cls
+    w = cls(make_workspace(WS, DEVICE), use_cuda_graph=True, backend="auto", **bufs)
+    plan(w, c, heads, ps, False, 0.3, torch.float16)
+    for name in ("_float_workspace_buffer", "_int_workspace_buffer", "_pin_memory_int_workspace_buffer",
+                 "_qo_indptr_buf", "_kv_indptr_buf", "_kv_indices_buf", "_kv_len_arr_buf"):
+        assert torch.is_tensor(getattr(w, name)), name
+    assert (w._causal, w._page_size, w._sm_scale) == (False, ps, 0.3)
+    # the engine writes the page table into the fixed buffer, then re-plans from host copies
+    bufs["kv_indices"][: c2["kv_indices"].numel()] = c2["kv_indices"]
+    w._causal, w._page_size, w._sm_scale = False, ps, 0.3
+    w._cached_module.plan(w._float_workspace_buffer, w._int_workspace_buffer, w._pin_memory_int_workspace_buffer,
+                          c2["qo_indptr"].cpu(), c2["kv_indptr"].cpu(), c2["kv_len"].cpu(), heads, 32, False)
+    out = w.run(c2["q_nope"], c2["q_pe"], c2["ckv"], c2["kpe"])
+    assert_close(out, ref_of(c2, 0.3, False)[0], torch.float16)
+    w._sm_scale = 0.5  # FlashInfer's run() reads it: it takes effect at once
+    assert_close(w.run(c2["q_nope"], c2["q_pe"], c2["ckv"], c2["kpe"]), ref_of(c2, 0.5, False)[0], torch.float16)
+    assert mods["flashinfer.page"]["append_paged_mla_kv_cache"] is append_paged_mla_kv_cache
+    assert not getattr(mods["flashinfer.decode"]["BatchDecodeMlaWithPagedKVCacheWrapper"],
+                       "__tritoninfer_unsupported__", None)
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU: DeepSeek dims
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [128, 16])
+@pytest.mark.parametrize("page_size", [1, 64])
+@pytest.mark.parametrize("qo_len,causal", [(1, False), (4, True)])
+def test_mla_deepseek_dims_gpu(heads, page_size, qo_len, causal):
+    kv_lens = [1, 77, 1000, 4133, 0, 129]
+    if causal:
+        kv_lens = [max(n, qo_len) for n in kv_lens]
+    c = make_case([qo_len] * len(kv_lens), kv_lens, heads, 512, 64, page_size, torch.bfloat16, strided=True)
+    sm_scale = 1 / math.sqrt(192)
+    w = BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
+    plan(w, c, heads, page_size, causal, sm_scale, torch.bfloat16)
+    out, lse = w.run(c["q_nope"], c["q_pe"], c["ckv"], c["kpe"], return_lse=True)
+    ref_o, ref_lse = ref_of(c, sm_scale, causal)
+    assert_close(out, ref_o, torch.bfloat16)
+    assert_lse_close(lse, ref_lse, dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [128, 16])
+def test_mla_cuda_graph_capture_replan_gpu(heads):
+    """A graph captured after a warmup plan stays valid after a re-plan with other lengths (splits)."""
+    batch, ps = 4, 64
+    c = make_case([1] * batch, [9000, 12, 700, 3000], heads, 512, 64, ps, torch.bfloat16, strided=True)
+    bufs = dict(qo_indptr=torch.empty(batch + 1, dtype=torch.int32, device="cuda"),
+                kv_indptr=torch.empty(batch + 1, dtype=torch.int32, device="cuda"),
+                kv_indices=torch.empty(1 << 16, dtype=torch.int32, device="cuda"),
+                kv_len_arr=torch.empty(batch, dtype=torch.int32, device="cuda"))
+    w = BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), True, **bufs)
+    w.plan(c["qo_indptr"], torch.zeros(batch + 1, dtype=torch.int32, device="cuda"), c["kv_indices"][:batch],
+           torch.zeros(batch, dtype=torch.int32, device="cuda"), heads, 512, 64, ps, False, 0.07, torch.bfloat16,
+           torch.bfloat16)
+    out = torch.empty_like(c["q_nope"])
+    lse = torch.empty(c["q_nope"].shape[:2], dtype=torch.float32, device="cuda")
+    w.run(c["q_nope"], c["q_pe"], c["ckv"], c["kpe"], out=out, lse=lse)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        w.run(c["q_nope"], c["q_pe"], c["ckv"], c["kpe"], out=out, lse=lse)
+    plan(w, c, heads, ps, False, 0.07, torch.bfloat16)
+    out.fill_(float("nan"))
+    g.replay()
+    ref_o, ref_lse = ref_of(c, 0.07, False)
+    assert_close(out, ref_o, torch.bfloat16)
+    assert_lse_close(lse, ref_lse, dtype=torch.bfloat16)

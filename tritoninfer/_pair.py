@@ -1,0 +1,87 @@
+"""Two planned attention launches as one (``kernels/attention.py``'s ``attention_pair_kernel``): POD's
+prefill and decode halves in one grid, so the decode items fill the GPU beside the prefill tiles
+instead of waiting for them.
+
+Each half is an ``AttentionLaunch`` built as for a launch of its own (its variant, its bound plan
+arguments, its partial states and split counters); this module only lays the two halves' arguments
+out in the pair kernel's order and launches once. The halves must agree on the grid's other axes
+(KV heads, row tiles).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from ._attention import AttentionLaunch
+from ._launch import CachedLauncher
+from .kernels.attention import attention_pair_kernel
+
+_PAIR = CachedLauncher(attention_pair_kernel)
+
+# attention_fwd_kernel's per-call arguments: 17 always passed, then 6 optional ones (lse, its row
+# stride, sinks, three head scales) that AttentionLaunch binds as placeholders when absent
+_OPTIONAL = 6
+_LOG2E = 1.4426950408889634
+
+
+def _per_call(launch: AttentionLaunch, q: torch.Tensor, out: torch.Tensor, lse: Optional[torch.Tensor], kv,
+              q_scale, k_scale, v_scale) -> Tuple[bool, tuple]:
+    """One half's per-call arguments (all 23, as ``AttentionLaunch.__call__`` lays them out) and
+    whether its folded-scale variant may run (a positive scale)."""
+    dev = launch.device
+    if q.device != dev or out.device != dev or kv.k.device != dev or kv.v.device != dev or (
+            lse is not None and lse.device != dev):
+        raise ValueError(f"attention: every tensor must be on the plan's device {dev}")
+    if launch.needs_pages and kv.num_pages == 0:
+        raise ValueError("paged_kv_cache: the cache has no pages, but the plan reads KV from it")
+    sm_scale = launch.sm_scale * (1.0 if q_scale is None else float(q_scale)) * (
+        1.0 if k_scale is None else float(k_scale))
+    v_scale = 1.0 if v_scale is None else float(v_scale)
+    dummy = launch.dummy
+    head = (q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), kv.k, *kv.k_strides, kv.v,
+            *kv.v_strides, kv.num_pages, sm_scale * _LOG2E, v_scale,
+            lse if lse is not None else dummy, lse.stride(0) if lse is not None else 0, dummy, dummy, dummy, dummy)
+    return sm_scale > 0, head
+
+
+class PairLaunch:
+    """``first`` and ``second`` (each an ``AttentionLaunch`` of its own plan) in one launch: the grid's
+    first ``first``-capacity programs run the first half's items, the rest the second's."""
+
+    def __init__(self, first: AttentionLaunch, second: AttentionLaunch) -> None:
+        g1, g2 = first.attention.grid, second.attention.grid
+        if g1[1:] != g2[1:]:
+            raise ValueError(f"attention pair: the halves' grids disagree on KV heads / row tiles ({g1} vs {g2})")
+        if first.variant.lanes or second.variant.lanes:
+            # the pair shares one warp count; the dot-free lanes are sized by theirs
+            raise ValueError("attention pair: the dot-free single-row tiles cannot be paired")
+        self.first, self.second = first, second
+        self.grid = (g1[0] + g2[0], g1[1], g1[2])
+        self.num_items_p = g1[0]
+        self._bound: dict = {}
+
+    def _bind(self, fold_p: bool, fold_d: bool):
+        key = (fold_p, fold_d)
+        bound = self._bound.get(key)
+        if bound is None:
+            halves = []
+            for launch, fold in ((self.first, fold_p), (self.second, fold_d)):
+                bl = launch.attention if fold else launch.unfolded
+                halves.append((bl.tail[_OPTIONAL - launch.optional:], bl.kwargs))
+            (tail_p, kw_p), (tail_d, kw_d) = halves
+            kwargs = {}
+            for prefix, kw in (("P_", kw_p), ("D_", kw_d)):
+                kwargs.update({prefix + k: v for k, v in kw.items() if k not in ("num_warps", "num_stages")})
+            # one warp count for both halves: the larger (the prefill tiles' 8 where they run)
+            kwargs["num_warps"] = max(kw_p["num_warps"], kw_d["num_warps"])
+            kwargs["num_stages"] = max(kw_p["num_stages"], kw_d["num_stages"])
+            bound = self._bound[key] = _PAIR.bind(self.grid, tail_p + tail_d + (self.num_items_p,), kwargs)
+        return bound
+
+    def __call__(self, p: tuple, d: tuple) -> None:
+        """``p`` and ``d``: each half's ``(q, out, lse, kv, q_scale, k_scale, v_scale)``."""
+        fold_p, head_p = _per_call(self.first, *p)
+        fold_d, head_d = _per_call(self.second, *d)
+        self._bind(fold_p, fold_d)(*head_p, *head_d)

@@ -1,0 +1,834 @@
+"""Multi-head latent attention (MLA): FlashInfer 0.5.3's ``flashinfer.mla.BatchMLAPagedAttentionWrapper``,
+``flashinfer.page.append_paged_mla_kv_cache`` and the deprecated
+``flashinfer.decode.BatchDecodeMlaWithPagedKVCacheWrapper``.
+
+Absorbed MLA (DeepSeek V2/V3/R1, Kimi K2): every query head attends to one shared latent cache,
+``ckv`` ``[num_pages, page_size, head_dim_ckv]`` (512 for DeepSeek) and ``kpe``
+``[num_pages, page_size, head_dim_kpe]`` (64). For a query row ``[q_nope; q_pe]``:
+``s = (q_nope·ckv + q_pe·kpe) * sm_scale``, ``out = softmax(s)·ckv`` (``tritoninfer.reference.mla``).
+
+The kernel (``kernels/mla.py``) lets one program take a block of (query token, head) rows of a
+request and load each KV tile once for all of them, so the latent cache is read once per request
+and row block, not once per head. ``plan()`` does the host work (page-table checks, the split-KV
+decision and work list of ``_step.plan_work``, one upload); ``run()`` checks its tensors against the
+plan and launches once (the splits' partial states are merged inside the launch). ``run()`` never
+synchronises with the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Literal, Optional, Tuple, Union, overload
+
+import numpy as np
+import torch
+import triton.language as tl
+
+from . import _device, _errors, _ops
+from ._attention import DevicePlan, PlanUploader
+from ._errors import fault_record
+from ._launch import CachedLauncher
+from ._options import (
+    check_dtype_in,
+    check_indptr_host,
+    check_out,
+    check_positive_int,
+    check_tensor,
+    canonicalize_dtype,
+    copy_into,
+    host_index,
+)
+from ._plan import Tiles, cdiv, next_pow2
+from ._step import GraphBuffers, plan_work, upload_plan
+from .kernels.mla import mla_fwd_kernel
+from .page import append_paged_kv_cache
+
+__all__ = ["BatchMLAPagedAttentionWrapper", "BatchDecodeMlaWithPagedKVCacheWrapper", "append_paged_mla_kv_cache"]
+
+_MLA = CachedLauncher(mla_fwd_kernel)
+
+# FlashInfer's backend names for this wrapper; every one but "cutlass" runs tritoninfer's kernel
+MLA_BACKENDS = ("auto", "fa2", "fa3", "cutlass")
+MLA_DTYPES = (torch.float16, torch.bfloat16)
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+_LN2 = math.log(2.0)
+
+
+def mla_tiles(num_heads: int, avg_q_len: float) -> Tiles:
+    """Tiles of the MLA kernel: ``block_m`` rows per program (query tokens x heads of one request,
+    at most 64: a 64 x 512 fp32 accumulator alone takes 128 registers per thread over 8 warps),
+    ``tile_tokens`` query tokens per work item and ``row_tiles`` programs per item.
+
+    Keyed on the head count and the batch's mean query tokens per request (as ``prefill_tiles`` on
+    its packed rows), never on KV lengths. 64 heads or more fill the block with one token's heads;
+    fewer heads take several query tokens per item (speculative verify, prefill), so the KV tile is
+    still read once for up to 64 rows. Chosen by ptxas's register report for sm_90 at DeepSeek's
+    dims (not timed on a GPU yet): 16 rows with KV as the dots' M (wgmma reads the latent tile from
+    shared memory; 125 registers, no spills), 32 rows 189 registers, 64 rows 255 registers with
+    ~124-220 bytes of spills (every 64-row variant tried spills: 16 warps, 16- or 64-position tiles).
+    One program per SM for the split policy (the tiles take most of an SM's registers).
+    """
+    if num_heads >= 64:
+        tokens = 1
+    else:
+        tokens = max(1, min(next_pow2(max(1, math.ceil(avg_q_len))), 64 // num_heads))
+    rows = num_heads * tokens
+    if _device.is_interpreter():
+        # 16 x 16 blocks: each tl op costs time there, not registers
+        tokens = max(1, min(tokens, 16 // num_heads)) if num_heads < 16 else 1
+        return Tiles(16, 16, 1, 1, tokens, cdiv(num_heads * tokens, 16), prefetch_pages=False, programs_per_sm=1)
+    block_m = min(64, max(16, next_pow2(rows)))
+    if block_m == 16:
+        return Tiles(16, 32, 8, 3, tokens, cdiv(rows, 16), prefetch_pages=False, kv_as_m=True, programs_per_sm=1)
+    return Tiles(block_m, 32, 8, 2, tokens, cdiv(rows, block_m), prefetch_pages=False, programs_per_sm=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAStep:
+    """What one ``plan()`` of an MLA wrapper fixed; ``run()`` reads this and nothing else of the plan."""
+
+    num_heads: int
+    head_dim_ckv: int
+    head_dim_kpe: int
+    page_size: int
+    causal: bool
+    sm_scale: float
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    batch: int
+    total_rows: int  # qo_indptr[batch]: the query rows the plan writes
+    tiles: Tiles
+    device_plan: DevicePlan
+    kv_indptr: torch.Tensor  # the plan's own device copy (checked on the host)
+    kv_indices: torch.Tensor  # the caller's page ids on the device (the fixed buffer in CUDA-graph mode)
+    max_page_id: Optional[int]  # the largest page id, when the ids were on the host (checked at run)
+    # bound launches (MLALaunch) by run variant; kept on the plan, replaced with it
+    launches: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+
+class MLALaunch:
+    """The MLA kernel's launch with what one plan fixes bound (grid, plan tensors, workspace views,
+    constexprs); a call passes the query, cache, output and LSE tensors."""
+
+    def __init__(self, step: MLAStep, workspace: torch.Tensor, write_lse: bool, dot) -> None:
+        plan, tiles, heads, d_ckv = step.device_plan, step.tiles, step.num_heads, step.head_dim_ckv
+        device = plan.kv_len.device
+        self.device = device
+        self.dummy = _device.per_device("unread", device, lambda: torch.zeros(16, dtype=torch.int32, device=device))
+        states = plan.state_capacity
+        if plan.has_splits or plan.always_merge:
+            need = states * heads * (d_ckv + 1)
+            if workspace.numel() // 4 < need:
+                raise ValueError(f"float_workspace_buffer: the plan needs {need * 4} bytes for split-KV states, "
+                                 f"the buffer has {workspace.numel()}")
+            ws = workspace[: (workspace.numel() // 4) * 4].view(torch.float32)
+            part_o, part_lse = ws[: states * heads * d_ckv], ws[states * heads * d_ckv: need]
+            counters = plan.counters.get(plan.capacity * tiles.row_tiles)
+        else:
+            part_o = part_lse = counters = self.dummy  # never touched: every item writes its final output
+        block_ckv = max(16, next_pow2(d_ckv))
+        merge_dv = min(block_ckv, max(16, 4096 // tiles.block_m))
+        kwargs = dict(
+            NUM_HEADS=heads, HEAD_DIM_CKV=d_ckv, HEAD_DIM_KPE=step.head_dim_kpe, BLOCK_M=tiles.block_m,
+            BLOCK_N=tiles.block_n, BLOCK_CKV=block_ckv, BLOCK_KPE=max(16, next_pow2(step.head_dim_kpe)),
+            PAGE_SIZE=step.page_size, IS_CAUSAL=step.causal, WRITE_LSE=write_lse, DOT_DTYPE=dot,
+            FOLD_SCALE=step.sm_scale > 0, NUM_STAGES=tiles.num_stages, KV_AS_M=tiles.kv_as_m,
+            MERGE_DV_CHUNK=merge_dv,
+            MERGE_SPLIT_BLOCK=max(1, min(8, 8192 // (tiles.block_m * merge_dv))),
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        )
+        tail = (part_o, part_lse, counters, plan.work, plan.qo_indptr, step.kv_indptr, step.kv_indices, plan.kv_len,
+                plan.state_offset, fault_record(device), step.kv_indices.numel(), tiles.tile_tokens)
+        self.keep = (workspace, step.kv_indptr, step.kv_indices)  # the identities in _launch's key stay alive
+        self.needs_pages = plan.reads_kv
+        self.launch = _MLA.bind((tiles.row_tiles, plan.capacity), tail, kwargs)
+        self.sm_scale_log2 = step.sm_scale / _LN2
+
+    def __call__(self, q_nope, q_pe, ckv, kpe, out, lse, sm_scale_log2: float, lse_scale: float) -> None:
+        if self.needs_pages and ckv.shape[0] == 0:
+            raise ValueError("ckv_cache: the cache has no pages, but the plan reads KV from it")
+        lse_args = (lse, lse.stride(0), lse.stride(1)) if lse is not None else (self.dummy, 0, 0)
+        self.launch(q_nope, q_nope.stride(0), q_nope.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1),
+                    ckv, ckv.stride(0), ckv.stride(1), kpe, kpe.stride(0), kpe.stride(1), ckv.shape[0],
+                    out, out.stride(0), out.stride(1), *lse_args, sm_scale_log2, lse_scale)
+
+
+def _dot_dtype(q_dtype: torch.dtype):
+    """Operand dtype of the kernel's dots: the query dtype; fp32 under the interpreter (its bf16
+    ``tl.dot`` is wrong)."""
+    return tl.float32 if _device.is_interpreter() else _TL_DTYPES[q_dtype]
+
+
+def _check_index_dtype(t, name: str) -> None:
+    check_tensor(t, name, ndim=1)
+    if t.dtype != torch.int32:
+        raise ValueError(f"Expected {name}.dtype == torch.int32, got {t.dtype}")
+
+
+class _MLAPlanner:
+    """The plan and run machinery shared by the two MLA wrappers: host checks, the work list, the
+    upload (into fixed buffers in CUDA-graph mode) and the launch."""
+
+    def _init_planner(self, float_workspace_buffer: torch.Tensor, use_cuda_graph: bool) -> None:
+        check_tensor(float_workspace_buffer, "float_workspace_buffer")
+        self._float_workspace_buffer = float_workspace_buffer
+        self.device = float_workspace_buffer.device
+        self._use_cuda_graph = bool(use_cuda_graph)
+        self._graph = GraphBuffers(self.device) if use_cuda_graph else None
+        self._uploader = PlanUploader(self.device)
+        self._num_sms = _device.num_sms(self.device)
+        self._step: Optional[MLAStep] = None
+        self._faults = _errors.FaultWatch(self.device)
+        self._handle = _ops.register_wrapper(self)  # for run() under torch.compile (_ops.wrapper_run)
+
+    def _plan_step(self, *, qo_host: torch.Tensor, kv_indptr_host: torch.Tensor, kv_lens_host: torch.Tensor,
+                   kv_indices: torch.Tensor, kv_indices_name: str, num_heads: int, head_dim_ckv: int,
+                   head_dim_kpe: int, page_size: int, causal: bool, sm_scale: float, q_dtype: torch.dtype,
+                   kv_dtype: torch.dtype, kv_indices_device: Optional[torch.Tensor]) -> MLAStep:
+        """Checks a plan on the host and uploads it. ``kv_indices_device``: the page ids the kernel
+        reads (the fixed buffer in CUDA-graph mode); None: ``kv_indices`` moved to the device."""
+        _device.check_launchable(self.device, "plan()")
+        self._faults.raise_pending()
+        check_positive_int(num_heads, "num_heads")
+        check_positive_int(head_dim_ckv, "head_dim_ckv")
+        check_positive_int(head_dim_kpe, "head_dim_kpe")
+        check_positive_int(page_size, "page_size")
+        if isinstance(causal, torch.Tensor) or not isinstance(causal, (bool, int, np.bool_)):
+            raise ValueError(f"causal: expected a bool, got {causal!r}")
+        sm_scale = float(sm_scale)
+        if not math.isfinite(sm_scale):
+            raise ValueError(f"sm_scale: expected a finite float, got {sm_scale}")
+        batch = kv_lens_host.numel()
+        if qo_host.numel() < batch + 1:
+            raise ValueError(f"qo_indptr: expected at least batch_size + 1 = {batch + 1} elements (batch_size is "
+                             f"kv_len_arr's length), got {qo_host.numel()}")
+        if kv_indptr_host.numel() < batch + 1:
+            raise ValueError(f"kv_indptr: expected at least batch_size + 1 = {batch + 1} elements (batch_size is "
+                             f"kv_len_arr's length), got {kv_indptr_host.numel()}")
+        qo_host, kv_indptr_host = qo_host[: batch + 1], kv_indptr_host[: batch + 1]
+        check_indptr_host(qo_host, "qo_indptr", zero_start=False)
+        check_indptr_host(kv_indptr_host, "kv_indptr", zero_start=False)
+        qo = qo_host.numpy().astype(np.int64)
+        kvp = kv_indptr_host.numpy().astype(np.int64)
+        kv_lens = kv_lens_host.numpy().astype(np.int64)
+        pages = kvp[1:] - kvp[:-1]
+        if (kv_lens < 0).any() or (kv_lens > pages * page_size).any():
+            b = int(np.flatnonzero((kv_lens < 0) | (kv_lens > pages * page_size))[0])
+            raise ValueError(f"kv_len_arr: request {b} has kv_len {int(kv_lens[b])}, outside [0, its {int(pages[b])} "
+                             f"page(s) x page_size {page_size}] (kv_indptr)")
+        num_indices = kv_indices.numel() if kv_indices_device is None else kv_indices_device.numel()
+        if batch and int(kvp[-1]) > num_indices:
+            raise ValueError(f"{kv_indices_name}: kv_indptr[-1] = {int(kvp[-1])} page ids, but it holds {num_indices}")
+        max_page_id = None
+        if kv_indices.device.type == "cpu" and kv_indices_device is None:
+            used = kv_indices[int(kvp[0]) if batch else 0: int(kvp[-1]) if batch else 0]
+            if used.numel():
+                if int(used.min()) < 0:
+                    raise ValueError(f"{kv_indices_name}: negative page id {int(used.min())}")
+                max_page_id = int(used.max())
+
+        qo_lens = qo[1:] - qo[:-1]
+        if causal and ((qo_lens > kv_lens) & (qo_lens > 0)).any():
+            b = int(np.flatnonzero((qo_lens > kv_lens) & (qo_lens > 0))[0])
+            raise ValueError(f"qo_indptr: causal request {b} has {int(qo_lens[b])} query tokens but kv_len "
+                             f"{int(kv_lens[b])}; causal MLA needs qo_len <= kv_len (as FlashInfer)")
+        graph = self._graph
+        if graph is not None and graph.sized:
+            tiles = graph.tiles
+        else:
+            tiles = mla_tiles(num_heads, float(qo_lens.mean()) if batch else 1.0)
+        workspace_bytes = self._float_workspace_buffer.numel() * self._float_workspace_buffer.element_size()
+        total_rows = int(qo[-1]) if batch else 0
+        if graph is not None:
+            if not graph.sized:
+                # the work-list capacity holds any plan of at most this many query rows: a request's
+                # query tiles are at most its rows / tile_tokens, rounded up
+                rows = max(total_rows, batch, 1)
+                q_tiles = min(rows, cdiv(rows, tiles.tile_tokens) + batch)
+                graph.size(rows=rows, q_tiles=q_tiles, batch=max(batch, 1), tiles=tiles, num_sms=self._num_sms,
+                           workspace_bytes=workspace_bytes, num_qo_heads=num_heads, head_dim_vo=head_dim_ckv)
+            elif int(qo_lens.sum()) > graph.max_rows:
+                raise ValueError(f"qo_indptr: the plan has {int(qo_lens.sum())} query rows, more than the "
+                                 f"{graph.max_rows} of the first plan that sized the CUDA-graph buffers")
+        work = plan_work(qo_lens=qo_lens, kv_lens=kv_lens, tiles=tiles, num_qo_heads=num_heads,
+                         num_kv_heads=tiles.row_tiles, head_dim_vo=head_dim_ckv, page_size=page_size,
+                         fixed_split_size=None, disable_split_kv=False, workspace_bytes=workspace_bytes,
+                         num_sms=self._num_sms, graph=graph, heaviest_first=bool(causal))
+        plan, (kv_indptr_d,) = upload_plan(self._uploader, graph, work, kv_lens, qo, [kvp], non_blocking=True)
+        if kv_indices_device is None:
+            kv_indices_device = kv_indices.to(self.device, torch.int32, non_blocking=True)
+        return MLAStep(
+            num_heads=num_heads, head_dim_ckv=head_dim_ckv, head_dim_kpe=head_dim_kpe, page_size=page_size,
+            causal=bool(causal), sm_scale=sm_scale, q_dtype=q_dtype, kv_dtype=kv_dtype, batch=batch,
+            total_rows=total_rows, tiles=tiles, device_plan=plan, kv_indptr=kv_indptr_d,
+            kv_indices=kv_indices_device, max_page_id=max_page_id,
+        )
+
+    def _run_step(self, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse, *, lse_base_e: bool = False,
+                  scale: float = 1.0, names=("ckv_cache", "kpe_cache")):
+        step = self._step
+        if step is None:
+            raise ValueError("run() was called before plan()")
+        ckv_name, kpe_name = names
+        heads, d_ckv, d_kpe = step.num_heads, step.head_dim_ckv, step.head_dim_kpe
+        for t, name, d in ((q_nope, "q_nope", d_ckv), (q_pe, "q_pe", d_kpe)):
+            check_tensor(t, name, ndim=3)
+            if t.dtype != step.q_dtype:
+                raise ValueError(f"The dtype of {name} {t.dtype} does not match the q_data_type {step.q_dtype} "
+                                 "specified in plan function.")
+            if t.shape[1] != heads or t.shape[2] != d or t.shape[0] < step.total_rows:
+                raise ValueError(f"{name}: expected shape [>= {step.total_rows}, {heads}, {d}] (rows, num_heads, "
+                                 f"head_dim of the plan), got {tuple(t.shape)}")
+            if t.stride(2) != 1:
+                raise ValueError(f"{name}: the last dimension must be contiguous")
+        if q_pe.shape[0] != q_nope.shape[0]:
+            raise ValueError(f"q_pe: {q_pe.shape[0]} rows, q_nope has {q_nope.shape[0]}")
+        for t, name, d, plan_name in ((ckv_cache, ckv_name, d_ckv, "head_dim_ckv"),
+                                      (kpe_cache, kpe_name, d_kpe, "head_dim_kpe")):
+            check_tensor(t, name, ndim=3)
+            if t.dtype != step.kv_dtype:
+                raise ValueError(f"The dtype of {name} {t.dtype} does not match the kv_data_type {step.kv_dtype} "
+                                 "specified in plan function.")
+            if t.shape[2] != d:
+                raise ValueError(f"{name}: latent dim {t.shape[2]} differs from the planned {plan_name} {d}")
+            if t.shape[1] != step.page_size:
+                raise ValueError(f"{name}: page_size {t.shape[1]} (dim 1) differs from the planned page_size "
+                                 f"{step.page_size}")
+            if t.shape[2] > 1 and t.stride(2) != 1:
+                raise ValueError(f"{name}: the last dimension must be contiguous")
+        if kpe_cache.shape[0] != ckv_cache.shape[0]:
+            raise ValueError(f"{kpe_name}: {kpe_cache.shape[0]} pages, but {ckv_name} has {ckv_cache.shape[0]}")
+        dev = self.device
+        for t, name in ((q_nope, "q_nope"), (q_pe, "q_pe"), (ckv_cache, ckv_name), (kpe_cache, kpe_name)):
+            if t.device != dev:
+                raise ValueError(f"{name}: expected a tensor on the plan's device {dev}, got one on {t.device}")
+        if step.max_page_id is not None and step.max_page_id >= ckv_cache.shape[0]:
+            raise ValueError(f"kv_indices: page id {step.max_page_id} is outside the cache's "
+                             f"[0, {ckv_cache.shape[0]}) pages")
+        out = check_out(out, tuple(q_nope.shape), q_nope.dtype, dev, "out")
+        if lse is not None or return_lse:
+            # a caller's lse buffer is written whether or not it is returned, as in FlashInfer
+            lse = check_out(lse, tuple(q_nope.shape[:2]), torch.float32, dev, "lse")
+        key = (lse is not None, id(self._float_workspace_buffer))
+        launch = step.launches.get(key)
+        if launch is None:
+            launch = step.launches[key] = MLALaunch(step, self._float_workspace_buffer, lse is not None,
+                                                    _dot_dtype(step.q_dtype))
+        launch(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, launch.sm_scale_log2 * scale,
+               _LN2 if lse_base_e else 1.0)
+        return (out, lse) if return_lse else out
+
+
+class BatchMLAPagedAttentionWrapper(_MLAPlanner):
+    """MLA (multi-head latent attention, DeepSeek V2/V3) over a paged latent cache, for decode and
+    incremental prefill, with the matrix-absorption trick (``W_UK`` absorbed into the query,
+    ``W_UV`` into the output projection). Planned once per step, run per layer.
+
+    Example
+    -------
+    >>> ws = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+    >>> wrapper = tritoninfer.BatchMLAPagedAttentionWrapper(ws)
+    >>> wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_lens, 128, 512, 64, 1, False,
+    ...              1 / (192 ** 0.5), torch.bfloat16, torch.bfloat16)
+    >>> o = wrapper.run(q_nope, q_pe, ckv, kpe)  # [rows, 128, 512]
+
+    Parameters
+    ----------
+    float_workspace_buffer : torch.Tensor
+        uint8 buffer for split-KV partial states (FlashInfer recommends 128 MB); its size is
+        checked against each plan.
+    use_cuda_graph : bool
+        Fixed batch size and buffers: the launch grid and every device buffer the kernel reads are
+        fixed by the first ``plan()``, so a graph captured after one plan stays valid after later
+        plans (with at most as many query rows as the first).
+    qo_indptr, kv_indptr, kv_indices, kv_len_arr : Optional[torch.Tensor]
+        int32 buffers ``[batch_size + 1]``, ``[batch_size + 1]``, ``[max_pages]``, ``[batch_size]``;
+        required with ``use_cuda_graph``. ``plan()`` copies its arguments into them (unless they are
+        the buffers themselves) and the kernel reads its page ids from ``kv_indices``, so an engine
+        may write the page table there itself and re-plan through ``_cached_module.plan``.
+    backend : str
+        ``"auto"``, ``"fa2"`` or ``"fa3"`` run tritoninfer's Triton kernel. ``"cutlass"`` (FlashInfer's
+        SM100 kernel with a block-table ``run(kv_len=, page_table=)`` and no plan) raises
+        ``NotImplementedError``; other values raise ``ValueError``.
+    """
+
+    def __init__(
+        self,
+        float_workspace_buffer: torch.Tensor,
+        use_cuda_graph: bool = False,
+        qo_indptr: Optional[torch.Tensor] = None,
+        kv_indptr: Optional[torch.Tensor] = None,
+        kv_indices: Optional[torch.Tensor] = None,
+        kv_len_arr: Optional[torch.Tensor] = None,
+        backend: str = "auto",
+    ) -> None:
+        if backend not in MLA_BACKENDS:
+            raise ValueError(f"backend: expected one of {MLA_BACKENDS}, got {backend!r}")
+        if backend == "cutlass":
+            raise NotImplementedError(
+                "backend='cutlass': FlashInfer's CUTLASS MLA kernel (SM100, block-table run() without plan()) "
+                "is not implemented by tritoninfer; use backend='auto' with plan()/run()")
+        self._init_planner(float_workspace_buffer, use_cuda_graph)
+        self._backend = backend
+        if use_cuda_graph:
+            for name, buf in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices),
+                              ("kv_len_arr", kv_len_arr)):
+                if not torch.is_tensor(buf):
+                    raise ValueError(f"{name} should be a torch.Tensor in cudagraph mode")
+                check_tensor(buf, name, ndim=1, dtype=torch.int32, device=self.device)
+            self._fixed_batch_size = kv_len_arr.numel()
+            for name, buf in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr)):
+                if buf.numel() < self._fixed_batch_size + 1:
+                    raise ValueError(f"{name}: the buffer holds {buf.numel()} entries, batch_size + 1 = "
+                                     f"{self._fixed_batch_size + 1} needed (batch_size from kv_len_arr)")
+        else:
+            self._fixed_batch_size = 0
+        self._qo_indptr_buf = qo_indptr
+        self._kv_indptr_buf = kv_indptr
+        self._kv_indices_buf = kv_indices
+        self._kv_len_arr_buf = kv_len_arr
+
+    def plan(
+        self,
+        qo_indptr: torch.Tensor,
+        kv_indptr: torch.Tensor,
+        kv_indices: torch.Tensor,
+        kv_len_arr: torch.Tensor,
+        num_heads: int,
+        head_dim_ckv: int,
+        head_dim_kpe: int,
+        page_size: int,
+        causal: bool,
+        sm_scale: float,
+        q_data_type: torch.dtype,
+        kv_data_type: torch.dtype,
+        use_profiler: bool = False,
+    ) -> None:
+        """Plan MLA for one step (all layers).
+
+        Parameters
+        ----------
+        qo_indptr : torch.Tensor
+            ``[batch_size + 1]`` (or longer) int32: the query rows of request ``b`` are
+            ``qo_indptr[b]:qo_indptr[b+1]`` (decode: ``[0, 1, ..., batch_size]``).
+        kv_indptr : torch.Tensor
+            ``[batch_size + 1]`` (or longer) int32: the pages of request ``b`` are
+            ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``.
+        kv_indices : torch.Tensor
+            int32 page ids, ``[kv_indptr[batch_size]]`` or longer.
+        kv_len_arr : torch.Tensor
+            ``[batch_size]`` int32 KV length of each request (at most its pages times ``page_size``);
+            its length is the batch size, as in FlashInfer.
+        num_heads, head_dim_ckv, head_dim_kpe, page_size : int
+            Query heads, the latent dims of ``ckv`` and ``kpe`` (512 and 64 for DeepSeek; any positive
+            sizes run) and tokens per page.
+        causal : bool
+            Causal among each request's query tokens, bottom-right aligned (query ``i`` sees KV
+            positions up to ``i + kv_len - qo_len``); needs ``qo_len <= kv_len`` per request.
+        sm_scale : float
+            Softmax scale (DeepSeek: ``1/sqrt(qk_nope_head_dim + qk_rope_head_dim)`` = ``1/sqrt(192)``).
+        q_data_type, kv_data_type : torch.dtype
+            ``float16`` or ``bfloat16`` (names accepted).
+        use_profiler : bool
+            FlashInfer's intra-kernel profiler; tritoninfer has none: ``True`` raises
+            ``NotImplementedError``.
+
+        The index tensors are copied to the host here (a device tensor costs one device-to-host copy).
+        """
+        if use_profiler:
+            raise NotImplementedError("use_profiler: FlashInfer's intra-kernel profiler is not part of tritoninfer")
+        for t, name in ((kv_len_arr, "kv_len_arr"), (kv_indptr, "kv_indptr"), (qo_indptr, "qo_indptr"),
+                        (kv_indices, "kv_indices")):
+            _check_index_dtype(t, name)
+        self._plan_impl(host_index(qo_indptr, "qo_indptr"), host_index(kv_indptr, "kv_indptr"), kv_indices,
+                        host_index(kv_len_arr, "kv_len_arr"), num_heads, head_dim_ckv, head_dim_kpe, page_size,
+                        causal, sm_scale, q_data_type, kv_data_type,
+                        sources=(qo_indptr, kv_indptr, kv_indices, kv_len_arr))
+
+    def _plan_impl(self, qo_host, kv_indptr_host, kv_indices, kv_len_host, num_heads, head_dim_ckv, head_dim_kpe,
+                   page_size, causal, sm_scale, q_data_type, kv_data_type, sources=None) -> None:
+        """``plan()`` from host copies of the indptrs and lengths. ``sources``: the caller's tensors,
+        copied into the CUDA-graph buffers (None: the engine wrote the buffers itself)."""
+        q_dtype = check_dtype_in(canonicalize_dtype(q_data_type, "q_data_type"), MLA_DTYPES, "q_data_type")
+        kv_dtype = check_dtype_in(canonicalize_dtype(kv_data_type, "kv_data_type"), MLA_DTYPES, "kv_data_type")
+        indices_dev = None
+        if self._use_cuda_graph:
+            batch = kv_len_host.numel()
+            if batch != self._fixed_batch_size:
+                raise ValueError(
+                    f"The batch size should be fixed in cudagraph mode, the runtime batch size {batch} "
+                    f"mismatches the batch size set during initialization {self._fixed_batch_size}")
+            indices_dev = self._kv_indices_buf
+            if sources is not None:
+                qo_src, kvp_src, idx_src, len_src = sources
+                if idx_src.numel() > indices_dev.numel():
+                    raise ValueError(f"kv_indices: {idx_src.numel()} page ids, the CUDA-graph buffer holds "
+                                     f"{indices_dev.numel()}")
+        step = self._plan_step(qo_host=qo_host, kv_indptr_host=kv_indptr_host, kv_lens_host=kv_len_host,
+                               kv_indices=kv_indices, kv_indices_name="kv_indices", num_heads=num_heads,
+                               head_dim_ckv=head_dim_ckv, head_dim_kpe=head_dim_kpe, page_size=page_size,
+                               causal=causal, sm_scale=sm_scale, q_dtype=q_dtype, kv_dtype=kv_dtype,
+                               kv_indices_device=indices_dev)
+        if self._use_cuda_graph and sources is not None:
+            # as FlashInfer: the caller's page table goes into the fixed buffers the kernel reads
+            b = step.batch
+            copy_into(self._qo_indptr_buf[: b + 1], qo_src[: b + 1].to(self.device, non_blocking=True), True)
+            copy_into(self._kv_indptr_buf[: b + 1], kvp_src[: b + 1].to(self.device, non_blocking=True), True)
+            copy_into(self._kv_indices_buf[: idx_src.numel()], idx_src.to(self.device, non_blocking=True), True)
+            copy_into(self._kv_len_arr_buf, len_src.to(self.device, non_blocking=True), True)
+        elif not self._use_cuda_graph:
+            # FlashInfer keeps the plan's device tensors under these names (engines read them)
+            plan = step.device_plan
+            self._qo_indptr_buf, self._kv_indptr_buf = plan.qo_indptr, step.kv_indptr
+            self._kv_indices_buf, self._kv_len_arr_buf = step.kv_indices, plan.kv_len
+        self._step = step
+
+    @overload
+    def run(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor, kpe_cache: torch.Tensor,
+            out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
+            return_lse: Literal[False] = False, profiler_buffer: Optional[torch.Tensor] = None,
+            kv_len: Optional[torch.Tensor] = None, page_table: Optional[torch.Tensor] = None,
+            return_lse_base_on_e: bool = False) -> torch.Tensor: ...
+
+    @overload
+    def run(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor, kpe_cache: torch.Tensor,
+            out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
+            return_lse: Literal[True] = True, profiler_buffer: Optional[torch.Tensor] = None,
+            kv_len: Optional[torch.Tensor] = None, page_table: Optional[torch.Tensor] = None,
+            return_lse_base_on_e: bool = False) -> Tuple[torch.Tensor, torch.Tensor]: ...
+
+    def run(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        ckv_cache: torch.Tensor,
+        kpe_cache: torch.Tensor,
+        out: Optional[torch.Tensor] = None,
+        lse: Optional[torch.Tensor] = None,
+        return_lse: bool = False,
+        profiler_buffer: Optional[torch.Tensor] = None,
+        kv_len: Optional[torch.Tensor] = None,
+        page_table: Optional[torch.Tensor] = None,
+        return_lse_base_on_e: bool = False,
+    ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        """MLA for the planned batch.
+
+        Parameters
+        ----------
+        q_nope : torch.Tensor
+            ``[rows, num_heads, head_dim_ckv]`` in ``q_data_type`` (``rows >= qo_indptr[batch_size]``;
+            rows past the plan's are not written). Strided views are fine (last dim contiguous).
+        q_pe : torch.Tensor
+            ``[rows, num_heads, head_dim_kpe]``.
+        ckv_cache : torch.Tensor
+            ``[num_pages, page_size, head_dim_ckv]`` in ``kv_data_type``; may be a strided slice of a
+            wider buffer (SGLang passes ``[..., :512]`` of a 576-wide cache), read in place.
+        kpe_cache : torch.Tensor
+            ``[num_pages, page_size, head_dim_kpe]``, the same number of pages.
+        out : Optional[torch.Tensor]
+            Preallocated output, q_nope's shape and dtype.
+        lse : Optional[torch.Tensor]
+            Preallocated float32 ``[rows, num_heads]``; written when given, even without ``return_lse``.
+        return_lse : bool
+            Also return the LSE: base 2 (``log2(sum exp(s))``) unless ``return_lse_base_on_e``.
+        profiler_buffer : Optional[torch.Tensor]
+            Ignored: only read by FlashInfer's profiler, which ``plan(use_profiler=True)`` would enable.
+        kv_len, page_table : Optional[torch.Tensor]
+            Ignored, as in FlashInfer outside its ``cutlass`` backend.
+        return_lse_base_on_e : bool
+            LSE in natural-log units (base-2 value times ln 2), as FlashInfer.
+
+        Returns
+        -------
+        ``out`` (and ``lse``). Rows that see no key (``kv_len`` 0) give 0 and LSE ``-inf``
+        (FlashInfer leaves a finite value there).
+        """
+        if _ops.compiling():
+            return _traced_mla_run(self, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse,
+                                   return_lse_base_on_e)
+        return self._run_step(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse,
+                              lse_base_e=bool(return_lse_base_on_e))
+
+    def _run_mla_into(self, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, lse_base_e: bool) -> None:
+        """``run()`` into ``out``/``lse``, eagerly: the implementation of the ``mla_run`` custom op."""
+        self._run_step(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, False, lse_base_e=lse_base_e)
+
+
+def _traced_mla_run(wrapper, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse, lse_base_e):
+    """What an MLA wrapper's ``run()`` does while Dynamo traces it: allocate the outputs from the
+    tensors' shapes (the graph holds no plan) and call the ``mla_run`` custom op."""
+    if out is None:
+        out = torch.empty(q_nope.shape, dtype=q_nope.dtype, device=q_nope.device)
+    if lse is None and return_lse:
+        lse = torch.empty(q_nope.shape[:2], dtype=torch.float32, device=q_nope.device)
+    _mla_run_op(wrapper._handle, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, bool(lse_base_e))
+    return (out, lse) if return_lse else out
+
+
+@_ops.custom_op("mla_run", mutates_args=("out", "lse"))
+def _mla_run_op(handle: int, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor,
+                kpe_cache: torch.Tensor, out: torch.Tensor, lse: Optional[torch.Tensor], lse_base_e: bool) -> None:
+    """An MLA wrapper's ``run()`` into ``out`` (and ``lse``), for torch.compile (``_ops.py``): the
+    wrapper is found by its handle and runs its current plan."""
+    wrapper = _ops._WRAPPERS.get(handle)
+    if wrapper is None:
+        raise ValueError(f"tritoninfer::mla_run: the wrapper of handle {handle} no longer exists")
+    wrapper._run_mla_into(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, lse_base_e)
+
+
+class BatchDecodeMlaWithPagedKVCacheWrapper(_MLAPlanner):
+    """FlashInfer's deprecated MLA decode wrapper (one query token per request, a last-page-length
+    page table), run on the same kernel as :class:`BatchMLAPagedAttentionWrapper`. FlashInfer 0.5.3
+    runs it on SM80 only; tritoninfer runs it wherever its kernels run.
+
+    Parameters
+    ----------
+    float_workspace_buffer : torch.Tensor
+        uint8 buffer for split-KV partial states.
+    use_cuda_graph : bool
+        Fixed batch size and buffers (see :class:`BatchMLAPagedAttentionWrapper`).
+    use_tensor_cores : bool
+        Kept for compatibility; the kernel always uses ``tl.dot``.
+    paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer : torch.Tensor
+        int32 ``[batch_size + 1]``, ``[max_pages]``, ``[batch_size]``; required with ``use_cuda_graph``.
+    """
+
+    def __init__(
+        self,
+        float_workspace_buffer: torch.Tensor,
+        use_cuda_graph: bool = False,
+        use_tensor_cores: bool = False,
+        paged_kv_indptr_buffer: Optional[torch.Tensor] = None,
+        paged_kv_indices_buffer: Optional[torch.Tensor] = None,
+        paged_kv_last_page_len_buffer: Optional[torch.Tensor] = None,
+    ) -> None:
+        self._init_planner(float_workspace_buffer, use_cuda_graph)
+        if use_cuda_graph:
+            for name, buf in (("paged_kv_indptr_buffer", paged_kv_indptr_buffer),
+                              ("paged_kv_indices_buffer", paged_kv_indices_buffer),
+                              ("paged_kv_last_page_len_buffer", paged_kv_last_page_len_buffer)):
+                if not torch.is_tensor(buf):
+                    raise ValueError(f"{name} should be a torch.Tensor in cudagraph mode")
+                check_tensor(buf, name, ndim=1, dtype=torch.int32, device=self.device)
+            self._fixed_batch_size = len(paged_kv_last_page_len_buffer)
+            if len(paged_kv_indptr_buffer) != self._fixed_batch_size + 1:
+                raise ValueError("The size of paged_kv_indptr_buffer should be batch_size + 1")
+        else:
+            self._fixed_batch_size = 0
+        self._use_tensor_cores = bool(use_tensor_cores)
+        self._paged_kv_indptr_buf = paged_kv_indptr_buffer
+        self._paged_kv_indices_buf = paged_kv_indices_buffer
+        self._paged_kv_last_page_len_buf = paged_kv_last_page_len_buffer
+        self._settings = None  # (sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta) as planned
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._use_cuda_graph
+
+    @property
+    def use_tensor_cores(self) -> bool:
+        return self._use_tensor_cores
+
+    def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer: torch.Tensor) -> None:
+        """Replace the float workspace (``int_workspace_buffer`` is accepted: tritoninfer needs none)."""
+        check_tensor(float_workspace_buffer, "float_workspace_buffer")
+        self._float_workspace_buffer = float_workspace_buffer
+
+    def plan(
+        self,
+        indptr: torch.Tensor,
+        indices: torch.Tensor,
+        last_page_len: torch.Tensor,
+        num_qo_heads: int,
+        head_dim_compressed_kv: int,
+        page_size: int,
+        sm_scale: float,
+        window_left: int = -1,
+        logits_soft_cap: Optional[float] = None,
+        data_type: Union[str, torch.dtype] = "float16",
+        q_data_type: Optional[Union[str, torch.dtype]] = None,
+        rope_scale: Optional[float] = None,
+        rope_theta: Optional[float] = None,
+    ) -> None:
+        """Plan MLA decode.
+
+        Parameters
+        ----------
+        indptr, indices, last_page_len : torch.Tensor
+            int32 page table: ``[batch_size + 1]``, ``[indptr[-1]]``, ``[batch_size]`` (entries used in
+            each request's last page, 0 for a request with no pages).
+        num_qo_heads, head_dim_compressed_kv, page_size : int
+            Query heads, ``head_dim_ckv`` (kv_lora_rank) and tokens per page. ``head_dim_kpe`` is
+            planned as 64 (FlashInfer's kernel has no other); a ``run()`` with another ``q_pe`` width
+            re-plans once for it (on the host: not inside a CUDA-graph capture), later plans keep it.
+        sm_scale : float
+            Softmax scale.
+        window_left, logits_soft_cap
+            Must be -1 and None/0: the MLA kernel has no sliding window or soft cap
+            (``NotImplementedError`` otherwise).
+        data_type, q_data_type
+            The cache and query dtypes (``q_data_type`` defaults to ``data_type``).
+        rope_scale, rope_theta : Optional[float]
+            Accepted and kept; they do not enter the computation (``q_pe`` and ``kpe`` arrive rotated).
+        """
+        for t, name in ((indptr, "indptr"), (indices, "indices"), (last_page_len, "last_page_len")):
+            check_tensor(t, name, ndim=1)
+            if t.dtype != torch.int32:
+                raise ValueError(f"{name} must have dtype torch.int32, got {t.dtype}")
+        if window_left is not None and int(window_left) != -1:
+            raise NotImplementedError("window_left: the MLA kernel has no sliding window (use -1)")
+        if logits_soft_cap is not None and float(logits_soft_cap) > 0:
+            raise NotImplementedError("logits_soft_cap: the MLA kernel has no soft cap (use None or 0)")
+        kv_dtype = canonicalize_dtype(data_type, "data_type")
+        q_dtype = canonicalize_dtype(q_data_type, "q_data_type") if q_data_type else kv_dtype
+        check_dtype_in(q_dtype, MLA_DTYPES, "q_data_type")
+        check_dtype_in(kv_dtype, MLA_DTYPES, "data_type")
+        check_positive_int(page_size, "page_size")
+        indptr_host = host_index(indptr, "indptr")
+        lpl_host = host_index(last_page_len, "last_page_len")
+        batch = lpl_host.numel()
+        if indptr_host.numel() != batch + 1:
+            raise ValueError(f"indptr: expected batch_size + 1 = {batch + 1} elements, got {indptr_host.numel()}")
+        check_indptr_host(indptr_host, "indptr", zero_start=False)
+        pages = (indptr_host[1:] - indptr_host[:-1]).to(torch.int64)
+        lpl = lpl_host.to(torch.int64)
+        if ((pages > 0) & ((lpl < 1) | (lpl > page_size))).any() or ((pages == 0) & (lpl != 0)).any():
+            raise ValueError(f"last_page_len: expected 1..page_size ({page_size}) for requests with pages, 0 without")
+        kv_lens = torch.where(pages > 0, (pages - 1) * page_size + lpl, torch.zeros_like(pages)).to(torch.int32)
+        indices_dev = None
+        if self._use_cuda_graph:
+            if batch != self._fixed_batch_size:
+                raise ValueError(
+                    f"The batch size should be fixed in cudagraph mode, the runtime batch size {batch} "
+                    f"mismatches the batch size set during initialization {self._fixed_batch_size}")
+            if len(indices) > len(self._paged_kv_indices_buf):
+                raise ValueError("The size of indices should be less than or equal to the allocated buffer")
+            indices_dev = self._paged_kv_indices_buf
+        self._head_dim_ckv = int(head_dim_compressed_kv)
+        self._plan_args = dict(
+            qo_host=torch.arange(batch + 1, dtype=torch.int32), kv_indptr_host=indptr_host, kv_lens_host=kv_lens,
+            kv_indices=indices, kv_indices_name="indices", num_heads=num_qo_heads,
+            head_dim_ckv=self._head_dim_ckv, page_size=page_size, causal=False, sm_scale=sm_scale, q_dtype=q_dtype,
+            kv_dtype=kv_dtype, kv_indices_device=indices_dev)
+        # head_dim_kpe is not a plan argument: FlashInfer's kernel fixes it at 64; another one is
+        # planned for by the first run() that shows it (and kept by later plans)
+        kpe = self._step.head_dim_kpe if self._step is not None else 64
+        self._step = self._plan_step(head_dim_kpe=kpe, **self._plan_args)
+        if self._use_cuda_graph:
+            copy_into(self._paged_kv_indptr_buf, indptr.to(self.device, non_blocking=True), True)
+            copy_into(self._paged_kv_indices_buf[: len(indices)], indices.to(self.device, non_blocking=True), True)
+            copy_into(self._paged_kv_last_page_len_buf, last_page_len.to(self.device, non_blocking=True), True)
+        self._settings = (float(sm_scale), window_left, logits_soft_cap, rope_scale, rope_theta)
+
+    def run(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        paged_ckv_cache: torch.Tensor,
+        paged_kpe_cache: torch.Tensor,
+        q_scale: Optional[float] = None,
+        k_scale: Optional[float] = None,
+        v_scale: Optional[float] = None,
+        out: Optional[torch.Tensor] = None,
+        lse: Optional[torch.Tensor] = None,
+        return_lse: bool = False,
+        enable_pdl: bool = False,
+    ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        """MLA decode for the planned batch.
+
+        Parameters
+        ----------
+        q_nope : torch.Tensor
+            ``[batch_size, num_qo_heads, head_dim_ckv]``.
+        q_pe : torch.Tensor
+            ``[batch_size, num_qo_heads, head_dim_kpe]``.
+        paged_ckv_cache, paged_kpe_cache : torch.Tensor
+            ``[max_num_pages, page_size, head_dim_ckv]`` and ``[max_num_pages, page_size, head_dim_kpe]``.
+        q_scale, k_scale : Optional[float]
+            Multiply ``sm_scale`` (positive).
+        v_scale : Optional[float]
+            Multiplies the output.
+        out, lse : Optional[torch.Tensor]
+            Preallocated output (q_nope's shape and dtype) and float32 ``[batch_size, num_qo_heads]`` LSE.
+        return_lse : bool
+            Also return the base-2 LSE.
+        enable_pdl : bool
+            Accepted; no effect on results.
+        """
+        if self._settings is None:
+            raise ValueError("run() was called before plan()")
+        if self._step.head_dim_kpe != q_pe.shape[-1]:
+            check_tensor(q_pe, "q_pe", ndim=3)
+            self._step = self._plan_step(head_dim_kpe=q_pe.shape[-1], **self._plan_args)
+        scale = (1.0 if q_scale is None else float(q_scale)) * (1.0 if k_scale is None else float(k_scale))
+        if not scale > 0:
+            raise ValueError(f"q_scale, k_scale: their product must be positive, got {scale}")
+        result = self._run_step(q_nope, q_pe, paged_ckv_cache, paged_kpe_cache, out, lse, return_lse, scale=scale,
+                                names=("paged_ckv_cache", "paged_kpe_cache"))
+        if v_scale is not None:
+            (result[0] if return_lse else result).mul_(v_scale)
+        return result
+
+    run_return_lse = functools.partialmethod(run, return_lse=True)
+
+
+def append_paged_mla_kv_cache(
+    append_ckv: torch.Tensor,
+    append_kpe: torch.Tensor,
+    batch_indices: torch.Tensor,
+    positions: torch.Tensor,
+    ckv_cache: Optional[torch.Tensor],
+    kpe_cache: Optional[torch.Tensor],
+    kv_indices: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+) -> None:
+    r"""Append latent rows to a paged MLA cache, in place.
+
+    Token ``t`` is written to page ``kv_indices[kv_indptr[b] + pos // page_size]``, slot
+    ``pos % page_size`` of both caches, with ``b = batch_indices[t]`` and ``pos = positions[t]``.
+
+    Parameters
+    ----------
+    append_ckv : torch.Tensor
+        ``[nnz, head_dim_ckv]`` compressed KV rows to append.
+    append_kpe : torch.Tensor
+        ``[nnz, head_dim_kpe]`` rotary key rows to append.
+    batch_indices, positions : torch.Tensor
+        ``[nnz]`` int32 (or int64): request and position of each row (see
+        ``get_batch_indices_positions``); batch index -1 marks padding, skipped.
+    ckv_cache : torch.Tensor
+        ``[num_pages, page_size, head_dim_ckv]``, written in place (strided views fine, last dim
+        contiguous).
+    kpe_cache : torch.Tensor
+        ``[num_pages, page_size, head_dim_kpe]``, written in place.
+    kv_indices, kv_indptr, kv_last_page_len : torch.Tensor
+        The page table (int32), already including the appended tokens; ``kv_last_page_len`` is
+        only checked for its shape.
+
+    Any ``head_dim_ckv`` / ``head_dim_kpe`` runs (FlashInfer: 512 / 64 only). Bounds as
+    ``append_paged_kv_cache``: a request index, position or page id outside the page table or the
+    cache is never written; the kernel skips it and reports it (``tritoninfer.check_errors()``, or
+    the next plan), and CPU index tensors are checked at once with a ``ValueError``.
+    """
+    for t, name in ((ckv_cache, "ckv_cache"), (kpe_cache, "kpe_cache")):
+        if t is None:
+            raise ValueError(f"{name}: expected a [num_pages, page_size, D] tensor, got None")
+        check_tensor(t, name, ndim=3)
+    check_tensor(append_ckv, "append_ckv", ndim=2)
+    check_tensor(append_kpe, "append_kpe", ndim=2)
+    if append_kpe.shape[0] != append_ckv.shape[0]:
+        raise ValueError(f"append_kpe: {append_kpe.shape[0]} rows, append_ckv has {append_ckv.shape[0]}")
+    if ckv_cache.shape[:2] != kpe_cache.shape[:2]:
+        raise ValueError(f"kpe_cache: shape {tuple(kpe_cache.shape)} disagrees with ckv_cache "
+                         f"{tuple(ckv_cache.shape)} on num_pages / page_size")
+    if append_ckv.shape[1] != ckv_cache.shape[2]:
+        raise ValueError(f"append_ckv: dim {append_ckv.shape[1]} differs from ckv_cache's {ckv_cache.shape[2]}")
+    if append_kpe.shape[1] != kpe_cache.shape[2]:
+        raise ValueError(f"append_kpe: dim {append_kpe.shape[1]} differs from kpe_cache's {kpe_cache.shape[2]}")
+    # one latent head: the paged-KV append kernel with K = ckv and V = kpe
+    append_paged_kv_cache(append_ckv.unsqueeze(1), append_kpe.unsqueeze(1), batch_indices, positions,
+                          (ckv_cache.unsqueeze(2), kpe_cache.unsqueeze(2)), kv_indices, kv_indptr, kv_last_page_len,
+                          "NHD")
