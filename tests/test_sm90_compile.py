@@ -198,7 +198,64 @@ def test_mla_kernel_compiles_for_sm90():
     assert "kv_as_m" in report["case-mla-16h-decode"]
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["mla"]:
+# the sampling kernels (kernels/sampling.py) with the GPU tiles of sampling._tiles: every flag on
+SAMPLING_FLOATS = {"x_ptr", "u_ptr", "p_ptr", "t_ptr", "draft_ptr", "target_ptr", "p_val", "t_val"}
+
+
+def compile_sampling_cases():
+    """Compiles each sampling kernel for sm_90 with its feature flags on and off; yields case names."""
+    from tritoninfer.kernels import sampling as ks
+
+    stream, search = dict(ROWS=1, BLOCK=2048, NUM_TILES=64), dict(ROWS=1, BLOCK=512, NUM_TILES=256)
+    cases = {
+        "sample-plain": (ks.sample_kernel, dict(HAS_INDICES=False, IS_LOGITS=False, USE_K=False, USE_P=False,
+                                                USE_MIN_P=False, K_ARR=False, P_ARR=False, PARAM_BY_SOURCE=False,
+                                                **stream)),
+        "sample-topk-topp": (ks.sample_kernel, dict(HAS_INDICES=True, IS_LOGITS=True, USE_K=True, USE_P=True,
+                                                    USE_MIN_P=False, K_ARR=True, P_ARR=True, PARAM_BY_SOURCE=True,
+                                                    **search)),
+        "sample-minp": (ks.sample_kernel, dict(HAS_INDICES=False, IS_LOGITS=False, USE_K=False, USE_P=False,
+                                               USE_MIN_P=True, K_ARR=False, P_ARR=True, PARAM_BY_SOURCE=False,
+                                               **stream)),
+        "renorm-topk": (ks.renorm_kernel, dict(USE_K=True, USE_P=False, MASK_LOGITS=True, K_ARR=True, P_ARR=False,
+                                               **search)),
+        "renorm-topp": (ks.renorm_kernel, dict(USE_K=False, USE_P=True, MASK_LOGITS=False, K_ARR=False, P_ARR=True,
+                                               **search)),
+        "softmax": (ks.softmax_kernel, dict(T_ARR=True, **stream)),
+        "chain-speculative": (ks.chain_speculative_kernel, dict(N=4, **stream)),
+    }
+    for name, (kernel, constexprs) in cases.items():
+        sig = {}
+        for p in kernel.params:
+            n = p.name
+            if n in constexprs:
+                sig[n] = "constexpr"
+            elif n.endswith("_ptr"):
+                sig[n] = "*fp32" if n in SAMPLING_FLOATS else "*i32"
+            else:
+                sig[n] = "fp32" if n in SAMPLING_FLOATS else "i32"
+        compiled = triton.compile(ASTSource(kernel, sig, constexprs, {}), target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=8))
+        assert compiled.asm["cubin"], name
+        yield name
+
+
+def test_sampling_kernels_compile_for_sm90():
+    """The interpreter accepts what the GPU compiler refuses (a global read without ``tl.constexpr(...)``
+    cost a GPU run): every sampling kernel variant compiles to a cubin in a subprocess."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    done = subprocess.run([sys.executable, __file__, "sampling"], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=root)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    assert done.stdout.count("case-") == 7, done.stdout
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["sampling"]:
+    for case in compile_sampling_cases():
+        print(f"case-{case}", flush=True)
+elif __name__ == "__main__" and sys.argv[1:] == ["mla"]:
     for case in MLA_CASES:
         tiles, kernel = compile_mla_case(case)
         assert kernel.asm["cubin"], case

@@ -26,9 +26,9 @@ import triton
 import triton.language as tl
 
 # the top bits of the 32-bit key space first, four at a time
-_RADIX_BITS: tl.constexpr = 4
-_RADIX: tl.constexpr = 16
-_DIGITS: tl.constexpr = 8
+_RADIX_BITS = tl.constexpr(4)
+_RADIX = tl.constexpr(16)
+_DIGITS = tl.constexpr(8)
 
 
 @triton.jit
