@@ -431,3 +431,38 @@ def test_prefill_ws_experiment_smoke():
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line for line in out.stdout.splitlines() if "16-16-ws" in line]
     assert len(rows) == 2 and "MISMATCH" not in out.stdout
+
+
+# ---- the sampling group --------------------------------------------------------------------------
+
+
+def test_sampling_group_runs_checks_and_writes_its_table(tmp_path, capsys):
+    from tritoninfer.bench import sampling as bs
+
+    status = main(["sampling", "--functions", "top_k_top_p_sampling_from_probs,top_p_renorm_probs",
+                   "--providers", "tritoninfer,torch", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    table = (tmp_path / "sampling.md").read_text()
+    rows = [ln for ln in table.splitlines() if ln.startswith("| top_")]
+    assert len(rows) == 2 and all(ln.rstrip(" |").endswith("ok") for ln in rows), table
+    assert bs.bytes_moved("top_p_renorm_probs", 2, 10) == 2 * 2 * 10 * 4
+    assert bs.bytes_moved("top_p_sampling_from_probs", 2, 10) == 2 * 10 * 4 + 2 * 4
+
+
+def test_sampling_group_check_catches_a_token_outside_the_set():
+    from tritoninfer.bench import sampling as bs
+
+    probs = torch.softmax(torch.randn(4, 200) * 3, -1)
+    smallest = probs.argmin(-1).to(torch.int32)
+    want = bs.torch_way("top_k_sampling_from_probs")
+    assert bs._check("top_k_sampling_from_probs", probs, smallest, want) != "ok"
+    largest = probs.argmax(-1).to(torch.int32)
+    assert bs._check("top_k_sampling_from_probs", probs, largest, want) == "ok"
+    renorm = bs.torch_way("top_k_renorm_probs")
+    assert bs._check("top_k_renorm_probs", probs, renorm(probs) * 1.01, renorm) != "ok"
+
+
+def test_sampling_group_bad_function(capsys):
+    assert main(["sampling", "--functions", "top_q_sampling"]) == 2
+    assert "top_q_sampling" in capsys.readouterr().err

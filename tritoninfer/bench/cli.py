@@ -27,6 +27,7 @@ examples:
   tritoninfer bench decode --heads 32/8 --batch 16,64 --kv-len 4K,16K --kv-dtype bf16,e4m3
   tritoninfer bench prefill --heads 64/8 --head-dim 256 --page-size 1 --providers tritoninfer,flashinfer
   tritoninfer bench all --quick --out bench-out/quick
+  tritoninfer bench sampling --quick      (the sampling group: its own options, see --help there)
 
 Lists are comma-separated; lengths take a K suffix (4K = 4096). See benchmarks/README.md."""
 

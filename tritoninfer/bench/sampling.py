@@ -1,0 +1,289 @@
+"""``tritoninfer bench sampling``: the sampling functions against FlashInfer's and the plain PyTorch
+way (``torch.sort`` + ``cumsum`` + ``multinomial``, or ``topk`` where that is the plain way), on the
+same probabilities in the same process.
+
+Every function reads its ``[batch, vocab]`` float32 input at least once, so the table gives each
+time as TB/s over those bytes (plus the output it writes, for the functions that return a
+distribution) next to the device copy bandwidth measured in the run. Sampled tokens are checked to
+lie in the set the function allows (computed with torch from the same input); the functions that
+return a tensor are compared with the PyTorch way. Timing: ``timing.measure`` (CUDA-graph replays,
+falling back to eager events when a provider cannot be captured; the note says so). Without a GPU,
+tiny shapes run through the Triton interpreter: the checks mean something, the times do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from .. import _device
+from .timing import TimingConfig, copy_bandwidth, measure
+
+TOP_K, TOP_P, MIN_P = 50, 0.9, 0.05
+FUNCTIONS = (
+    "top_k_top_p_sampling_from_probs", "top_k_top_p_sampling_from_logits", "top_p_sampling_from_probs",
+    "top_k_sampling_from_probs", "min_p_sampling_from_probs", "sampling_from_probs", "sampling_from_logits",
+    "top_k_renorm_probs", "top_p_renorm_probs", "top_k_mask_logits", "softmax",
+)
+JOINT = FUNCTIONS[:2]
+QUICK = ("top_k_top_p_sampling_from_probs", "top_p_sampling_from_probs", "top_k_renorm_probs", "sampling_from_probs")
+PROVIDERS = ("tritoninfer", "flashinfer", "torch")
+BATCHES, VOCABS = (1, 64, 256, 1024), (32000, 128256, 151936, 262144)
+
+
+# ---- the plain PyTorch way --------------------------------------------------------------------
+
+
+def _top_p_mask(probs: torch.Tensor, p: float) -> torch.Tensor:
+    """Kept entries of top-p: those whose mass above them (in descending order) is below ``p``."""
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+    above = torch.cumsum(sorted_p, dim=-1) - sorted_p
+    keep_sorted = above < p
+    return torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+
+
+def _top_k_mask(x: torch.Tensor, k: int) -> torch.Tensor:
+    kth = torch.topk(x, k, dim=-1).values[:, -1:]
+    return x >= kth
+
+
+def _sample(probs: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+    if keep is not None:
+        probs = probs * keep
+    return torch.multinomial(probs, 1).squeeze(-1).to(torch.int32)
+
+
+def torch_way(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The plain PyTorch version of ``name`` (input: probabilities, or logits for the logits functions)."""
+    return {
+        "top_k_top_p_sampling_from_probs": lambda x: _sample(x, _top_k_mask(x, TOP_K) & _top_p_mask(x, TOP_P)),
+        "top_k_top_p_sampling_from_logits": lambda x: _joint_logits(x),
+        "top_p_sampling_from_probs": lambda x: _sample(x, _top_p_mask(x, TOP_P)),
+        "top_k_sampling_from_probs": lambda x: _sample(x, _top_k_mask(x, TOP_K)),
+        "min_p_sampling_from_probs": lambda x: _sample(x, x >= MIN_P * x.amax(-1, keepdim=True)),
+        "sampling_from_probs": lambda x: _sample(x),
+        "sampling_from_logits": lambda x: _sample(torch.softmax(x, -1)),
+        "top_k_renorm_probs": lambda x: _renorm(x, _top_k_mask(x, TOP_K)),
+        "top_p_renorm_probs": lambda x: _renorm(x, _top_p_mask(x, TOP_P)),
+        "top_k_mask_logits": lambda x: x.masked_fill(~_top_k_mask(x, TOP_K), float("-inf")),
+        "softmax": lambda x: torch.softmax(x, -1),
+    }[name]
+
+
+def _joint_logits(logits: torch.Tensor) -> torch.Tensor:
+    probs = torch.softmax(logits, -1)
+    return _sample(probs, _top_k_mask(probs, TOP_K) & _top_p_mask(probs, TOP_P))
+
+
+def _renorm(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    kept = x * keep
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def allowed(name: str, x: torch.Tensor) -> Optional[torch.Tensor]:
+    """[batch, vocab] bool: the tokens ``name`` may sample from input ``x`` (None: not a sampler)."""
+    if name.endswith("logits") and "sampling" in name:
+        x = torch.softmax(x, -1)
+    if name.startswith("top_k_top_p_sampling"):
+        return _top_k_mask(x, TOP_K) & _top_p_mask(x, TOP_P)
+    if name == "top_p_sampling_from_probs":
+        return _top_p_mask(x, TOP_P)
+    if name == "top_k_sampling_from_probs":
+        return _top_k_mask(x, TOP_K)
+    if name == "min_p_sampling_from_probs":
+        return x >= MIN_P * x.amax(-1, keepdim=True)
+    if name in ("sampling_from_probs", "sampling_from_logits"):
+        return x > 0
+    return None
+
+
+def library_call(lib, name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``name`` of the FlashInfer API module ``lib.sampling`` with the benchmark's parameters."""
+    fn = getattr(lib.sampling, name)
+    if name.startswith("top_k_top_p"):
+        return lambda x: fn(x, TOP_K, TOP_P)
+    if name in ("top_p_sampling_from_probs", "top_p_renorm_probs"):
+        return lambda x: fn(x, TOP_P)
+    if name in ("top_k_sampling_from_probs", "top_k_renorm_probs", "top_k_mask_logits"):
+        return lambda x: fn(x, TOP_K)
+    if name == "min_p_sampling_from_probs":
+        return lambda x: fn(x, MIN_P)
+    if name == "softmax":
+        return lambda x: fn(x, temperature=1.0)
+    return fn
+
+
+# ---- the sweep ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    function: str
+    batch: int
+    vocab: int
+    provider: str
+    time_us: Optional[float] = None
+    tb_s: Optional[float] = None
+    check: str = ""
+    note: str = ""
+
+
+def bytes_moved(name: str, batch: int, vocab: int) -> int:
+    """The input read once, plus a float32 output of the same size for the distribution-returning
+    functions (samplers write one int32 per row: counted, though negligible)."""
+    n = batch * vocab * 4
+    return n + (batch * 4 if "sampling" in name else n)
+
+
+def make_input(name: str, batch: int, vocab: int, device: torch.device, copies: int) -> List[torch.Tensor]:
+    """``copies`` inputs of one shape (rotated through so the timed calls do not all hit L2): logits
+    scaled so top-p at 0.9 keeps a few hundred tokens, as real next-token distributions do."""
+    out = []
+    for _ in range(copies):
+        logits = torch.randn(batch, vocab, device=device) * 3
+        out.append(logits if name.endswith("logits") else torch.softmax(logits, -1))
+    return out
+
+
+def _check(name: str, x: torch.Tensor, got: torch.Tensor, want: Callable[[torch.Tensor], torch.Tensor]) -> str:
+    keep = allowed(name, x)
+    if keep is not None:
+        ids = got.long()
+        if ids.shape != (x.shape[0],) or bool(((ids < 0) | (ids >= x.shape[1])).any()):
+            return "bad ids"
+        inside = keep.gather(1, ids[:, None]).float().mean().item()
+        return "ok" if inside == 1.0 else f"{inside:.3f} in set"
+    ref = want(x)
+    finite = torch.isfinite(ref)
+    if not torch.equal(finite, torch.isfinite(got)):
+        return "mask differs"
+    err = ((got[finite] - ref[finite]).abs().max() / ref[finite].abs().max().clamp_min(1e-30)).item()
+    return "ok" if err <= 1e-4 else f"rel err {err:.1e}"
+
+
+def run_sweep(functions: Sequence[str], batches: Sequence[int], vocabs: Sequence[int], providers: Sequence[str],
+              timing: TimingConfig, device: torch.device, progress: Callable[[str], None] = print) -> List[Row]:
+    libs: Dict[str, object] = {}
+    for p in providers:
+        if p == "torch":
+            continue
+        try:
+            libs[p] = importlib.import_module(p)
+        except Exception as exc:  # an absent peer is a row status, not a failure
+            progress(f"{p}: not installed ({type(exc).__name__})")
+    rows: List[Row] = []
+    gpu = device.type == "cuda"
+    copies = 4 if gpu else 1
+    for name in functions:
+        want = torch_way(name)
+        for batch in batches:
+            for vocab in vocabs:
+                xs = make_input(name, batch, vocab, device, copies)
+                nbytes = bytes_moved(name, batch, vocab)
+                for p in providers:
+                    row = Row(name, batch, vocab, p)
+                    rows.append(row)
+                    if p != "torch" and p not in libs:
+                        row.check = "not installed"
+                        continue
+                    call = want if p == "torch" else library_call(libs[p], name)
+                    try:
+                        row.check = _check(name, xs[0], call(xs[0]), want) if p != "torch" else "peer"
+                        t = measure(lambda i: call(xs[i]), device=device, mode="graph", ncopies=copies, cfg=timing)
+                    except Exception as exc:  # one provider's failure is its row's, the sweep goes on
+                        row.check = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''}"
+                        continue
+                    row.note = t.note
+                    if gpu and t.time_us:
+                        row.time_us = t.time_us
+                        row.tb_s = nbytes / (t.time_us * 1e-6) / 1e12
+                progress(f"{name} {batch}x{vocab}: " + ", ".join(
+                    f"{r.provider} {r.time_us:.1f} us" if r.time_us else f"{r.provider} {r.check}"
+                    for r in rows[-len(providers):]))
+                del xs
+    return rows
+
+
+def table(rows: List[Row], copy_tb_s: Optional[float]) -> str:
+    """Markdown: one line per (function, batch, vocab); each provider's µs, our TB/s and the ratios
+    (peer time / ours: > 1 means tritoninfer is faster)."""
+    from tabulate import tabulate
+
+    by_key: Dict[tuple, Dict[str, Row]] = {}
+    for r in rows:
+        by_key.setdefault((r.function, r.batch, r.vocab), {})[r.provider] = r
+    lines = []
+    for (fn, b, v), got in by_key.items():
+        ours = got.get("tritoninfer")
+        line = [fn, b, v]
+        for p in PROVIDERS:
+            r = got.get(p)
+            line.append(f"{r.time_us:.1f}" if r and r.time_us else (r.check if r else ""))
+        line.append(f"{ours.tb_s:.2f}" if ours and ours.tb_s else "")
+        line.append(f"{ours.tb_s / copy_tb_s:.0%}" if ours and ours.tb_s and copy_tb_s else "")
+        for p in ("flashinfer", "torch"):
+            r = got.get(p)
+            ok = ours and ours.time_us and r and r.time_us
+            line.append(f"{r.time_us / ours.time_us:.2f}" if ok else "")
+        line.append(ours.check if ours else "")
+        lines.append(line)
+    head = ["function", "batch", "vocab", "ours µs", "FlashInfer µs", "torch µs", "ours TB/s", "of copy",
+            "FI/ours", "torch/ours", "check"]
+    return tabulate(lines, headers=head, tablefmt="github")
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    from .cli import positive_int, positive_ints
+
+    p = argparse.ArgumentParser(prog="tritoninfer bench sampling", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)} at batch 1/64/256 × vocab 128,256/151,936")
+    p.add_argument("--functions", type=lambda t: t.split(","), help=f"any of {', '.join(FUNCTIONS)}")
+    p.add_argument("--batch", type=positive_ints("a batch size"), help="default 1,64,256,1024")
+    p.add_argument("--vocab", type=positive_ints("a vocabulary size"), help="default 32000,128256,151936,262144")
+    p.add_argument("--providers", type=lambda t: t.split(","), default=list(PROVIDERS))
+    p.add_argument("--replays", type=positive_int, default=20)
+    p.add_argument("--calls-per-graph", type=positive_int, default=5)
+    p.add_argument("--out", type=Path, default=Path("bench-out"), help="writes sampling.md there")
+    a = p.parse_args(list(argv))
+    bad = [f for f in (a.functions or []) if f not in FUNCTIONS]
+    if bad:
+        p.error(f"argument --functions: unknown {', '.join(bad)} (expected any of {', '.join(FUNCTIONS)})")
+    bad = [x for x in a.providers if x not in PROVIDERS]
+    if bad:
+        p.error(f"argument --providers: unknown {', '.join(bad)} (expected any of {', '.join(PROVIDERS)})")
+    return a
+
+
+def main(argv: Sequence[str]) -> int:
+    """Runs the sampling group; returns 1 when a tritoninfer row failed its check, else 0."""
+    a = parse_args(argv)
+    gpu = _device.has_gpu()
+    device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+    functions = a.functions or (QUICK if a.quick else FUNCTIONS)
+    if gpu:
+        batches = a.batch or ((1, 64, 256) if a.quick else BATCHES)
+        vocabs = a.vocab or ((128256, 151936) if a.quick else VOCABS)
+        timing = TimingConfig(calls_per_graph=a.calls_per_graph, replays=a.replays, eager_reps=5, warmup=2)
+    else:
+        print("CPU ONLY: tiny shapes through the Triton interpreter; the checks mean something, the times do not.")
+        batches, vocabs = a.batch or (3,), a.vocab or (1000,)
+        timing = TimingConfig.for_cpu(TimingConfig())
+    copy_tb_s = copy_bandwidth(device) if gpu else None
+    rows = run_sweep(functions, batches, vocabs, a.providers, timing, device,
+                     progress=lambda m: print(m, file=sys.stderr, flush=True))
+    text = table(rows, copy_tb_s)
+    header = (f"# sampling on {_device.device_name(device) if gpu else 'the CPU (interpreter)'}\n\n"
+              f"top_k={TOP_K}, top_p={TOP_P}, min_p={MIN_P}; float32 input; "
+              + (f"copy bandwidth {copy_tb_s:.3f} TB/s (read + write) in this run. " if copy_tb_s else "")
+              + "Ratios are peer time / ours (> 1: tritoninfer faster).\n\n")
+    print(header + text)
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "sampling.md").write_text(header + text + "\n")
+    failed = [r for r in rows if r.provider == "tritoninfer" and r.check != "ok"]
+    return 1 if failed else 0
