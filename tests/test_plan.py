@@ -121,3 +121,21 @@ def test_decode_tiles_take_the_lane_path_only_for_one_fp8_row(monkeypatch):
     assert _plan.decode_tiles(4, 1, 128, 1, lanes_ok=True).lanes == 0  # a GQA group: dots
     assert _plan.decode_tiles(1, 2, 128, 1, lanes_ok=True).lanes == 0  # two rows (speculative decode)
     assert _plan.decode_tiles(1, 1, 256, 1, lanes_ok=True).lanes == 0
+
+
+def test_build_work_reuses_layouts_without_sharing_them():
+    """Consecutive decode plans hit the remembered layout; the result equals a fresh computation and
+    writing into one plan's work list cannot change the next plan's."""
+    q_lens = np.ones(5, np.int64)
+    kv_lens = np.array([700, 90, 1000, 5, 333])
+    first = _plan.build_work(q_lens, kv_lens, 1, 128)
+    first.work[:] = -7
+    for step in range(1, 4):
+        grown = kv_lens + step
+        cached = _plan.build_work(q_lens, grown, 1, 128)
+        _plan._LAYOUTS.clear()
+        fresh = _plan.build_work(q_lens, grown, 1, 128)
+        np.testing.assert_array_equal(cached.work, fresh.work)
+        np.testing.assert_array_equal(cached.state_offset, fresh.state_offset)
+        assert (cached.num_states, cached.has_splits) == (fresh.num_states, fresh.has_splits)
+        assert (cached.work[:, 3] <= grown[cached.work[:, 0]]).all() and cached.work[:, 3].max() == grown.max()

@@ -260,23 +260,28 @@ def host_page_table(indptr_host: torch.Tensor, last_page_len_host: torch.Tensor,
     batch = indptr_host.numel() - 1
     if last_page_len_host.numel() != batch:
         raise ValueError(f"{prefix}last_page_len: expected {batch} elements (batch_size), got {last_page_len_host.numel()}")
-    # plan() runs every step: few numpy calls (each costs ~1-2 µs of host time)
+    # plan() runs every step: few numpy calls (each costs ~1-2 µs of host time), the common case
+    # (every request has pages, every id valid) first
     ind = indptr_host.numpy().astype(np.int64)
     pages = ind[1:] - ind[:-1]
-    if ind[0] < 0 or (pages < 0).any():
+    fewest = int(pages.min()) if batch else 1
+    if ind[0] < 0 or fewest < 0:
         raise ValueError(f"{name}: expected a non-decreasing array")
     num_pages_used = int(ind[-1])
     if indices.numel() < num_pages_used:
         raise ValueError(f"{prefix}indices: {prefix}indptr[-1] is {num_pages_used} but {prefix}indices has only "
                          f"{indices.numel()} elements")
     lpl = last_page_len_host.numpy().astype(np.int64)
-    has_pages = pages > 0
-    # 1 <= lpl <= page_size, as one unsigned comparison
-    bad = has_pages & ((lpl - 1).astype(np.uint64) >= page_size)
+    # 1 <= lpl <= page_size, as one unsigned comparison; requests without pages may hold anything
+    bad = (lpl - 1).astype(np.uint64) >= page_size
+    if fewest == 0:
+        bad &= pages > 0
     if bad.any():
         i = int(np.argmax(bad))
         raise ValueError(f"{prefix}last_page_len: request {i} has {int(lpl[i])}, expected 1..page_size ({page_size})")
-    kv_lens = np.where(has_pages, (pages - 1) * page_size + lpl, 0)
+    kv_lens = pages * page_size + (lpl - page_size)
+    if fewest == 0:
+        kv_lens[pages == 0] = 0
     table = HostPageTable(ind, lpl, kv_lens, num_pages_used, prefix=prefix)
     if indices.device.type == "cpu" and num_pages_used > ind[0]:
         # ids on the host are checked here and against the cache at run(); ids on the GPU are bounded
@@ -284,7 +289,9 @@ def host_page_table(indptr_host: torch.Tensor, last_page_len_host: torch.Tensor,
         # a copy: run() judges the ids the plan saw, whatever the caller does to its tensor afterwards
         ids = indices.reshape(-1)[int(ind[0]):num_pages_used].numpy().copy()
         table.page_ids = ids
-        if ids.min() < 0:
+        # one reduction: as unsigned integers the negative ids are the largest
+        largest = int(ids.view(np.uint32 if ids.dtype == np.int32 else np.uint64).max())
+        if largest >= (1 << (8 * ids.itemsize - 1)):
             raise _page_id_error(table, int(np.argmax(ids < 0)), None)
-        table.max_page_id = int(ids.max())
+        table.max_page_id = largest
     return table

@@ -187,51 +187,72 @@ def build_work(
     With ``max_splits`` (CUDA-graph capacity) a request never gets more splits than that; its
     chunk grows instead.
     """
-    batch = kv_lens.size
-    kv_lens = kv_lens.astype(np.int64)
-    q_tiles = -(-q_lens.astype(np.int64) // tile_tokens)
-    if chunk is None and tile_tokens >= int(q_lens.max(initial=0)):
-        # the common decode case, kept cheap for plan()'s host time: one item per request
-        # (requests with no query rows get none)
-        req = np.flatnonzero(q_tiles)
-        work = np.zeros((req.size, WORK_FIELDS), np.int32)
-        work[:, 0] = req
-        work[:, 3] = kv_lens[req]
-        work[:, 5] = 1
-        work[:, 6] = np.arange(req.size)
-        return WorkPlan(work, np.zeros(batch, np.int32), 0, False)
+    kv_lens = kv_lens.astype(np.int64, copy=False)
     if chunk is None:
-        num_splits = np.ones(batch, np.int64)
+        num_splits = np.ones(kv_lens.size, np.int64)
     else:
         num_splits = np.maximum(1, -(-kv_lens // chunk))
         if max_splits is not None:
             num_splits = np.minimum(num_splits, max_splits)
-    # per-request chunk: equal to `chunk` unless max_splits capped it
-    req_chunk = np.maximum(1, -(-kv_lens // num_splits))
-    if chunk is not None:
-        req_chunk = np.maximum(req_chunk, chunk)
+    layout = _work_layout(q_lens, num_splits, tile_tokens)
+    work = layout.work.copy()
+    if chunk is None:
+        work[:, 3] = kv_lens[layout.req]
+    else:
+        # per-request chunk: `chunk` unless max_splits capped the splits (then it grows)
+        req_chunk = np.maximum(-(-kv_lens // num_splits), chunk)[layout.req]
+        kv_start = layout.split * req_chunk
+        work[:, 2] = kv_start
+        work[:, 3] = np.minimum(kv_start + req_chunk, kv_lens[layout.req])
+    return WorkPlan(work, layout.state_offset, layout.num_states, layout.has_splits)
 
+
+@dataclasses.dataclass(frozen=True)
+class _WorkLayout:
+    """What a work list's shape fixes: every field but the KV range, per item (request, split)."""
+
+    work: np.ndarray  # int32 [items, WORK_FIELDS], KV columns left 0
+    req: np.ndarray  # int64 [items]
+    split: np.ndarray  # int64 [items]
+    state_offset: np.ndarray
+    num_states: int
+    has_splits: bool
+
+
+_LAYOUTS: "dict[tuple, _WorkLayout]" = {}
+
+
+def _work_layout(q_lens: np.ndarray, num_splits: np.ndarray, tile_tokens: int) -> _WorkLayout:
+    """The layout for per-request query lengths and splits, remembered: consecutive decode plans keep
+    their splits while the lengths grow, and plan() runs every step (host time matters)."""
+    q_lens = q_lens.astype(np.int64, copy=False)
+    key = (q_lens.tobytes(), num_splits.tobytes(), tile_tokens)
+    layout = _LAYOUTS.get(key)
+    if layout is not None:
+        return layout
+    batch = q_lens.size
+    q_tiles = -(-q_lens // tile_tokens)
     counts = q_tiles * num_splits
     total = int(counts.sum())
     req = np.repeat(np.arange(batch, dtype=np.int64), counts)
     local = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
     ns = num_splits[req]
     split = local % ns
-    kv_start = split * req_chunk[req]
-    kv_end = np.minimum(kv_start + req_chunk[req], kv_lens[req])
-
-    work = np.empty((total, WORK_FIELDS), np.int32)
+    work = np.zeros((total, WORK_FIELDS), np.int32)
     work[:, 0] = req
     work[:, 1] = (local // ns) * tile_tokens
-    work[:, 2] = kv_start
-    work[:, 3] = kv_end
     work[:, 4] = split
     work[:, 5] = ns
     work[:, 6] = np.repeat(np.cumsum(q_tiles) - q_tiles, counts) + local // ns
-
-    split_states = np.where(num_splits > 1, q_lens.astype(np.int64) * num_splits, 0)
-    state_offset = (np.cumsum(split_states) - split_states).astype(np.int32)
-    return WorkPlan(work, state_offset, int(split_states.sum()), bool((num_splits > 1).any()))
+    split_states = np.where(num_splits > 1, q_lens * num_splits, 0)
+    layout = _WorkLayout(work, req, split, (np.cumsum(split_states) - split_states).astype(np.int32),
+                         int(split_states.sum()), bool((num_splits > 1).any()))
+    for a in (layout.work, layout.req, layout.split, layout.state_offset):
+        a.setflags(write=False)
+    if len(_LAYOUTS) >= 256:
+        _LAYOUTS.clear()
+    _LAYOUTS[key] = layout
+    return layout
 
 
 def state_bytes(num_states: int, num_qo_heads: int, head_dim_vo: int) -> int:
