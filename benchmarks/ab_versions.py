@@ -10,6 +10,7 @@ CUDA events. Rounds alternate the versions so that clock and thermal drift hit b
 """
 
 import argparse
+import faulthandler
 import importlib
 import os
 import shutil
@@ -27,6 +28,11 @@ from decode_sweep import eager_time  # noqa: E402
 DECODE_SHAPES = [(hq, hk, b, n) for hq, hk in ((32, 8), (32, 32)) for b in (1, 16, 64, 256)
                  for n in (1024, 4096, 16384, 32768)]
 PREFILL_SHAPES = [(32, 8, 16, 1024, True), (32, 8, 4, 4096, True), (32, 8, 1, 16384, True), (32, 8, 4, 4096, False)]
+
+
+def say(msg: str) -> None:
+    """Progress on stderr, unbuffered: a run killed by a timeout still shows how far it got."""
+    print(msg, file=sys.stderr, flush=True)
 
 
 def load_old(path: str, name: str):
@@ -55,6 +61,7 @@ def decode_graph(pkg, ws, cache, indptr, indices, last, q, hq, hk, d, page, kv_d
     for _ in range(3):
         w.run(q, cache, out=out)
     torch.cuda.synchronize()
+    say("  eager runs done")
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for _ in range(calls):
@@ -89,12 +96,17 @@ def main(argv=None):
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--tolerance", type=float, default=0.0, help="largest output difference allowed between versions")
+    ap.add_argument("--watchdog", type=float, default=None,
+                    help="after this many seconds print every thread's stack and exit (a run that hangs says where)")
     args = ap.parse_args(argv)
+    if args.watchdog:
+        faulthandler.dump_traceback_later(args.watchdog, exit=True)
     versions = {}
     for i, spec in enumerate(args.old):
         name, _, path = spec.rpartition("=")
         name = name or ("old" if i == 0 else f"old{i}")
         versions[name] = load_old(path, name)
+        say(f"loaded {name} from {path}")
     versions["new"] = tritoninfer
     names = list(versions)
     base = names[0]
@@ -114,8 +126,10 @@ def main(argv=None):
             continue
         cache, indptr, indices, last = paged_cache(b, n, hk, 128, 16, kv_dtype)
         q = torch.randn((b, hq, 128), device="cuda", dtype=torch.bfloat16)
-        graphs = {k: decode_graph(p, ws, cache, indptr, indices, last, q, hq, hk, 128, 16, kv_dtype, args.calls)
-                  for k, p in versions.items()}
+        graphs = {}
+        for k, p in versions.items():
+            say(f"{hq}/{hk} {b}x{n}: {k} captures")
+            graphs[k] = decode_graph(p, ws, cache, indptr, indices, last, q, hq, hk, 128, 16, kv_dtype, args.calls)
         for k in names[1:]:
             diff = (graphs[base][1].float() - graphs[k][1].float()).abs().max().item()
             # bit-identical unless a version changes the arithmetic (e.g. the split merge's order)
