@@ -19,7 +19,9 @@ from tritoninfer.demo.hf import config_from_hf, load_checkpoint, read_safetensor
 from tritoninfer.demo.kv_cache import PageAllocator
 from tritoninfer.demo.model import TINY, LlamaModel, ModelConfig, random_weights
 from tritoninfer.demo.reference import DenseReference
+from tritoninfer.demo.sampler import Sampler, SamplingConfig, SamplingParams
 from tritoninfer.demo.scheduler import Request, Scheduler
+from tritoninfer.reference import sampling as ref_sampling
 from tritoninfer.demo.variants import KernelVariants
 
 # prompts of different lengths (1 token, exactly one page, partial pages) and generation lengths,
@@ -362,6 +364,10 @@ def test_main_check_fails_on_tight_tolerance(capsys):
     (["--num-requests", "0"], "positive int"),
     (["--model", "/nonexistent/dir"], "not a folder"),
     (["--preset", "nope"], "invalid choice"),
+    (["--top-p", "0"], "--top-p: expected a value in (0, 1]"),
+    (["--temperature", "-1"], "--temperature: expected a finite value >= 0"),
+    (["--top-k", "-2"], "--top-k: expected an integer >= 0"),
+    (["--min-p", "1.5"], "--min-p: expected a value in [0, 1]"),
     (["--bogus"], "unrecognized arguments"),
 ])
 def test_main_argument_errors(capsys, argv, message):
@@ -379,7 +385,8 @@ def test_main_model_conflicts_with_shape(capsys, tmp_path):
 
 def test_main_help(capsys):
     assert main(["--help"]) == 0
-    assert "--kv-dtype" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "--kv-dtype" in text and "--top-p" in text and "--sampling-seed" in text
 
 
 @pytest.mark.gpu
@@ -436,3 +443,171 @@ def test_decode_host_share():
     # 0.153 ms per token of wall time against 0.095 ms of GPU time: 38 % on the host
     assert abs(s.decode_host_share - (1 - 0.095 / 0.153125)) < 1e-9
     assert Stats(decode_tokens=160, decode_time=0.0245).decode_host_share == 0.0
+
+
+# --------------------------------------------------------------------------------------------------
+# sampling (--sampling): tritoninfer's sampling kernels in the decode step
+# --------------------------------------------------------------------------------------------------
+
+
+def _sample_run(sampling, cuda_graph=True, reference=False, warmup=False, requests=None, kv_dtype=torch.bfloat16,
+                max_batch=4, seed_weights=0):
+    """Serve the test workload with ``sampling`` (None: greedy); returns (engine, requests, stats)."""
+    cfg = TINY
+    weights = random_weights(cfg, seed=seed_weights, dtype=torch.bfloat16)
+    model = LlamaModel(cfg, weights, torch.bfloat16)
+    ref = DenseReference(cfg, weights, "cpu") if reference else None
+    ecfg = EngineConfig(page_size=4, max_batch=max_batch, record_logits=True, workspace_bytes=8 << 20,
+                        cuda_graph=cuda_graph, sampling=sampling)
+    engine = Engine(model, kv_dtype, ecfg, ref, num_pages=3 * 4)
+    workload = _workload(cfg.vocab_size)
+    if warmup:
+        engine.warmup(workload)
+    reqs = requests if requests is not None else [Request(i, list(p), g) for i, (p, g) in enumerate(workload)]
+    stats = engine.run(reqs)
+    return engine, reqs, stats
+
+
+def _own_kept_set(engine, r, params, min_p_chain):
+    """bool per generated token of ``r``: inside the kept set of the logits the engine sampled it
+    from (its own recorded logits, sets from tritoninfer.reference)."""
+    logits = torch.stack(engine.logits[r.rid]).float()
+    tok = torch.tensor(r.output)
+    rows = torch.arange(len(tok))
+    if params.temperature == 0:
+        return logits[rows, tok] == logits.max(-1).values
+    probs = ref_sampling.softmax(logits, params.temperature)
+    keep = ref_sampling.top_k_keep_mask(probs, params.top_k)
+    if min_p_chain:
+        renormed = ref_sampling.top_k_renorm_probs(probs, params.top_k)
+        keep &= ref_sampling.top_p_keep_mask(renormed, params.top_p) & ref_sampling.min_p_keep_mask(probs, params.min_p)
+    else:
+        keep &= ref_sampling.top_p_keep_mask(probs, params.top_p)
+    return keep[rows, tok]
+
+
+@pytest.mark.parametrize("params,cuda_graph,kv_dtype", [
+    # the joint top-k/top-p kernel on the padded CUDA-graph path (a batch of 3 padded to 4)
+    (SamplingParams(temperature=0.8, top_k=5, top_p=0.9), True, torch.bfloat16),
+    # the min-p chain (top-k renorm, top-p renorm, min-p sampling), eager decode, fp16 KV
+    (SamplingParams(temperature=1.2, top_k=20, top_p=0.95, min_p=0.1), False, torch.float16),
+], ids=["joint-graphpath", "min-p-eager"])
+def test_sampled_tokens_lie_in_the_allowed_set(params, cuda_graph, kv_dtype):
+    """Every sampled token lies in the kept set of the logits it was drawn from, and --check's
+    statistic finds every one inside the float32 reference's set widened by the measured logit
+    difference; the tokens are not simply the argmax."""
+    sampling = SamplingConfig(params, seed=0)
+    engine, reqs, stats = _sample_run(sampling, cuda_graph=cuda_graph, reference=True, kv_dtype=kv_dtype)
+    assert all(r.done for r in reqs) and stats.generated_tokens == sum(GEN_LENS)
+    if cuda_graph:
+        assert 3 in stats.decode_batch_sizes
+    for r in reqs:
+        assert bool(_own_kept_set(engine, r, params, sampling.min_p_chain).all()), (r.rid, r.output)
+    assert stats.checked_rows == sum(GEN_LENS) and stats.sampled_outside == 0
+    assert stats.sampled_exact >= stats.checked_rows - 1  # ties at the boundary are rare here
+    assert stats.sampled_not_argmax >= 3, stats.sampled_not_argmax  # it sampled: not greedy in disguise
+
+
+def test_sampling_seed_reproducible():
+    """The same seed gives the same tokens (also after a warm-up, which draws from the generator and
+    re-seeds it); another seed gives other tokens (temperature 1.5 over 128 tokens: near-certain)."""
+    params = SamplingParams(temperature=1.5)
+    runs = {}
+    for seed, warmup in ((0, False), (0, True), (1, False)):
+        _, reqs, _ = _sample_run(SamplingConfig(params, seed=seed), warmup=warmup)
+        runs[seed, warmup] = [r.output for r in reqs]
+    assert runs[0, False] == runs[0, True]
+    assert runs[0, False] != runs[1, False]
+    differing = sum(a != b for x, y in zip(runs[0, False], runs[1, False]) for a, b in zip(x, y))
+    assert differing >= sum(GEN_LENS) // 2, differing
+
+
+def test_sampling_greedy_limits_and_default():
+    """Without sampling the engine has no sampler and decodes by argmax as before; temperature 0 and
+    top-k 1 through the sampling kernels give the greedy tokens."""
+    engine, greedy_reqs, _ = _sample_run(None)
+    assert engine.sampler is None and not any(r.sampling for r in greedy_reqs)
+    greedy = [r.output for r in greedy_reqs]
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=1)):
+        _, reqs, _ = _sample_run(SamplingConfig(params, seed=7))
+        assert [r.output for r in reqs] == greedy, params
+
+
+def test_sampling_per_request_parameters():
+    """Requests of one batch sample with their own parameters (per-row tensors in the decode step)."""
+    workload = _workload(TINY.vocab_size)
+    own = [SamplingParams(temperature=0.0), None, SamplingParams(temperature=0.7, top_k=2),
+           SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=2.0, top_p=0.5)]
+    reqs = [Request(i, list(p), g, sampling=s) for i, ((p, g), s) in enumerate(zip(workload, own))]
+    default = SamplingParams(temperature=1.0, top_k=10)
+    engine, reqs, stats = _sample_run(SamplingConfig(default, seed=0), reference=True, requests=reqs)
+    assert stats.sampled_outside == 0
+    for r in reqs:
+        assert bool(_own_kept_set(engine, r, r.sampling or default, False).all()), (r.rid, r.output)
+    # a min-p request needs the min-p chain; a greedy engine takes no sampling parameters
+    bad = [Request(0, [1, 2], 1, sampling=SamplingParams(min_p=0.2))]
+    with pytest.raises(ValueError, match="min_p"):
+        _sample_run(SamplingConfig(default), requests=bad)
+    with pytest.raises(ValueError, match="greedy engine"):
+        _sample_run(None, requests=[Request(0, [1, 2], 1, sampling=default)])
+
+
+def test_sampling_check_catches_tokens_outside_the_set(monkeypatch):
+    """--check's sampled-token statistic fails tokens outside the set (here the least likely token
+    instead of one of the top 3)."""
+    monkeypatch.setattr(Sampler, "sample", lambda self, logits, bufs: logits.argmin(-1))
+    _, _, stats = _sample_run(SamplingConfig(SamplingParams(top_k=3)), reference=True)
+    assert stats.sampled_outside == stats.checked_rows == sum(GEN_LENS)
+
+
+def test_main_sampling_end_to_end(capsys):
+    status = main(["--check", "--quiet", "--sampling", "--temperature", "0.9", "--top-k", "8", "--top-p", "0.9",
+                   "--num-requests", "3", "--gen-len", "3", "--sampling-seed", "5"])
+    text = capsys.readouterr().out
+    assert status == 0, text
+    assert "generated each (sampled)" in text and "temperature 0.9, top-k 8, top-p 0.9, seed 5" in text
+    assert _row(text, "check: sampled tokens in the allowed set")[0].startswith("9 of 9 (")
+    assert _row(text, "new kernel variants while timed") == ["0"]  # the warm-up sampled too
+    assert "sampled tokens outside the allowed set: 0: OK" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.8, top_k=50, top_p=0.9),
+    SamplingParams(temperature=1.0, top_k=100, top_p=0.95, min_p=0.05),
+], ids=["joint", "min-p"])
+def test_gpu_sampling_in_cuda_graphs(params):
+    """On the GPU: the sampling kernels captured in every decode bucket's CUDA graph with the
+    engine's own generator registered; every sampled token in the reference's allowed set, the same
+    seed gives the same tokens (the timed replays of every 4th step undo their draws), tokens vary."""
+    from tritoninfer.demo.kv_cache import KV_DTYPES
+
+    cfg = ModelConfig(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_layers=3, num_heads=16,
+                      num_kv_heads=4, head_dim=128)
+    weights = random_weights(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
+    model = LlamaModel(cfg, weights, torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(1, 300, (16,), generator=g).tolist()
+    gens = torch.randint(4, 16, (16,), generator=g).tolist()
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in lens]
+    outputs = []
+    for run in range(2):
+        reqs = [Request(i, list(p), m) for i, (p, m) in enumerate(zip(prompts, gens))]
+        ecfg = EngineConfig(page_size=16, max_batch=8, max_prefill_tokens=2048, attn_sample_every=4,
+                            sampling=SamplingConfig(params, seed=11))
+        engine = Engine(model, KV_DTYPES["bf16"], ecfg, DenseReference(cfg, weights, "cuda"), num_pages=8 * 20)
+        engine.warmup([(r.prompt, r.max_new_tokens) for r in reqs])
+        stats = engine.run(reqs)
+        assert stats.graphs_captured == len(engine.buckets) and stats.decode_sampled_tokens > 0
+        assert stats.checked_rows == sum(gens) and stats.sampled_outside == 0, stats
+        assert stats.sampled_not_argmax > sum(gens) // 4
+        outputs.append([r.output for r in reqs])
+    assert outputs[0] == outputs[1]
+
+
+@pytest.mark.gpu
+def test_gpu_main_sampling_smoke():
+    """The command with --sampling on the GPU preset's shape: decode graphs sample, --check passes."""
+    status = main(["--sampling", "--temperature", "0.7", "--top-k", "50", "--top-p", "0.9", "--check", "--quiet",
+                   "--num-requests", "8", "--max-batch", "4", "--prompt-len", "64-256", "--gen-len", "8"])
+    assert status == 0

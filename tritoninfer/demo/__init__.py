@@ -1,9 +1,10 @@
-"""``tritoninfer demo``: continuous-batching greedy generation over a paged KV cache.
+"""``tritoninfer demo``: continuous-batching generation (greedy or sampled) over a paged KV cache.
 
 A Llama-architecture decoder (``model``) on tritoninfer's kernels, a paged KV cache with a page
 allocator (``kv_cache``), a continuous-batching scheduler (``scheduler``), the serving loop with
-prefill / decode steps and CUDA graphs (``engine``), a dense float32 reference for ``--check``
-(``reference``), local Hugging Face checkpoints (``hf``) and the command line (``cli``).
+prefill / decode steps and CUDA graphs (``engine``), sampling with tritoninfer's sampling kernels
+(``sampler``), a dense float32 reference for ``--check`` (``reference``), local Hugging Face
+checkpoints (``hf``) and the command line (``cli``).
 ``docs/demo.md`` says how to run it.
 
 Entry point: :func:`main` (``tritoninfer demo ARGS``, ``python -m tritoninfer demo ARGS``).

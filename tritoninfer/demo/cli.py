@@ -91,9 +91,9 @@ def _positive(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tritoninfer demo",
-        description="Greedy generation with continuous batching over a paged KV cache: a Llama-architecture "
-                    "decoder on tritoninfer's kernels (random weights by default, or --model). Without a GPU it "
-                    "runs a tiny model through the Triton interpreter.",
+        description="Generation (greedy, or sampled with --sampling) with continuous batching over a paged KV "
+                    "cache: a Llama-architecture decoder on tritoninfer's kernels (random weights by default, or "
+                    "--model). Without a GPU it runs a tiny model through the Triton interpreter.",
     )
     p.add_argument("--preset", choices=sorted(PRESETS),
                    help="model shape and workload: 'tiny' (the default without a GPU), 'gpu' (the default with "
@@ -130,10 +130,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", metavar="PATH",
                    help="a local Hugging Face Llama/Qwen2/Mistral checkpoint folder (config.json + *.safetensors); "
                         "prompts are random token ids")
+    g = p.add_argument_group("sampling (default: greedy argmax; any option below turns --sampling on)")
+    g.add_argument("--sampling", action="store_true",
+                   help="sample each token with tritoninfer's sampling kernels (softmax with temperature, then "
+                        "joint top-k/top-p sampling, or top-k/top-p renorm and min-p sampling with --min-p), inside "
+                        "the decode step's CUDA graph; without other options: temperature 1, no filter")
+    g.add_argument("--temperature", type=float, metavar="T", help="softmax temperature (default 1; 0: greedy)")
+    g.add_argument("--top-k", type=int, metavar="K", help="keep the K most likely tokens (default 0: off)")
+    g.add_argument("--top-p", type=float, metavar="P", help="keep the smallest set of most likely tokens whose "
+                   "probability reaches P, in (0, 1] (default 1: off)")
+    g.add_argument("--min-p", type=float, metavar="M", help="keep tokens of probability >= M x the largest, "
+                   "M between 0 and 1 (default 0: off)")
+    g.add_argument("--sampling-seed", type=int, metavar="N",
+                   help="seed of the sampling generator (a torch.Generator on the device; default: --seed)")
     g = p.add_argument_group("checking and output")
     g.add_argument("--check", action="store_true",
                    help="compare every step's logits with a dense float32 reference forward pass (plain torch); "
-                        "exit 1 if the largest difference exceeds the tolerance")
+                        "exit 1 if the largest difference exceeds the tolerance (with --sampling, also if a "
+                        "sampled token lies outside the reference's allowed set)")
     g.add_argument("--tolerance", type=float, metavar="X",
                    help="--check: allowed max |logit - ref| / max |ref logit| per row (default by dtype)")
     g.add_argument("--out", metavar="FILE", help="also write the summary as markdown to FILE")
@@ -170,7 +184,25 @@ def parse_args(argv: List[str], on_gpu: Optional[bool] = None) -> argparse.Names
         parser.error("--tolerance: expected a positive number")
     if args.head_dim % 8 or args.head_dim > 256:
         parser.error(f"--head-dim: expected a multiple of 8 up to 256, got {args.head_dim}")
+    args.sampling_config = _sampling_config(parser, args)
     return args
+
+
+def _sampling_config(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """The engine's SamplingConfig, or None (greedy) when no sampling option was given."""
+    from .sampler import SamplingConfig, SamplingParams  # no kernel module
+
+    given = {name: getattr(args, name) for name in ("temperature", "top_k", "top_p", "min_p", "sampling_seed")}
+    if not args.sampling and all(v is None for v in given.values()):
+        return None
+    values = {k: v for k, v in given.items() if v is not None and k != "sampling_seed"}
+    try:
+        params = SamplingParams(**values)
+    except ValueError as exc:
+        name, _, rest = str(exc).partition(": ")
+        parser.error(f"--{name.replace('_', '-')}: {rest}")
+    seed = args.sampling_seed if args.sampling_seed is not None else args.seed
+    return SamplingConfig(params, seed)
 
 
 def _on_gpu() -> bool:
@@ -280,9 +312,13 @@ def run(args) -> int:
                f"{args.dtype} ({load_time:.1f} s to build)")
     plo, phi = args.prompt_len
     glo, ghi = args.gen_len
+    sampling = args.sampling_config
     out.append(f"workload  : {args.num_requests} requests, prompts {_span(plo, phi)} tokens, {_span(glo, ghi)} "
-               f"generated each (greedy), at most {args.max_batch} running, {args.max_prefill_tokens} prefill "
-               f"tokens per step")
+               f"generated each ({'sampled' if sampling else 'greedy'}), at most {args.max_batch} running, "
+               f"{args.max_prefill_tokens} prefill tokens per step")
+    if sampling:
+        where = "eagerly" if args.no_cuda_graph or args.interpreter else "in the decode step's CUDA graph"
+        out.append(f"sampling  : {sampling.describe()}; decode steps sample {where}")
     if args.no_cuda_graph:
         graph = "eager"
     elif args.interpreter:
@@ -310,10 +346,12 @@ def run(args) -> int:
     verdicts = []
     if args.check:
         for kv_name, st, tol in results:
-            ok = st.max_rel_diff <= tol
+            ok = st.max_rel_diff <= tol and st.sampled_outside == 0
+            sampled = (f"; sampled tokens outside the allowed set: {st.sampled_outside}"
+                       if args.sampling_config else "")
             verdicts.append(f"check ({kv_name} KV): largest |logit - reference| = {st.max_abs_diff:.4g} "
                             f"({100 * st.max_rel_diff:.2f} % of the row's largest |logit|) over {st.checked_rows} "
-                            f"rows; tolerance {100 * tol:.1f} %: {'OK' if ok else 'FAILED'}")
+                            f"rows; tolerance {100 * tol:.1f} %{sampled}: {'OK' if ok else 'FAILED'}")
             if not ok:
                 status = 1
     for line in verdicts:
@@ -335,6 +373,7 @@ def _serve(args, model, kv_name: str, workload, num_pages: int, reference, varia
     ecfg = EngineConfig(page_size=args.page_size, max_batch=args.max_batch,
                         max_prefill_tokens=args.max_prefill_tokens, num_pages=num_pages,
                         use_tensor_cores=args.use_tensor_cores, cuda_graph=not args.no_cuda_graph,
+                        sampling=args.sampling_config,
                         workspace_bytes=(32 if args.interpreter else 512) * 1024 * 1024)
     if reference is not None:
         reference.reset()
@@ -406,6 +445,10 @@ def summary_rows(results, args) -> List[Tuple[str, List[str]]]:
     if args.check:
         add("check: largest logit difference", lambda s, t: f"{s.max_abs_diff:.3g} ({100 * s.max_rel_diff:.2f} %, tol {100 * t:.1f} %)")
         add("check: argmax differs", lambda s, t: f"{s.argmax_mismatches} of {s.checked_rows} steps")
+        if args.sampling_config:
+            add("check: sampled tokens in the allowed set", lambda s, t: (
+                f"{s.checked_rows - s.sampled_outside} of {s.checked_rows} ({s.sampled_exact} in the reference's "
+                f"exact set, {s.sampled_not_argmax} not its argmax)"))
     return [("KV cache dtype", [kv for kv, *_ in results])] + rows
 
 

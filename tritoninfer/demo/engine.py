@@ -4,12 +4,13 @@
   plan (causal) per step; in each layer K/V are written first with ``append_paged_kv_cache``, then
   attention runs over the paged cache. Logits are computed for each prompt's last token only.
 - Decode step (every running request, one token each): one ``BatchDecodeWithPagedKVCacheWrapper``
-  plan per step, shared by all layers. On a GPU the whole step (embedding, layers, LM head, argmax)
-  is a CUDA graph, captured once per batch-size bucket (1, 2, 4, ... up to ``max_batch``) with
-  the wrapper's fixed page-table buffers; the batch is padded to its bucket (padding rows have no
-  KV pages, batch index -1 so the append skips them, and attention gives them 0) and the wrapper is
-  re-planned before every replay.
-- Sampling is greedy (argmax).
+  plan per step, shared by all layers. On a GPU the whole step (embedding, layers, LM head, and
+  with sampling the sampling kernels) is a CUDA graph, captured once per batch-size bucket (1, 2,
+  4, ... up to ``max_batch``) with the wrapper's fixed page-table buffers; the batch is padded to
+  its bucket (padding rows have no KV pages, batch index -1 so the append skips them, and
+  attention gives them 0) and the wrapper is re-planned before every replay.
+- Greedy (argmax) by default; with ``EngineConfig.sampling`` tritoninfer's sampling kernels pick each
+  step's tokens (``sampler.py``): eagerly after a prefill, inside the graph in a decode step.
 
 fp8 KV: K/V are divided by the layer's static scale and rounded to e4m3 in torch, then appended
 (``append_paged_kv_cache`` can convert fp16/bf16 to fp8 itself, but under the Triton interpreter
@@ -32,6 +33,7 @@ from tritoninfer.prefill import BatchPrefillWithPagedKVCacheWrapper
 from .kv_cache import PagedKVCache
 from .model import LlamaModel
 from .reference import DenseReference
+from .sampler import Sampler, SamplingConfig, allowed_rows
 from .scheduler import Request, Scheduler
 
 __all__ = ["EngineConfig", "Engine", "Stats", "StepInfo", "batch_buckets"]
@@ -49,6 +51,7 @@ class EngineConfig:
     attn_sample_every: int = 8  # CUDA-graph decode: time attention alone on every n-th decode step
     record_logits: bool = False  # keep every step's logits per request (tests)
     check_tolerance: Optional[float] = None  # relative max |dlogit| allowed by --check
+    sampling: Optional[SamplingConfig] = None  # None: greedy (argmax)
 
 
 @dataclasses.dataclass
@@ -74,6 +77,9 @@ class Stats:
     max_rel_diff: float = 0.0  # ... divided by the row's largest |reference logit|
     checked_rows: int = 0
     argmax_mismatches: int = 0
+    sampled_outside: int = 0  # --check with sampling: tokens outside the allowed set (see sampler.allowed_rows)
+    sampled_exact: int = 0  # ... tokens inside the reference's own kept set
+    sampled_not_argmax: int = 0  # ... tokens other than the reference's argmax
     wall_time: float = 0.0
     warmup_time: float = 0.0
     warmup_variants: int = 0  # kernel variants first launched by the warm-up (compiled there, on a GPU)
@@ -182,11 +188,14 @@ class _DecodeRunner:
             e.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=e.cfg.use_tensor_cores,
             paged_kv_indptr_buffer=self.indptr, paged_kv_indices_buffer=self.indices,
             paged_kv_last_page_len_buffer=self.lpl)
+        self.sbufs = e.sampler.buffers(bucket) if e.sampler is not None else None
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.logits: Optional[torch.Tensor] = None
+        self.tokens: Optional[torch.Tensor] = None  # sampled in the graph (None: greedy, argmax outside)
         self.attn_graph: Optional[torch.cuda.CUDAGraph] = None
 
-    def _forward(self, timer: Optional[_Timer]) -> torch.Tensor:
+    def _forward(self, timer: Optional[_Timer]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(logits, sampled tokens or None) of the whole bucket."""
         e = self.e
 
         def attention(layer, q, k, v):
@@ -200,10 +209,12 @@ class _DecodeRunner:
                 timer.stop()
             return o
 
-        return e.model.forward(self.ids, self.pos, attention)
+        logits = e.model.forward(self.ids, self.pos, attention)
+        return logits, (e.sampler.sample(logits, self.sbufs) if e.sampler is not None else None)
 
-    def step(self, reqs: Sequence[Request], timer: Optional[_Timer]) -> torch.Tensor:
-        """Logits ``[len(reqs), vocab]`` of the decode step (K/V of each request's last token written)."""
+    def step(self, reqs: Sequence[Request], timer: Optional[_Timer]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Logits ``[len(reqs), vocab]`` of the decode step (K/V of each request's last token written),
+        and the sampled tokens ``[len(reqs)]`` (None when greedy)."""
         e, n, b = self.e, len(reqs), self.bucket
         ps = e.cache.page_size
         npages = np.array([len(r.pages) for r in reqs] + [0] * (b - n), dtype=np.int64)
@@ -221,27 +232,37 @@ class _DecodeRunner:
         self.ids.copy_(host[0])
         self.pos.copy_(host[1])
         self.bidx.copy_(host[2])
+        if self.sbufs is not None:
+            e.sampler.fill(self.sbufs, reqs)
         if e.device.type != "cuda" or not e.cfg.cuda_graph:
-            return self._forward(timer)[:n]
+            return _rows(self._forward(timer), n)
         if self.graph is None:
             # this step, eagerly (it compiles every kernel before the capture), on a side stream
             # as PyTorch advises for the warm-up before a capture
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                logits = self._forward(None)
+                out = self._forward(None)
             torch.cuda.current_stream().wait_stream(side)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             self.graph = torch.cuda.CUDAGraph()
+            if e.sampler is not None:
+                # a generator of our own: each replay must advance it and draw new numbers, which
+                # only a generator registered with the graph does (the default one is implicitly)
+                register = getattr(self.graph, "register_generator_state", None)
+                if register is None:
+                    raise RuntimeError("sampling in a CUDA graph needs torch.cuda.CUDAGraph.register_generator_state "
+                                       f"(torch {torch.__version__} has none); run with --no-cuda-graph")
+                register(e.sampler.generator)
             with torch.cuda.graph(self.graph, pool=e.graph_pool):
-                self.logits = self._forward(None)
+                self.logits, self.tokens = self._forward(None)
             torch.cuda.synchronize()
             e.stats.graphs_captured += 1
             e.stats.capture_time += time.perf_counter() - t0
-            return logits[:n]
+            return _rows(out, n)
         self.graph.replay()
-        return self.logits[:n]
+        return _rows((self.logits, self.tokens), n)
 
     def time_attention(self) -> float:
         """Seconds the current plan's attention takes over all layers (a graph of the wrapper's
@@ -293,6 +314,7 @@ class Engine:
         self.buckets = batch_buckets(cfg.max_batch)
         self._runners: Dict[int, _DecodeRunner] = {}
         self.graph_pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" and cfg.cuda_graph else None
+        self.sampler = Sampler(cfg.sampling, self.device) if cfg.sampling is not None else None
         self.stats = Stats(num_pages=self.cache.num_pages)
         self.logits: Dict[int, List[torch.Tensor]] = {}  # rid -> per-step logits (record_logits)
 
@@ -308,7 +330,7 @@ class Engine:
         dev = flat.to(self.device, non_blocking=False)
         return list(torch.split(dev, sizes))
 
-    def _check(self, segments, logits: torch.Tensor) -> None:
+    def _check(self, segments, logits: torch.Tensor, reqs: Sequence[Request], tokens: List[int]) -> None:
         ref = self.reference.forward(segments).to(logits.device)
         diff = (logits - ref).abs()
         row_max = diff.amax(-1)
@@ -317,7 +339,21 @@ class Engine:
         st.max_abs_diff = max(st.max_abs_diff, float(row_max.max()))
         st.max_rel_diff = max(st.max_rel_diff, float((row_max / scale).max()))
         st.checked_rows += ref.shape[0]
-        st.argmax_mismatches += int((logits.argmax(-1) != ref.argmax(-1)).sum())
+        ref_argmax = ref.argmax(-1)
+        st.argmax_mismatches += int((logits.argmax(-1) != ref_argmax).sum())
+        if self.sampler is not None:
+            tok = torch.tensor(tokens, device=ref.device)
+            within, exact = allowed_rows(ref, row_max, tok, self.sampler.params_of(reqs), self.sampler.cfg.min_p_chain)
+            st.sampled_outside += int((~within).sum())
+            st.sampled_exact += int(exact.sum())
+            st.sampled_not_argmax += int((tok != ref_argmax).sum())
+
+    def _sample_eager(self, reqs: Sequence[Request], logits: torch.Tensor) -> Optional[torch.Tensor]:
+        if self.sampler is None:
+            return None
+        bufs = self.sampler.buffers(len(reqs))
+        self.sampler.fill(bufs, reqs)
+        return self.sampler.sample(logits, bufs)
 
     # ------------------------------------------------------------------ steps
     def _prefill(self, reqs: List[Request], timer: _Timer) -> torch.Tensor:
@@ -358,18 +394,19 @@ class Engine:
             r.kv_len = len(r.prompt)
         return logits
 
-    def _decode(self, reqs: List[Request], timer: _Timer) -> torch.Tensor:
+    def _decode(self, reqs: List[Request], timer: _Timer) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         if self.cfg.cuda_graph:
             bucket = next(b for b in self.buckets if b >= len(reqs))
             runner = self._runners.get(bucket)
             if runner is None:
                 runner = self._runners[bucket] = _DecodeRunner(self, bucket)
-            logits = runner.step(reqs, None if self.device.type == "cuda" else timer)
+            logits, sampled = runner.step(reqs, None if self.device.type == "cuda" else timer)
         else:
             logits = self._decode_eager(reqs, timer)
+            sampled = self._sample_eager(reqs, logits)
         for r in reqs:
             r.kv_len += 1
-        return logits
+        return logits, sampled
 
     def _decode_eager(self, reqs: List[Request], timer: _Timer) -> torch.Tensor:
         mc, ps, cache = self.cfg_model, self.cache.page_size, self.cache
@@ -429,6 +466,8 @@ class Engine:
             alloc.free(page)
         self._sync()
         alloc.peak_used = 0
+        if self.sampler is not None:
+            self.sampler.reset()  # the graphs' first runs drew from it: the timed run starts at the seed
         dt = time.perf_counter() - t0
         self.stats = Stats(num_pages=self.cache.num_pages, graphs_captured=self.stats.graphs_captured,
                            capture_time=self.stats.capture_time)
@@ -451,6 +490,11 @@ class Engine:
         self.scheduler = sched
         st = self.stats
         for r in requests:
+            if r.sampling is not None:
+                if self.sampler is None:
+                    raise ValueError(f"request {r.rid}: sampling parameters given to a greedy engine "
+                                     "(EngineConfig.sampling is None)")
+                self.sampler.check_request(r.sampling)
             sched.add(r)
             st.requests += 1
             st.prompt_tokens += len(r.prompt)
@@ -462,8 +506,12 @@ class Engine:
             kind, reqs = plan
             timer = _Timer(self.device)
             t0 = time.perf_counter()
-            logits = self._prefill(reqs, timer) if kind == "prefill" else self._decode(reqs, timer)
-            tokens = logits.argmax(-1).tolist()  # syncs
+            if kind == "prefill":
+                logits = self._prefill(reqs, timer)
+                sampled = self._sample_eager(reqs, logits)
+            else:
+                logits, sampled = self._decode(reqs, timer)
+            tokens = (logits.argmax(-1) if sampled is None else sampled).tolist()  # syncs
             dt = time.perf_counter() - t0
             attn = timer.flush()
             if kind == "prefill":
@@ -481,7 +529,7 @@ class Engine:
                     for r in reqs:
                         self.reference.reserve(r.rid, r.max_kv_len)
                 segments = [(r.rid, r.prompt if kind == "prefill" else [r.last_token]) for r in reqs]
-                self._check(segments, logits)
+                self._check(segments, logits, reqs, tokens)
             if self.cfg.record_logits:
                 rows = logits.float().cpu()
                 for i, r in enumerate(reqs):
@@ -514,13 +562,23 @@ class Engine:
             return
         st.decode_attn_time += runner.time_attention()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        # replaying the step again rewrites the same K/V values (same inputs): harmless
+        # replaying the step again rewrites the same K/V values (same inputs): harmless; its draws
+        # are undone so that the tokens do not depend on which steps are timed
+        rng = self.sampler.generator.get_state() if self.sampler is not None else None
         start.record()
         runner.graph.replay()
         end.record()
         end.synchronize()
+        if rng is not None:
+            self.sampler.generator.set_state(rng)
         st.decode_attn_base += start.elapsed_time(end) / 1e3
         st.decode_sampled_tokens += len(reqs)
+
+
+def _rows(out: Tuple[torch.Tensor, Optional[torch.Tensor]], n: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The first ``n`` rows (the real requests) of a padded bucket's (logits, tokens)."""
+    logits, tokens = out
+    return logits[:n], (tokens[:n] if tokens is not None else None)
 
 
 def _page_ids(reqs: Sequence[Request]) -> np.ndarray:

@@ -16,6 +16,7 @@ from typing import Deque, List, Optional, Tuple
 import numpy as np
 
 from .kv_cache import PageAllocator
+from .sampler import SamplingParams
 
 __all__ = ["Request", "Scheduler", "pages_for"]
 
@@ -33,6 +34,7 @@ class Request:
     pages: List[int] = dataclasses.field(default_factory=list)
     kv_len: int = 0  # tokens whose K/V are in the cache
     reserved: int = 0  # pages reserved for the request's whole life
+    sampling: Optional[SamplingParams] = None  # None: the engine's default (greedy without EngineConfig.sampling)
     _page_cache: Optional[np.ndarray] = dataclasses.field(default=None, repr=False)
 
     def page_array(self) -> np.ndarray:
