@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
@@ -452,6 +452,18 @@ class AttentionLaunch:
     def __call__(self, q: torch.Tensor, out: torch.Tensor, lse: Optional[torch.Tensor], kv: KVSource,
                  q_scale: Optional[float], k_scale: Optional[float], v_scale: Optional[float],
                  sinks: Optional[torch.Tensor], head_scales: Optional[tuple]) -> None:
+        folded, head = self.head_args(q, out, lse, kv, q_scale, k_scale, v_scale, sinks, head_scales)
+        launch = self.attention if folded else self.unfolded
+        if not self.optional:
+            launch(*head)
+            return
+        launch(*head, *self.optional_args(lse, sinks, head_scales)[:self.optional])
+
+    def head_args(self, q: torch.Tensor, out: torch.Tensor, lse: Optional[torch.Tensor], kv: KVSource,
+                  q_scale: Optional[float], k_scale: Optional[float], v_scale: Optional[float],
+                  sinks: Optional[torch.Tensor] = None, head_scales: Optional[tuple] = None) -> Tuple[bool, tuple]:
+        """The 17 per-call arguments every launch passes, and whether the folded-scale variant may run
+        (a positive scale). Raises ``ValueError`` for a tensor on another device."""
         dev = self.device
         # the bound launch passes addresses, so a tensor on another device must be caught here
         if q.device != dev or out.device != dev or kv.k.device != dev or kv.v.device != dev or (
@@ -462,13 +474,13 @@ class AttentionLaunch:
             raise ValueError("paged_kv_cache: the cache has no pages, but the plan reads KV from it")
         sm_scale = self.sm_scale * (1.0 if q_scale is None else float(q_scale)) * (1.0 if k_scale is None else float(k_scale))
         v_scale = 1.0 if v_scale is None else float(v_scale)
-        launch = self.attention if sm_scale > 0 else self.unfolded
-        head = (q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), kv.k, *kv.k_strides, kv.v,
-                *kv.v_strides, kv.num_pages, sm_scale * 1.4426950408889634, v_scale)
-        if not self.optional:
-            launch(*head)
-            return
+        return sm_scale > 0, (q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), kv.k, *kv.k_strides,
+                              kv.v, *kv.v_strides, kv.num_pages, sm_scale * 1.4426950408889634, v_scale)
+
+    def optional_args(self, lse: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
+                      head_scales: Optional[tuple]) -> tuple:
+        """The 6 optional per-call arguments (lse, its row stride, sinks, three head scales), the
+        absent ones as the placeholder the launch binds."""
         dummy = self.dummy
-        optional = ((lse, lse.stride(0)) if lse is not None else (dummy, 0)) + (
+        return ((lse, lse.stride(0)) if lse is not None else (dummy, 0)) + (
             sinks if sinks is not None else dummy,) + (head_scales if head_scales is not None else (dummy,) * 3)
-        launch(*head, *optional[:self.optional])

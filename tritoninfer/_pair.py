@@ -23,27 +23,13 @@ _PAIR = CachedLauncher(attention_pair_kernel)
 # attention_fwd_kernel's per-call arguments: 17 always passed, then 6 optional ones (lse, its row
 # stride, sinks, three head scales) that AttentionLaunch binds as placeholders when absent
 _OPTIONAL = 6
-_LOG2E = 1.4426950408889634
 
 
 def _per_call(launch: AttentionLaunch, q: torch.Tensor, out: torch.Tensor, lse: Optional[torch.Tensor], kv,
               q_scale, k_scale, v_scale) -> Tuple[bool, tuple]:
-    """One half's per-call arguments (all 23, as ``AttentionLaunch.__call__`` lays them out) and
-    whether its folded-scale variant may run (a positive scale)."""
-    dev = launch.device
-    if q.device != dev or out.device != dev or kv.k.device != dev or kv.v.device != dev or (
-            lse is not None and lse.device != dev):
-        raise ValueError(f"attention: every tensor must be on the plan's device {dev}")
-    if launch.needs_pages and kv.num_pages == 0:
-        raise ValueError("paged_kv_cache: the cache has no pages, but the plan reads KV from it")
-    sm_scale = launch.sm_scale * (1.0 if q_scale is None else float(q_scale)) * (
-        1.0 if k_scale is None else float(k_scale))
-    v_scale = 1.0 if v_scale is None else float(v_scale)
-    dummy = launch.dummy
-    head = (q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), kv.k, *kv.k_strides, kv.v,
-            *kv.v_strides, kv.num_pages, sm_scale * _LOG2E, v_scale,
-            lse if lse is not None else dummy, lse.stride(0) if lse is not None else 0, dummy, dummy, dummy, dummy)
-    return sm_scale > 0, head
+    """One half's per-call arguments (all 23) and whether its folded-scale variant may run."""
+    folded, head = launch.head_args(q, out, lse, kv, q_scale, k_scale, v_scale)
+    return folded, head + launch.optional_args(lse, None, None)
 
 
 class PairLaunch:
