@@ -2,6 +2,7 @@
 handling, and ``--quick`` end to end through the Triton interpreter."""
 
 import csv
+import dataclasses
 import os
 import re
 import subprocess
@@ -466,3 +467,182 @@ def test_sampling_group_check_catches_a_token_outside_the_set():
 def test_sampling_group_bad_function(capsys):
     assert main(["sampling", "--functions", "top_q_sampling"]) == 2
     assert "top_q_sampling" in capsys.readouterr().err
+
+
+# ---- the groups that share bench.groups: mla, pod, sparse, rope-append ----------------------------
+
+
+def _md_rows(path: Path):
+    """The rows of the markdown table in ``path`` as dicts (header -> cell)."""
+    lines = [ln for ln in path.read_text().splitlines() if ln.startswith("|") and not ln.startswith("| |")]
+    lines = [ln for ln in lines if not set(ln) <= set("|-: ") and not ln.startswith("| device")]
+    cells = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in lines]
+    table = [c for c in cells if len(c) == len(cells[-1])]
+    return [dict(zip(table[0], c)) for c in table[1:]]
+
+
+def _no_times(rows):
+    """A CPU run leaves every time, bandwidth, ratio and roofline cell empty."""
+    for r in rows:
+        for k, v in r.items():
+            if any(w in k for w in ("µs", "TB/s", "TFLOP", "roofline", "/ours", "of copy", "p20")):
+                assert v == "", (k, v)
+
+
+def test_bench_help_lists_every_group(capsys):
+    from tritoninfer.bench.groups import GROUPS
+
+    assert main(["--help"]) == 0
+    text = capsys.readouterr().out
+    assert all(f"tritoninfer bench {name}" in text for name in GROUPS)
+    for name in GROUPS:
+        assert main([name, "--help"]) == 0
+        assert f"usage: tritoninfer bench {name}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["mla", "--shapes", "1:2:3"], ["pod", "--providers", "flashinfer"],
+                                  ["sparse", "--sparsity", "1.5"], ["rope-append", "--kind", "verify"]])
+def test_group_bad_option(argv, capsys):
+    assert main(argv) == 2
+    assert "error: argument" in capsys.readouterr().err
+
+
+def test_group_counts_by_hand():
+    from tritoninfer.bench import mla as bm, rope_append as br
+
+    nbytes, flops = bm.counts((128, 64, 64, 8192, 1))
+    assert nbytes == 64 * 8192 * 576 * 2 + 64 * 128 * (576 + 512) * 2
+    assert flops == 2 * 128 * 8192 * (576 + 512) * 64
+    # memory-bound: 1 TB at 2 TB/s takes 0.5 s; 1 s measured is half the roofline
+    assert bm.roofline_fraction(1e12, 1.0, 1e6, 2.0, 790.0) == pytest.approx(0.5)
+    assert bm.roofline_fraction(1.0, 790e12, 2e6, 4.0, 790.0) == pytest.approx(0.5)  # compute-bound
+    llama = br.Config(32, 8, 128, 128, 16, torch.bfloat16, torch.float8_e4m3fn, "NHD", 4096)
+    # q/k/v read in bf16, written in fp8; the cos/sin row in float32; five int32 indices
+    per_token = (4096 + 2 * 1024) * 2 + 128 * 4 + 5 * 4 + (4096 + 2 * 1024)
+    assert br.bytes_moved(llama, 4096) == 4096 * per_token == 4096 * 18964
+
+
+@pytest.mark.parametrize("group,rows", [("mla", 2), ("pod", 3), ("sparse", 4), ("rope-append", 8)])
+def test_group_runs_end_to_end(group, rows, tmp_path, capsys):
+    """Each group on the CPU: tiny shapes through the interpreter, every tritoninfer output checked
+    and passing, FlashInfer's rows saying it is absent, the table written to DIR/GROUP.md."""
+    status = main([group, "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    md = tmp_path / f"{group}.md"
+    text = md.read_text()
+    assert "CPU ONLY" in text and "| device | cpu" in text and f"tritoninfer bench {group}" in text
+    table = _md_rows(md)
+    assert len(table) == rows, text
+    for r in table:
+        who = r.get("provider") or r.get("implementation") or "tritoninfer"
+        want = "not installed" if "FlashInfer" in who or who == "flashinfer" else "ok ("
+        assert r["check"].startswith(want), (who, r["check"])
+    _no_times(table)
+
+
+def _perturb(result):
+    """The same output(s) with every value doubled: a wrong answer of the right shape."""
+    if isinstance(result, tuple):
+        return tuple(_perturb(r) for r in result)
+    return result * 2
+
+
+@pytest.mark.parametrize("group", ["mla", "pod", "sparse", "rope-append"])
+def test_group_check_catches_a_wrong_output(group, tmp_path, monkeypatch, capsys):
+    import tritoninfer.mla, tritoninfer.pod, tritoninfer.rope, tritoninfer.sparse
+
+    if group == "rope-append":
+        real = tritoninfer.rope.rope_quantize_fp8_append_paged_kv_cache
+
+        def wrong(*args, **kwargs):  # drops the last token's K/V
+            args = list(args)
+            args[10] = args[10].clone()
+            args[10][-1] = -1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(tritoninfer.rope, "rope_quantize_fp8_append_paged_kv_cache", wrong)
+        argv = ["rope-append", "--tokens", "3", "--kind", "prefill"]
+    else:
+        cls = {"mla": tritoninfer.mla.BatchMLAPagedAttentionWrapper, "pod": tritoninfer.pod.PODWithPagedKVCacheWrapper,
+               "sparse": tritoninfer.sparse.BlockSparseAttentionWrapper}[group]
+        real_run = cls.run
+
+        def wrong_run(self, *args, **kwargs):
+            result = real_run(self, *args, **kwargs)
+            out = kwargs.get("out")
+            if out is not None:
+                out.mul_(2)
+                return out
+            return _perturb(result)
+
+        monkeypatch.setattr(cls, "run", wrong_run)
+        argv = [group] + (["--quick"] if group == "mla" else [])
+    assert main(argv + ["--out", str(tmp_path)]) == 1
+    assert "MISMATCH" in (tmp_path / f"{group}.md").read_text()
+    capsys.readouterr()
+
+
+def test_group_peer_rows_and_ratio(tmp_path, monkeypatch, capsys):
+    """A peer that answers like FlashInfer (here tritoninfer's own module standing in) gets its own
+    checked row; past --ref-max-tokens the MLA check compares ours with the peer's output."""
+    import types
+
+    import tritoninfer.mla, tritoninfer.rope
+    from tritoninfer.bench import groups
+
+    fake = {"mla": tritoninfer.mla, "rope": tritoninfer.rope}
+    monkeypatch.setattr(groups, "peer_flashinfer", lambda sub: (fake[sub], ""))
+    assert main(["mla", "--quick", "--backends", "fa2", "--ref-max-tokens", "1", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "mla.md").read_text()
+    assert "FI fa2 µs" in text and "ok (" in text and "vs FlashInfer" in text
+    assert main(["rope-append", "--tokens", "3", "--kind", "decode", "--out", str(tmp_path)]) == 0
+    rows = _md_rows(tmp_path / "rope-append.md")
+    assert [r["provider"] for r in rows] == ["tritoninfer", "flashinfer"]
+    assert all(r["check"].startswith("ok (") for r in rows)
+    # the real lookup refuses tritoninfer registered as flashinfer: it would time tritoninfer twice
+    monkeypatch.undo()
+    shim = types.ModuleType("flashinfer")
+    shim.__tritoninfer_version__ = "0"
+    monkeypatch.setitem(sys.modules, "flashinfer", shim)
+    monkeypatch.setitem(sys.modules, "flashinfer.rope", types.ModuleType("flashinfer.rope"))
+    mod, why = groups.peer_flashinfer("rope")
+    assert mod is None and "install_as_flashinfer" in why
+    capsys.readouterr()
+
+
+def test_group_fp8_code_check():
+    from tritoninfer.bench import groups
+
+    want = torch.linspace(-3, 3, 400).to(torch.float8_e4m3fn)
+    assert groups.check_fp8_codes(want.clone(), want) == "ok (codes equal)"
+    near = want.clone().view(torch.uint8)
+    near[7] += 1  # one code away, on 1 of 400 elements: an FMA's rounding
+    assert groups.check_fp8_codes(near.view(torch.float8_e4m3fn), want).startswith("ok")
+    far = want.clone().view(torch.uint8)
+    far[7] += 2
+    assert groups.check_fp8_codes(far.view(torch.float8_e4m3fn), want).startswith("MISMATCH")
+    x = torch.randn(20, 8)
+    assert groups.check_close(x * 1.001, x, 1e-2).startswith("ok")
+    assert groups.check_close(x * 1.1, x, 1e-2).startswith("MISMATCH")
+    assert groups.check_close(torch.full_like(x, float("nan")), x, 1e-2) == "MISMATCH (NaN)"
+
+
+def test_group_tables_with_times():
+    """What a GPU run prints, from made-up times: ratios are peer / ours, the roofline the larger bound."""
+    from tritoninfer.bench import groups, mla as bm, pod as bp
+
+    shape = (128, 64, 64, 8192, 1)
+    nbytes, flops = bm.counts(shape)
+    row = bm.Row(shape, ours_us=250.0, peers_us={"fa2": 300.0, "fa3": 245.0}, nbytes=nbytes, flops=flops,
+                 check="ok (1e-3)")
+    line = bm.table([row], ["fa2", "fa3"], 4.0, 790.0).splitlines()[-1]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[5:9] == ["250.0", "300.0", "245.0", "0.98"]
+    bound_us = max(nbytes / 4e6, flops / 790e6)  # the memory bound: 0.61 TB at 4 TB/s
+    assert cells[11] == f"{bound_us / 250:.0%}" and cells[12] == f"{bound_us / 245:.0%}"
+    rows = [bp.Row((64, 4096, 4096), "tritoninfer-pod", 100.0), bp.Row((64, 4096, 4096), "flashinfer-pod", 120.0),
+            bp.Row((64, 4096, 4096), "tritoninfer-separate", 90.0)]
+    assert groups.at_least_as_fast(rows, "tritoninfer-pod", "flashinfer-pod", "x") == "**x: 1 of 1**"
+    assert groups.at_least_as_fast(rows, "tritoninfer-pod", "tritoninfer-separate", "y") == "**y: 0 of 1**"
+    assert "| 1.20 " in bp.table([dataclasses.replace(r, p20_us=1.0, p80_us=2.0) for r in rows])

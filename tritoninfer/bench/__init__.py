@@ -3,8 +3,9 @@
 Entry point: :func:`main` (``tritoninfer bench ARGS`` and ``python -m tritoninfer bench ARGS``).
 ``benchmarks/README.md`` says how to run it and what every column means.
 
-``tritoninfer bench sampling`` is its own group (``sampling``: the sampling functions, with its own
-options). Modules: ``cli`` (options), ``shapes`` (sweeps, byte/FLOP counts), ``cases`` (inputs),
+``tritoninfer bench GROUP`` runs a group with its own options (``groups.GROUPS``: ``sampling``,
+``mla``, ``pod``, ``sparse``, ``rope-append``; what they share is in ``groups``). Modules of the
+attention sweep: ``cli`` (options), ``shapes`` (sweeps, byte/FLOP counts), ``cases`` (inputs),
 ``providers`` (what is timed), ``timing`` (how), ``runner`` (the sweep), ``report`` (tables,
 CSV, markdown, plots), ``results`` (the row record).
 """
@@ -24,10 +25,11 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     from .._interpreter_switch import interpreter_switch, interpreter_warnings_ignored
     from .cli import parse_args  # imports no kernel module: --help and bad options answer in this process
+    from .groups import is_group, run_group
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["sampling"]:
-        return _sampling(argv)
+    if is_group(argv):
+        return run_group(argv)
     try:
         cfg = parse_args(argv)
     except SystemExit as exc:  # argparse: --help (0) or a bad option (2, message already printed)
@@ -42,20 +44,3 @@ def main(argv: Optional[List[str]] = None) -> int:
         warnings.filterwarnings("ignore", message=".*flex_attention.*")
         return run_config(cfg)
 
-
-def _sampling(argv: List[str]) -> int:
-    """``tritoninfer bench sampling ARGS``: its own options (``bench.sampling``), no attention shapes."""
-    from .._interpreter_switch import interpreter_switch, interpreter_warnings_ignored
-    from .sampling import parse_args
-
-    try:
-        parse_args(argv[1:])
-    except SystemExit as exc:
-        return int(exc.code) if isinstance(exc.code, int) else 2
-    status = interpreter_switch("bench", argv)
-    if status is not None:
-        return status
-    from .sampling import main as sampling_main
-
-    with interpreter_warnings_ignored():
-        return sampling_main(argv[1:])

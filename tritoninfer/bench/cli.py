@@ -11,6 +11,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .._options import MAX_HEAD_DIM, canonicalize_dtype
+from .groups import epilog_lines
 from .providers import all_names
 from .shapes import SweepSpec, WORKLOADS
 from .timing import TimingConfig
@@ -27,7 +28,9 @@ examples:
   tritoninfer bench decode --heads 32/8 --batch 16,64 --kv-len 4K,16K --kv-dtype bf16,e4m3
   tritoninfer bench prefill --heads 64/8 --head-dim 256 --page-size 1 --providers tritoninfer,flashinfer
   tritoninfer bench all --quick --out bench-out/quick
-  tritoninfer bench sampling --quick      (the sampling group: its own options, see --help there)
+
+groups (each with its own options: tritoninfer bench GROUP --help):
+{groups}
 
 Lists are comma-separated; lengths take a K suffix (4K = 4096). See benchmarks/README.md."""
 
@@ -183,7 +186,8 @@ def positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="tritoninfer bench", description=DESCRIPTION, epilog=EPILOG,
+        prog="tritoninfer bench", description=DESCRIPTION,
+        epilog=EPILOG.format(groups="\n".join(epilog_lines())),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("workload_pos", nargs="?", metavar="WORKLOAD", choices=WORKLOADS + ("all",),

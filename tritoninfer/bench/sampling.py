@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from .. import _device
-from .timing import TimingConfig, copy_bandwidth, measure
+from .timing import TimingConfig, measure
 
 TOP_K, TOP_P, MIN_P = 50, 0.9, 0.05
 FUNCTIONS = (
@@ -239,17 +236,14 @@ def table(rows: List[Row], copy_tb_s: Optional[float]) -> str:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    from .cli import positive_int, positive_ints
+    from .groups import int_list, parser
 
-    p = argparse.ArgumentParser(prog="tritoninfer bench sampling", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)} at batch 1/64/256 × vocab 128,256/151,936")
+    p = parser("sampling", __doc__, f"only {', '.join(QUICK)} at batch 1/64/256 × vocab 128,256/151,936",
+               replays=20, calls_per_graph=5)
     p.add_argument("--functions", type=lambda t: t.split(","), help=f"any of {', '.join(FUNCTIONS)}")
-    p.add_argument("--batch", type=positive_ints("a batch size"), help="default 1,64,256,1024")
-    p.add_argument("--vocab", type=positive_ints("a vocabulary size"), help="default 32000,128256,151936,262144")
+    p.add_argument("--batch", type=int_list("a batch size"), help="default 1,64,256,1024")
+    p.add_argument("--vocab", type=int_list("a vocabulary size"), help="default 32000,128256,151936,262144")
     p.add_argument("--providers", type=lambda t: t.split(","), default=list(PROVIDERS))
-    p.add_argument("--replays", type=positive_int, default=20)
-    p.add_argument("--calls-per-graph", type=positive_int, default=5)
-    p.add_argument("--out", type=Path, default=Path("bench-out"), help="writes sampling.md there")
     a = p.parse_args(list(argv))
     bad = [f for f in (a.functions or []) if f not in FUNCTIONS]
     if bad:
@@ -262,28 +256,22 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str]) -> int:
     """Runs the sampling group; returns 1 when a tritoninfer row failed its check, else 0."""
+    from . import groups
+
     a = parse_args(argv)
-    gpu = _device.has_gpu()
-    device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+    setup = groups.start("sampling", argv, a)
     functions = a.functions or (QUICK if a.quick else FUNCTIONS)
-    if gpu:
+    if setup.gpu:
         batches = a.batch or ((1, 64, 256) if a.quick else BATCHES)
         vocabs = a.vocab or ((128256, 151936) if a.quick else VOCABS)
-        timing = TimingConfig(calls_per_graph=a.calls_per_graph, replays=a.replays, eager_reps=5, warmup=2)
     else:
-        print("CPU ONLY: tiny shapes through the Triton interpreter; the checks mean something, the times do not.")
         batches, vocabs = a.batch or (3,), a.vocab or (1000,)
-        timing = TimingConfig.for_cpu(TimingConfig())
-    copy_tb_s = copy_bandwidth(device) if gpu else None
-    rows = run_sweep(functions, batches, vocabs, a.providers, timing, device,
-                     progress=lambda m: print(m, file=sys.stderr, flush=True))
-    text = table(rows, copy_tb_s)
-    header = (f"# sampling on {_device.device_name(device) if gpu else 'the CPU (interpreter)'}\n\n"
-              f"top_k={TOP_K}, top_p={TOP_P}, min_p={MIN_P}; float32 input; "
-              + (f"copy bandwidth {copy_tb_s:.3f} TB/s (read + write) in this run. " if copy_tb_s else "")
-              + "Ratios are peer time / ours (> 1: tritoninfer faster).\n\n")
-    print(header + text)
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "sampling.md").write_text(header + text + "\n")
+    rows = run_sweep(functions, batches, vocabs, a.providers, setup.timing, setup.device, progress=groups.progress)
+    head = groups.header(setup, "sampling functions", [
+        f"top_k={TOP_K}, top_p={TOP_P}, min_p={MIN_P}; float32 input; times: CUDA-graph replays (timing.measure).",
+        "TB/s: the input read once plus the output for the distribution-returning functions; "
+        "\"of copy\": against the copy bandwidth above.",
+        "Ratios are peer time / ours (> 1: tritoninfer faster)."])
+    groups.finish(setup, a.out, head, table(rows, setup.copy_tb_s))
     failed = [r for r in rows if r.provider == "tritoninfer" and r.check != "ok"]
     return 1 if failed else 0

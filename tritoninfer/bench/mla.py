@@ -1,0 +1,280 @@
+"""``tritoninfer bench mla``: MLA decode, tritoninfer's ``BatchMLAPagedAttentionWrapper`` against
+FlashInfer's ``flashinfer.mla.BatchMLAPagedAttentionWrapper`` (backends fa2 and fa3), same process,
+same inputs.
+
+DeepSeek-V3 dims (``head_dim_ckv`` 512, ``head_dim_kpe`` 64, bf16, ``sm_scale = 1/sqrt(192)``); the
+latent cache is one 576-wide buffer that every wrapper reads as ``[..., :512]`` / ``[..., 512:]``
+slices, as SGLang passes it; requests have equal lengths and randomly permuted pages; four query
+tokens per request (speculative verify) are causal. Timing: ``timing.measure`` in graph mode,
+``calls`` back-to-back runs in one CUDA graph rotating over input copies (a fresh cache per copy, as
+many copies as keep about 2x the 50 MB L2 in flight, within ``--max-gb``), median per call.
+
+Counted per call: bytes = the live latent rows once per request (576 x 2 bytes per KV position) plus
+q and o; FLOPs = 2 x heads x qlen x kv x (576 + 512) per request (the causal mask of the 4-token
+steps is not subtracted). Roofline fraction = max(bytes / copy bandwidth, FLOPs / --peak-tflops) /
+time. Checks: tritoninfer's output against ``tritoninfer.reference.mla_paged_attention`` (float32)
+where batch x kv_len <= --ref-max-tokens, else against FlashInfer's output. Without a GPU: latent
+dims 32/16 and tiny shapes through the Triton interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import groups
+from .timing import measure
+
+D_CKV, D_KPE = 512, 64
+CPU_DIMS = (32, 16)
+SM_SCALE = 1 / math.sqrt(192)
+BACKENDS = ("fa2", "fa3")
+HEADS, PAGES, BATCHES, KV_LENS, QO_LENS = (128, 16), (1, 64), (1, 16, 64, 128), (1024, 8192, 32768), (1, 4)
+# (heads, page, batch, kv_len, qo_len): the rows issue 22 quotes FlashInfer's times for, and one 16-head one
+QUICK = ((128, 64, 1, 8192, 1), (128, 64, 64, 8192, 1), (16, 64, 64, 8192, 1), (128, 1, 64, 4096, 1),
+         (128, 64, 64, 4096, 4))
+CPU_SHAPES = ((4, 1, 2, 9, 1), (4, 4, 2, 9, 2))
+
+Shape = Tuple[int, int, int, int, int]  # heads, page_size, batch, kv_len, qo_len
+
+
+@dataclass
+class Row:
+    shape: Shape
+    ours_us: Optional[float] = None
+    peers_us: Dict[str, Optional[float]] = field(default_factory=dict)
+    peer_status: Dict[str, str] = field(default_factory=dict)
+    nbytes: float = 0.0
+    flops: float = 0.0
+    check: str = ""
+    note: str = ""
+
+    def best_peer(self) -> Optional[float]:
+        times = [t for t in self.peers_us.values() if t]
+        return min(times) if times else None
+
+
+def counts(shape: Shape, dims: Tuple[int, int] = (D_CKV, D_KPE)) -> Tuple[float, float]:
+    """(bytes, FLOPs) of one call, bf16 (see the module docstring)."""
+    heads, _, batch, kv, ql = shape
+    ckv, kpe = dims
+    nbytes = batch * kv * (ckv + kpe) * 2 + batch * ql * heads * (ckv + kpe + ckv) * 2
+    flops = 2.0 * heads * ql * kv * (ckv + kpe + ckv) * batch
+    return nbytes, flops
+
+
+def roofline_fraction(nbytes: float, flops: float, time_us: Optional[float], copy_tb_s: Optional[float],
+                      peak_tflops: float) -> Optional[float]:
+    """max(bytes / copy bandwidth, FLOPs / peak) / time: 1.0 is the roofline."""
+    if not time_us or not copy_tb_s:
+        return None
+    bound_us = max(nbytes / (copy_tb_s * 1e6), flops / (peak_tflops * 1e6))
+    return bound_us / time_us
+
+
+def make_inputs(shape: Shape, dims: Tuple[int, int], ncopies: int, device: torch.device, seed: int):
+    heads, ps, batch, kv, ql = shape
+    ckv_d, kpe_d = dims
+    g = torch.Generator(device=device).manual_seed(seed)
+    pages_per = math.ceil(kv / ps)
+    num_pages = batch * pages_per
+    copies = []
+    for _ in range(ncopies):
+        q = torch.randn(batch * ql, heads, ckv_d + kpe_d, dtype=torch.bfloat16, device=device, generator=g)
+        cache = torch.randn(num_pages, ps, ckv_d + kpe_d, dtype=torch.bfloat16, device=device, generator=g)
+        copies.append((q[..., :ckv_d], q[..., ckv_d:], cache[..., :ckv_d], cache[..., ckv_d:]))
+    qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device=device) * ql
+    kv_indptr = torch.arange(batch + 1, dtype=torch.int32, device=device) * pages_per
+    kv_indices = torch.randperm(num_pages, device=device, generator=g).to(torch.int32)
+    kv_len = torch.full((batch,), kv, dtype=torch.int32, device=device)
+    return copies, (qo_indptr, kv_indptr, kv_indices, kv_len)
+
+
+def setup_wrapper(wrapper, table, shape: Shape, dims: Tuple[int, int], copies):
+    """(plan, run) of one wrapper: FlashInfer's MLA API, the same for both libraries."""
+    heads, ps, _, _, ql = shape
+    qo_indptr, kv_indptr, kv_indices, kv_len = table
+
+    def plan():
+        wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_len, heads, dims[0], dims[1], ps, ql > 1, SM_SCALE,
+                     torch.bfloat16, torch.bfloat16)
+
+    plan()
+    outs = [torch.empty_like(c[0]) for c in copies]
+
+    def run(i):
+        q_nope, q_pe, ckv, kpe = copies[i]
+        wrapper.run(q_nope, q_pe, ckv, kpe, out=outs[i])
+        return outs[i]
+
+    return plan, run
+
+
+def reference_out(shape: Shape, copies, table) -> torch.Tensor:
+    from .. import reference
+
+    q_nope, q_pe, ckv, kpe = copies[0]
+    out, _ = reference.mla_paged_attention(q_nope, q_pe, ckv, kpe, *table, SM_SCALE, causal=shape[4] > 1)
+    return out
+
+
+def bench_shape(shape: Shape, a: argparse.Namespace, setup: groups.Setup, dims, fi_mla, workspaces) -> Row:
+    from .. import testing
+    from ..mla import BatchMLAPagedAttentionWrapper
+
+    row = Row(shape)
+    row.nbytes, row.flops = counts(shape, dims)
+    heads, ps, batch, kv, _ = shape
+    cache_bytes = batch * math.ceil(kv / ps) * ps * (dims[0] + dims[1]) * 2
+    if cache_bytes > a.max_gb * 1e9:
+        row.check = f"skipped: {cache_bytes / 1e9:.1f} GB of cache > --max-gb"
+        return row
+    ncopies = max(1, min(8, math.ceil(100e6 / row.nbytes), int(a.max_gb * 1e9 // cache_bytes))) if setup.gpu else 1
+    copies, table = make_inputs(shape, dims, ncopies, setup.device, a.seed)
+    tol = testing.tolerance(torch.bfloat16)
+    outs: Dict[str, torch.Tensor] = {}
+    try:
+        plan, run = setup_wrapper(BatchMLAPagedAttentionWrapper(workspaces[0]), table, shape, dims, copies)
+        outs["ours"] = run(0).clone()
+        t = measure(run, device=setup.device, mode="graph", ncopies=ncopies, cfg=setup.timing, plan=plan)
+        row.ours_us, row.note = (t.time_us if setup.gpu else None), t.note
+    except Exception as exc:  # our failure is this row's status, the sweep goes on
+        row.check = "ERROR " + groups.error_text(exc)
+        return row
+    for b in a.backends:
+        if fi_mla is None:
+            continue
+        try:
+            wrapper = fi_mla.BatchMLAPagedAttentionWrapper(workspaces[1], backend=b)
+            plan, run = setup_wrapper(wrapper, table, shape, dims, copies)
+            outs.setdefault("flashinfer", run(0).clone())
+            t = measure(run, device=setup.device, mode="graph", ncopies=ncopies, cfg=setup.timing, plan=plan)
+            row.peers_us[b] = t.time_us
+        except Exception as exc:  # a backend this GPU or shape lacks: its cell says so
+            row.peers_us[b] = None
+            row.peer_status[b] = groups.error_text(exc)
+    if batch * kv <= a.ref_max_tokens:
+        row.check = groups.check_close(outs["ours"], reference_out(shape, copies, table), tol) + " vs reference"
+    elif "flashinfer" in outs:
+        row.check = groups.check_close(outs["ours"], outs["flashinfer"], tol) + " vs FlashInfer"
+    else:
+        row.check = "unchecked (no FlashInfer, beyond --ref-max-tokens)"
+    del copies, outs
+    if setup.gpu:
+        torch.cuda.empty_cache()
+    return row
+
+
+def table(rows: List[Row], backends: Sequence[str], copy_tb_s: Optional[float], peak_tflops: float) -> str:
+    out = []
+    for r in rows:
+        line = [str(x) for x in r.shape] + [groups.fmt(r.ours_us)]
+        for b in backends:
+            line.append(groups.fmt(r.peers_us.get(b)) or r.peer_status.get(b, ""))
+        best = r.best_peer()
+        t = r.ours_us
+        line += [groups.ratio(best, t),
+                 groups.fmt(r.nbytes / (t * 1e6) if t else None, ".2f"),
+                 groups.fmt(r.flops / (t * 1e6) if t else None, ".1f"),
+                 groups.fmt(roofline_fraction(r.nbytes, r.flops, t, copy_tb_s, peak_tflops), ".0%"),
+                 groups.fmt(roofline_fraction(r.nbytes, r.flops, best, copy_tb_s, peak_tflops), ".0%"),
+                 r.check + (f"; {r.note}" if r.note else "")]
+        out.append(line)
+    head = ["heads", "page", "batch", "kv", "qlen", "ours µs"] + [f"FI {b} µs" for b in backends] + \
+        ["best FI/ours", "ours TB/s", "ours TFLOP/s", "ours of roofline", "best FI of roofline", "check"]
+    return groups.markdown_table(out, head)
+
+
+def grid(a: argparse.Namespace, gpu: bool) -> List[Shape]:
+    if a.shapes:
+        return list(a.shapes)
+    if not gpu and not any((a.heads, a.page, a.batch, a.kv_len, a.qo_len)):
+        return list(CPU_SHAPES[:1] if a.quick else CPU_SHAPES)
+    if a.quick and not any((a.heads, a.page, a.batch, a.kv_len, a.qo_len)):
+        return list(QUICK)
+    return list(itertools.product(a.heads or HEADS, a.page or PAGES, a.batch or BATCHES, a.kv_len or KV_LENS,
+                                  a.qo_len or QO_LENS))
+
+
+def _shapes(text: str) -> List[Shape]:
+    out = []
+    for item in text.split(","):
+        parts = item.split(":")
+        try:
+            values = tuple(groups.int_list("a shape field")(p)[0] for p in parts)
+        except argparse.ArgumentTypeError:
+            values = ()
+        if len(values) != 5:
+            raise argparse.ArgumentTypeError(f"expected heads:page:batch:kv_len:qo_len items, got {item!r}")
+        out.append(values)
+    return out
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    from .cli import positive_float, positive_int
+
+    p = groups.parser("mla", __doc__, "five shapes (the issue's anchor rows): 128 heads 1x8K, 64x8K, page 1 "
+                      "64x4K, 64x4K with 4 query tokens; 16 heads 64x8K")
+    p.add_argument("--heads", type=groups.int_list("a head count"), help="default 128,16")
+    p.add_argument("--page", type=groups.int_list("a page size"), help="default 1,64")
+    p.add_argument("--batch", type=groups.int_list("a batch size"), help="default 1,16,64,128")
+    p.add_argument("--kv-len", type=groups.int_list("a KV length"), help="default 1K,8K,32K")
+    p.add_argument("--qo-len", type=groups.int_list("a query length"), help="query tokens per request; default 1,4")
+    p.add_argument("--shapes", type=_shapes, help="heads:page:batch:kv_len:qo_len,... (replaces the grid)")
+    p.add_argument("--backends", type=lambda t: groups.name_list(BACKENDS, "backend")(t) if t else [],
+                   default=list(BACKENDS), help="FlashInfer backends to time (default fa2,fa3; '' for none)")
+    p.add_argument("--max-gb", type=positive_float, default=40.0, help="largest input copies per shape (GB)")
+    p.add_argument("--peak-tflops", type=positive_float, default=790.0,
+                   help="dense bf16 tensor-core peak for the roofline (default 790, the H200's)")
+    p.add_argument("--ref-max-tokens", type=positive_int, default=65536,
+                   help="largest batch*kv_len checked against the float32 reference (default 64K); larger "
+                        "shapes are checked against FlashInfer")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(list(argv))
+
+
+def main(argv: Sequence[str]) -> int:
+    """Runs the MLA group; returns 1 when a tritoninfer output failed its check, else 0."""
+    a = parse_args(argv)
+    setup = groups.start("mla", argv, a)
+    dims = (D_CKV, D_KPE) if setup.gpu else CPU_DIMS
+    fi_mla, why = groups.peer_flashinfer("mla")
+    if fi_mla is None:
+        groups.progress(f"FlashInfer: {why}; tritoninfer only")
+    dev = setup.device
+    workspaces = [torch.empty((128 << 20) if setup.gpu else (8 << 20), dtype=torch.uint8, device=dev)
+                  for _ in range(2)]
+    rows = []
+    for shape in grid(a, setup.gpu):
+        rows.append(bench_shape(shape, a, setup, dims, fi_mla, workspaces))
+        r = rows[-1]
+        times = [f"ours {groups.fmt(r.ours_us) or '-'} us"] + [
+            f"{b} {groups.fmt(t) + ' us' if t else r.peer_status.get(b, '')}" for b, t in r.peers_us.items()]
+        groups.progress(f"mla {shape}: {', '.join(times)}; {r.check}")
+    backends = a.backends if fi_mla is not None else []
+    faster = [r for r in rows if r.ours_us and r.best_peer()]
+    big = [r for r in rows if r.ours_us and r.shape[2] >= 64]
+    tail = []
+    if setup.gpu:
+        tail = [groups.goal_line("rows at or above FlashInfer's best backend",
+                                 sum(r.ours_us <= r.best_peer() for r in faster), len(faster)),
+                groups.goal_line("rows at batch >= 64 at >= 80 % of the roofline",
+                                 sum((roofline_fraction(r.nbytes, r.flops, r.ours_us, setup.copy_tb_s,
+                                                        a.peak_tflops) or 0) >= 0.8 for r in big), len(big))]
+    head = groups.header(setup, "MLA decode (DeepSeek-V3 dims)", [
+        f"latent dims ckv {dims[0]} / kpe {dims[1]}, bf16, sm_scale 1/sqrt(192); one 576-wide buffer sliced "
+        "into ckv/kpe (SGLang's form); pages randomly permuted; qlen 4 is causal."
+        if setup.gpu else f"latent dims ckv {dims[0]} / kpe {dims[1]} (small, for the interpreter), bf16.",
+        "µs: median per call over CUDA-graph replays; FlashInfer: fa2 and fa3 backends of its MLA wrapper; "
+        "best FI/ours > 1: tritoninfer faster than FlashInfer's best backend.",
+        "bytes: latent rows once per request + q + o; FLOPs: 2 x heads x qlen x kv x (ckv + kpe + ckv); "
+        f"roofline: max(bytes / copy bandwidth, FLOPs / {a.peak_tflops:g} TFLOP/s) / time.",
+        f"check: ours against the float32 reference where batch x kv <= {a.ref_max_tokens}, else against "
+        "FlashInfer (bf16 tolerance, relative Frobenius error)."])
+    groups.finish(setup, a.out, head, table(rows, backends, setup.copy_tb_s, a.peak_tflops), tail)
+    return 1 if any(groups.failed(r.check) for r in rows) else 0
