@@ -49,7 +49,8 @@ def compile_kernel(args):
                  HAS_ROPE=False, HAS_CUSTOM_MASK=False, HAS_SINKS=False, HAS_HEAD_SCALES=False, WRITE_LSE=False,
                  DOT_DTYPE=tl.float16 if args.kv_dtype.startswith("fp8") else tl.bfloat16,
                  PREFETCH_PAGES=args.prefetch, KV_AS_M=args.kv_as_m,
-                 MASK_FREE_TILES=args.mask_free, IS_CAUSAL=args.causal, FOLD_SCALE=args.fold,
+                 MASK_FREE_TILES=args.mask_free, IS_CAUSAL=args.causal or args.multi_item, FOLD_SCALE=args.fold,
+                 MULTI_ITEM=args.multi_item,
                  LANES=args.lanes, LANE_TOKENS=args.block_n // max(args.lanes, 1), NUM_STAGES=args.stages,
                  **merge_constants(args))
     sig, attrs = {}, {}
@@ -59,6 +60,8 @@ def compile_kernel(args):
             continue
         if name in ("k_ptr", "v_ptr"):
             sig[name] = "*" + args.kv_dtype
+        elif name == "mask_ptr" and args.multi_item:
+            sig[name] = "*i32"  # multi-item scoring's token positions within items
         elif name in POINTERS:
             sig[name] = POINTERS[name]
         elif name.endswith("_ptr"):
@@ -85,6 +88,7 @@ def main(argv=None):
     ap.add_argument("--prefetch", action="store_true")
     ap.add_argument("--mask-free", action="store_true", help="separate loop without score masks")
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--multi-item", action="store_true", help="multi-item scoring (implies --causal)")
     ap.add_argument("--ragged", action="store_true", help="contiguous (ragged) K/V instead of pages")
     ap.add_argument("--fold", action="store_true", help="softmax scale folded into exp2's argument (prefill tiles)")
     ap.add_argument("--kv-as-m", action="store_true", help="KV positions as the M dimension of the dots (wgmma)")

@@ -334,8 +334,8 @@ def test_prefill_errors():
         w.plan(*args, custom_mask=mask[:-1])
     with pytest.raises(NotImplementedError, match="fp16_qk"):
         w.plan(*args, use_fp16_qk_reduction=True)
-    with pytest.raises(NotImplementedError, match="multi-item"):
-        w.plan(*args, prefix_len_ptr=qo_indptr)
+    with pytest.raises(ValueError, match="max_item_len_ptr: multi-item scoring needs"):
+        w.plan(*args, prefix_len_ptr=qo_indptr)  # the other multi-item arguments missing (tests/test_multi_item.py)
     with pytest.raises(ValueError, match="backend"):
         BatchPrefillWithPagedKVCacheWrapper(ws, backend="nope")
     with pytest.raises(ValueError, match="qo_indptr_buf"):

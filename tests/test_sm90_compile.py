@@ -4,6 +4,7 @@ that passes every CPU test could still fail to compile on the GPU. The variants 
 choices of ``_plan.decode_tiles`` / ``prefill_tiles``, with the constexprs from
 ``_attention.attention_variant`` (the only source of kernel arguments)."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -23,7 +24,7 @@ FP32_POINTERS = {"lse_ptr", "part_o_ptr", "part_lse_ptr", "alibi_ptr", "sinks_pt
                  "scale_v_ptr"}
 
 
-def _signature(kv_dtype: str, constexprs: dict, q_dtype: str = "bf16", o_dtype: str = "bf16"):
+def _signature(kv_dtype: str, constexprs: dict, q_dtype: str = "bf16", o_dtype: str = "bf16", mask_dtype: str = "u8"):
     """Argument types as a real launch specialises them (16-byte aligned pointers, strides divisible by 16)."""
     sig, attrs = {}, {}
     for i, p in enumerate(attention_fwd_kernel.params):
@@ -38,7 +39,7 @@ def _signature(kv_dtype: str, constexprs: dict, q_dtype: str = "bf16", o_dtype: 
         elif name in FP32_POINTERS:
             sig[name] = "*fp32"
         elif name == "mask_ptr":
-            sig[name] = "*u8"
+            sig[name] = "*" + mask_dtype
         elif name == "err_ptr":
             sig[name] = "*i64"
         elif name.endswith("_ptr"):
@@ -68,6 +69,9 @@ CASES = {
     # the same with e5m2 and 16 query rows per request (block-sparse R=16: decode-sized tiles), fp32 out
     "prefill-fp8q-rows16": (lambda: _plan.prefill_tiles(1, 128, 16, 1), "fp8e5", 1, True,
                             dict(q_dtype="fp8e5", o_dtype="fp32", head_scales=True)),
+    # multi-item scoring (its int32 token positions through the mask pointer), with RoPE and a soft cap
+    "prefill-multi-item": (lambda: _plan.prefill_tiles(4, 128), "bf16", 4, True,
+                           dict(multi_item=True, rope=True, soft_cap=30.0)),
 }
 
 
@@ -78,6 +82,8 @@ def compile_case(name: str):
     tiles = make_tiles()
     params = score_params("ROPE_LLAMA" if extra.get("rope") else "NONE", -1, extra.get("soft_cap"), None, None,
                           None, 128, causal=causal)
+    if extra.get("multi_item"):
+        params = dataclasses.replace(params, multi_item=True)
     dot = tl.float16 if kv_dtype.startswith("fp8") else tl.bfloat16
     variant = attention_variant(params, tiles, group=group, head_dim_qk=128, head_dim_vo=128, page_size=16,
                                 has_custom_mask=extra.get("has_mask", False), has_sinks=extra.get("has_sinks", False),
@@ -85,7 +91,8 @@ def compile_case(name: str):
                                 write_lse=extra.get("write_lse", False), dot=dot)
     kwargs = variant.kwargs()
     options = dict(num_warps=kwargs.pop("num_warps"), num_stages=kwargs.pop("num_stages"))
-    sig, attrs = _signature(kv_dtype, kwargs, extra.get("q_dtype", "bf16"), extra.get("o_dtype", "bf16"))
+    sig, attrs = _signature(kv_dtype, kwargs, extra.get("q_dtype", "bf16"), extra.get("o_dtype", "bf16"),
+                            "i32" if extra.get("multi_item") else "u8")
     compiled = triton.compile(ASTSource(attention_fwd_kernel, sig, kwargs, attrs), target=GPUTarget("cuda", 90, 32),
                               options=options)
     return tiles, compiled

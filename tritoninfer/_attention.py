@@ -47,6 +47,9 @@ class ScoreParams:
     rope_scale: float = 1.0
     rope_theta: float = 1e4
     alibi: bool = False
+    # multi-item scoring (the prefill wrappers' prefix_len_ptr & co.): causal, plus each item's rows see
+    # only the prefix and their own item; its per-request arrays take the custom mask's place
+    multi_item: bool = False
 
 
 def score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
@@ -264,6 +267,7 @@ class AttentionVariant:
     has_alibi: bool
     has_rope: bool
     has_custom_mask: bool
+    multi_item: bool
     has_sinks: bool
     has_head_scales: bool
     write_lse: bool
@@ -289,7 +293,8 @@ class AttentionVariant:
             BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_DQK=block_dqk, BLOCK_DV=block_dv,
             IS_PAGED=self.is_paged, PAGE_SIZE=self.page_size, IS_CAUSAL=self.is_causal,
             HAS_WINDOW=self.has_window, HAS_SOFT_CAP=self.has_soft_cap, HAS_ALIBI=self.has_alibi,
-            HAS_ROPE=self.has_rope, HAS_CUSTOM_MASK=self.has_custom_mask, HAS_SINKS=self.has_sinks,
+            HAS_ROPE=self.has_rope, HAS_CUSTOM_MASK=self.has_custom_mask, MULTI_ITEM=self.multi_item,
+            HAS_SINKS=self.has_sinks,
             HAS_HEAD_SCALES=self.has_head_scales, WRITE_LSE=self.write_lse, DOT_DTYPE=self.dot_dtype,
             PREFETCH_PAGES=self.prefetch_pages, KV_AS_M=self.kv_as_m, MASK_FREE_TILES=self.mask_free_tiles,
             FOLD_SCALE=self.fold_scale, LANES=self.lanes, LANE_TOKENS=self.block_n // max(self.lanes, 1),
@@ -309,19 +314,24 @@ def attention_variant(params: ScoreParams, tiles: Tiles, *, group: int, head_dim
     """The kernel variant for these scores, tiles and features. The softmax scale is folded into exp2's
     argument only where the scores need no other transform (no soft cap, ALiBi or per-head scales).
     Raises ``ValueError`` for a combination the kernel cannot run: the dot-free single-row path
-    (``tiles.lanes``) has no RoPE, ALiBi, custom mask or per-head scales and needs a group of one."""
+    (``tiles.lanes``) has no RoPE, ALiBi, custom mask, per-head scales or multi-item scoring and needs a
+    group of one; multi-item scoring takes the custom mask's arguments, so the two exclude each other."""
     soft_cap = params.logits_soft_cap > 0
     if tiles.lanes:
         missing = [name for name, on in (("RoPE", params.rope), ("ALiBi", params.alibi),
                                           ("a custom mask", has_custom_mask), ("per-head scales", has_head_scales),
-                                          ("GQA groups", group != 1), ("KV as the dots' M", tiles.kv_as_m)) if on]
+                                          ("GQA groups", group != 1), ("KV as the dots' M", tiles.kv_as_m),
+                                          ("multi-item scoring", params.multi_item)) if on]
         if missing:
             raise ValueError(f"attention variant: the dot-free single-row tiles cannot run {', '.join(missing)}")
+    if params.multi_item and has_custom_mask:
+        raise ValueError("attention variant: multi-item scoring and a custom mask exclude each other")
     return AttentionVariant(
         group=group, tile_tokens=tiles.tile_tokens, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, block_m=tiles.block_m,
-        block_n=tiles.block_n, is_paged=page_size > 0, page_size=max(page_size, 1), is_causal=params.causal,
-        has_window=params.window_left >= 0, has_soft_cap=soft_cap, has_alibi=params.alibi, has_rope=params.rope,
-        has_custom_mask=has_custom_mask, has_sinks=has_sinks, has_head_scales=has_head_scales, write_lse=write_lse,
+        block_n=tiles.block_n, is_paged=page_size > 0, page_size=max(page_size, 1),
+        is_causal=params.causal or params.multi_item, has_window=params.window_left >= 0, has_soft_cap=soft_cap,
+        has_alibi=params.alibi, has_rope=params.rope, has_custom_mask=has_custom_mask,
+        multi_item=params.multi_item, has_sinks=has_sinks, has_head_scales=has_head_scales, write_lse=write_lse,
         dot_dtype=dot, prefetch_pages=tiles.prefetch_pages, kv_as_m=tiles.kv_as_m,
         mask_free_tiles=tiles.mask_free_tiles,
         fold_scale=tiles.fold_scale and not (soft_cap or params.alibi or has_head_scales),
@@ -359,7 +369,9 @@ def launch_attention(
     ``sinks`` [H_qo] float32 are per-head logits added to the softmax denominator;
     ``head_scales`` = (scale_q [H_qo], scale_k [H_kv], scale_v [H_kv]) float32 per-head scales.
     ``packed_mask`` (uint8, little-endian bits) with ``mask_indptr`` (int32 byte offsets per
-    request) is a custom mask.
+    request) is a custom mask; with ``params.multi_item`` they are multi-item scoring's instead:
+    ``packed_mask`` the token positions within items (int32), ``mask_indptr`` int32 ``[batch, 2]``
+    per request (offset of sequence position 0 in them, prefix length).
 
     The launch with everything but the per-call tensors and scales bound (``AttentionLaunch``) is
     kept on the plan, so a wrapper's later ``run()`` calls skip rebuilding it. Its key holds the
@@ -423,8 +435,8 @@ class AttentionLaunch:
         grid = (plan.capacity, num_kv_heads, tiles.row_tiles)
         variant = attention_variant(
             params, tiles, group=group, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, page_size=kv.page_size,
-            has_custom_mask=packed_mask is not None, has_sinks=has_sinks, has_head_scales=has_head_scales,
-            write_lse=has_lse, dot=dot)
+            has_custom_mask=packed_mask is not None and not params.multi_item, has_sinks=has_sinks,
+            has_head_scales=has_head_scales, write_lse=has_lse, dot=dot)
         # lse, its row stride, sinks and the three head scales follow the per-call arguments: those
         # up to the last feature this launch has are passed per call, the rest bound here unread
         present = [has_lse, has_lse, has_sinks] + [has_head_scales] * 3

@@ -123,7 +123,9 @@ class PrefillRoute:
     @staticmethod
     def scores_unsupported(params) -> str:
         """Why the kernel cannot compute these scores ('' when it can): it has no RoPE, ALiBi, soft
-        cap or window, and folds a positive scale into exp2."""
+        cap, window or multi-item mask, and folds a positive scale into exp2."""
+        if params.multi_item:
+            return "multi-item scoring"
         if params.rope or params.alibi:
             return "RoPE or ALiBi"
         if params.logits_soft_cap > 0:

@@ -62,12 +62,87 @@ def _check_backend(backend: str) -> None:
         raise ValueError(f"backend: expected one of {PREFILL_BACKENDS}, got {backend!r}")
 
 
-def _reject_unsupported(use_fp16_qk_reduction: bool, prefix_len_ptr=None, token_pos_in_items_ptr=None,
-                        token_pos_in_items_len: int = 0, max_item_len_ptr=None) -> None:
+def _reject_unsupported(use_fp16_qk_reduction: bool) -> None:
     if use_fp16_qk_reduction:
         raise NotImplementedError("use_fp16_qk_reduction=True: tritoninfer always accumulates q.k in fp32")
-    if any(x is not None for x in (prefix_len_ptr, token_pos_in_items_ptr, max_item_len_ptr)) or token_pos_in_items_len:
-        raise NotImplementedError("multi-item scoring (prefix_len_ptr, token_pos_in_items_*, max_item_len_ptr)")
+
+
+_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.uint32, torch.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class _MultiItem:
+    """Multi-item scoring's plan arguments, type-checked (``_multi_item_args``); checked against the
+    batch in ``_plan_common``."""
+
+    prefix_len: np.ndarray  # int64 [batch], host
+    token_pos: torch.Tensor  # the caller's 1-D integer tensor
+    token_pos_len: int
+    max_items: int  # elements of max_item_len_ptr (tritoninfer's kernel needs no item-length hint)
+
+
+def _multi_item_args(prefix_len_ptr, token_pos_in_items_ptr, token_pos_in_items_len, max_item_len_ptr):
+    """None without multi-item scoring; else its arguments as a ``_MultiItem`` (prefix lengths copied to
+    the host: one small device-to-host copy, as the plan's indptrs)."""
+    given = [n for n, x in (("prefix_len_ptr", prefix_len_ptr), ("token_pos_in_items_ptr", token_pos_in_items_ptr),
+                            ("max_item_len_ptr", max_item_len_ptr)) if x is not None]
+    if not given:
+        if token_pos_in_items_len:
+            raise ValueError("token_pos_in_items_len: given without prefix_len_ptr, token_pos_in_items_ptr and "
+                             "max_item_len_ptr (multi-item scoring needs all four)")
+        return None
+    if len(given) != 3:
+        missing = sorted({"prefix_len_ptr", "token_pos_in_items_ptr", "max_item_len_ptr"} - set(given))
+        raise ValueError(f"{missing[0]}: multi-item scoring needs prefix_len_ptr, token_pos_in_items_ptr and "
+                         f"max_item_len_ptr together")
+    if isinstance(token_pos_in_items_len, torch.Tensor) and token_pos_in_items_len.numel() == 1:
+        token_pos_in_items_len = token_pos_in_items_len.item()  # FlashInfer's hopper test passes a tensor
+    if isinstance(token_pos_in_items_len, bool) or not isinstance(token_pos_in_items_len, (int, np.integer)) \
+            or token_pos_in_items_len < 1:
+        raise ValueError(f"token_pos_in_items_len: expected a positive int (each request's padded length in "
+                         f"token_pos_in_items_ptr), got {token_pos_in_items_len!r}")
+    for name, t in (("prefix_len_ptr", prefix_len_ptr), ("token_pos_in_items_ptr", token_pos_in_items_ptr),
+                    ("max_item_len_ptr", max_item_len_ptr)):
+        check_tensor(t, name, ndim=1, dtype=_INT_DTYPES)
+    prefix = prefix_len_ptr.to("cpu").to(torch.int64).numpy()
+    if (prefix < 0).any():
+        raise ValueError(f"prefix_len_ptr: prefix lengths must be >= 0, got {int(prefix.min())}")
+    return _MultiItem(prefix, token_pos_in_items_ptr, int(token_pos_in_items_len), max_item_len_ptr.numel())
+
+
+def _multi_item_scores(params, multi_item: bool):
+    """The scores with multi-item scoring's mask, which is causal whatever ``causal`` says (FlashInfer's
+    ``MaskMode::kMultiItemScoring``)."""
+    return dataclasses.replace(params, causal=True, multi_item=True) if multi_item else params
+
+
+def _multi_item_arrays(mi: _MultiItem, qo_lens: np.ndarray, kv_lens: np.ndarray,
+                       device) -> Tuple[torch.Tensor, np.ndarray]:
+    """The kernel's multi-item arguments (``_attention.launch_attention``): the token positions as int32
+    on ``device``, and per request (offset of sequence position 0 in them, prefix length) int64
+    ``[batch, 2]``. Raises ``ValueError`` for lengths that do not fit the batch."""
+    batch = kv_lens.size
+    for name, n in (("prefix_len_ptr", mi.prefix_len.size), ("max_item_len_ptr", mi.max_items)):
+        if n != batch:
+            raise ValueError(f"{name}: expected {batch} elements (one per request), got {n}")
+    # a request's rows at sequence positions prefix_len .. kv_len - 1 read its segment of token positions
+    prefix = np.minimum(mi.prefix_len, kv_lens)
+    after = np.where(qo_lens > 0, kv_lens - prefix, 0)
+    length = mi.token_pos_len
+    if (after > length).any():
+        i = int(np.argmax(after > length))
+        raise ValueError(f"token_pos_in_items_len: request {i} has {int(after[i])} tokens after its prefix "
+                         f"(kv_len {int(kv_lens[i])} - prefix_len {int(prefix[i])}), more than "
+                         f"token_pos_in_items_len = {length}")
+    starts = np.arange(batch, dtype=np.int64) * length
+    need = int((starts + after)[after > 0].max(initial=0))
+    if mi.token_pos.numel() < need:
+        raise ValueError(f"token_pos_in_items_ptr: the requests' segments of token_pos_in_items_len = {length} "
+                         f"need {need} elements, got {mi.token_pos.numel()}")
+    if need >= 2 ** 31:
+        raise ValueError(f"token_pos_in_items_ptr: {need} elements exceed the kernel's int32 offsets")
+    token_pos = mi.token_pos.to(device=device, dtype=torch.int32).contiguous()
+    return token_pos, np.stack([starts - prefix, prefix], axis=1)
 
 
 def _mask_layout(qo_lens: np.ndarray, kv_lens: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
@@ -144,7 +219,7 @@ class _BatchPrefillBase:
         self, *, qo_indptr_host: torch.Tensor, kv_lens: np.ndarray, kv_extra: list, num_qo_heads, num_kv_heads,
         head_dim_qk, head_dim_vo, page_size, custom_mask, packed_custom_mask, causal, pos_encoding_mode, sm_scale,
         window_left, logits_soft_cap, rope_scale, rope_theta, q_data_type, kv_data_type, non_blocking,
-        fixed_split_size, disable_split_kv,
+        fixed_split_size, disable_split_kv, multi_item: Optional[_MultiItem] = None,
     ) -> Tuple[dict, list]:
         """The plan skeleton of both prefill wrappers: checks, mask, tiles, route, work list, upload.
         ``kv_extra`` are the K/V page table's host arrays to upload with the plan. Returns the fields of
@@ -161,9 +236,16 @@ class _BatchPrefillBase:
                 "custom_mask: this wrapper was created with custom_mask_buf, so (as in FlashInfer) every run "
                 "applies the mask buffer; pass this plan's custom_mask or packed_custom_mask"
             )
+        if multi_item is not None:
+            # FlashInfer's multi-item mode silently replaces a custom mask: refused here instead
+            if has_mask:
+                raise ValueError("custom_mask: multi-item scoring (prefix_len_ptr) and a custom mask exclude each other")
+            if self._use_cuda_graph:
+                raise NotImplementedError("multi-item scoring (prefix_len_ptr) in cuda graph mode")
         # a custom mask replaces the causal mask (FlashInfer 0.5.3's MaskMode.CUSTOM)
-        params = score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
-                              head_dim_qk, causal=bool(causal) and not has_mask)
+        params = _multi_item_scores(score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
+                                                 rope_theta, head_dim_qk, causal=bool(causal) and not has_mask),
+                                    multi_item is not None)
         check_indptr_host(qo_indptr_host, "qo_indptr")
         batch = qo_indptr_host.numel() - 1
         if kv_lens.size != batch:
@@ -193,6 +275,8 @@ class _BatchPrefillBase:
                     )
                 packed = _pack_mask(custom_mask, bit_indptr)
             packed = packed.to(self.device)
+        if multi_item is not None:
+            packed, multi_item_rows = _multi_item_arrays(multi_item, qo_lens, kv_lens, self.device)
 
         graph = self._graph
         workspace_bytes = self._float_workspace_buffer.numel()
@@ -229,6 +313,8 @@ class _BatchPrefillBase:
                          fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
                          workspace_bytes=workspace_bytes, num_sms=num_sms, graph=graph, heaviest_first=params.causal)
         mask_arrays = [byte_indptr] if byte_indptr is not None and graph is None else []
+        if multi_item is not None:
+            mask_arrays = [multi_item_rows.reshape(-1)]
         route_arrays = [] if route.is_core else [route.work]
         plan, views = upload_plan(self._uploader, graph, work, kv_lens, qo, mask_arrays + kv_extra + route_arrays,
                                   non_blocking)
@@ -270,8 +356,11 @@ class _BatchPrefillBase:
         if step is None:
             raise ValueError("forward() was called before plan()")
         _reject_unsupported(use_fp16_qk_reduction)
-        params = score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
-                              step.head_dim_qk, causal=bool(causal) and step.packed_mask is None)
+        multi_item = step.params.multi_item
+        params = _multi_item_scores(score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
+                                                 rope_theta, step.head_dim_qk,
+                                                 causal=bool(causal) and step.packed_mask is None),
+                                    multi_item)
         settings = Settings(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
                             bool(causal))
         self._step = step.with_scores(settings, params)
@@ -448,8 +537,32 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             fp16/bf16 queries; fp16/bf16/e4m3/e5m2 KV (``kv_data_type`` defaults to ``q_data_type``).
         non_blocking : bool
             Asynchronous host-to-device copies of the plan.
-        prefix_len_ptr, token_pos_in_items_ptr, token_pos_in_items_len, max_item_len_ptr
-            Multi-item scoring: not implemented (raise ``NotImplementedError`` when set).
+        prefix_len_ptr : Optional[torch.Tensor]
+            Multi-item scoring (all four arguments together; ``None`` / 0: off). Integer (FlashInfer:
+            uint32) ``[batch]``, any device: request i's first ``prefix_len_ptr[i]`` sequence positions
+            are its shared prefix (often the cached part, ``kv_len - qo_len``), the rest are items,
+            each a delimiter followed by its tokens. The mask is then causal whatever ``causal`` says:
+            the query at sequence position ``p = kv_len - qo_len + j`` sees key ``k <= p`` iff
+            ``p < prefix_len`` (a prefix row: plain causal), or ``k < prefix_len``, or
+            ``k > p - token_pos_in_items[p - prefix_len]`` (its own item's tokens up to itself; a
+            delimiter, position 0, sees only the prefix). ``window_left`` and soft cap still apply;
+            a custom mask cannot be combined with it (``ValueError``; FlashInfer ignores the mask).
+        token_pos_in_items_ptr : Optional[torch.Tensor]
+            1-D integer tensor (FlashInfer: uint16), ``token_pos_in_items_len`` elements per request,
+            concatenated: element ``p - prefix_len`` of request i's segment is the position of sequence
+            position ``p`` within its item, 0 at each delimiter (items of 3, 2, 4 tokens:
+            ``[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4, 0]``, zero-padded to ``token_pos_in_items_len``). Only
+            the segments' first ``kv_len - prefix_len`` elements are read, so the last segment may be
+            shorter. Copied by ``plan()`` (later changes to the tensor do not reach ``run()``).
+        token_pos_in_items_len : int
+            Each request's padded segment length in ``token_pos_in_items_ptr``; at least
+            ``kv_len - prefix_len`` of every request (``ValueError`` otherwise).
+        max_item_len_ptr : Optional[torch.Tensor]
+            Integer (FlashInfer: uint16) ``[batch]``, the longest item of each request: FlashInfer
+            skips the KV tiles before ``first query position - max_item_len`` past the prefix (a value
+            below the true one drops keys there). tritoninfer checks only its shape: each query tile
+            skips the keys none of its rows sees, found from the rows' own ``token_pos_in_items``.
+            Not with ``use_cuda_graph`` (``NotImplementedError``).
         seq_lens, block_tables
             The alternative page-table form (``block_tables`` int32 ``[batch, max_pages]`` with KV
             lengths ``seq_lens``); replaces the ``paged_kv_*`` arguments when given.
@@ -465,8 +578,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         """
         _device.check_launchable(self.device, "plan()")
         self._faults.raise_pending()
-        _reject_unsupported(use_fp16_qk_reduction, prefix_len_ptr, token_pos_in_items_ptr, token_pos_in_items_len,
-                            max_item_len_ptr)
+        _reject_unsupported(use_fp16_qk_reduction)
+        multi_item = _multi_item_args(prefix_len_ptr, token_pos_in_items_ptr, token_pos_in_items_len, max_item_len_ptr)
         check_positive_int(page_size, "page_size")
         if qo_indptr is None:
             if seq_lens_q is None:
@@ -499,7 +612,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             pos_encoding_mode=pos_encoding_mode, sm_scale=sm_scale, window_left=window_left,
             logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta, q_data_type=q_data_type,
             kv_data_type=kv_data_type, non_blocking=non_blocking, fixed_split_size=fixed_split_size,
-            disable_split_kv=disable_split_kv,
+            disable_split_kv=disable_split_kv, multi_item=multi_item,
         )
         if self._use_cuda_graph:
             copy_into(self._paged_kv_indptr_buf, views[0], non_blocking)
@@ -718,11 +831,16 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
     ) -> None:
         """Plan ragged prefill for one step. Arguments as the paged wrapper's ``plan``, with
         ``kv_indptr`` (int32 ``[batch+1]``) giving each request's K/V rows. (Note FlashInfer's
-        order here: ``window_left, logits_soft_cap, sm_scale``.)"""
+        order here: ``window_left, logits_soft_cap, sm_scale``.)
+
+        Multi-item scoring (``prefix_len_ptr``, ``token_pos_in_items_ptr``, ``token_pos_in_items_len``,
+        ``max_item_len_ptr``) applies here as in the paged wrapper. FlashInfer 0.5.3's ragged wrapper
+        takes the same arguments, but its ``run()`` never selects the multi-item mask mode, so there
+        they have no effect."""
         _device.check_launchable(self.device, "plan()")
         self._faults.raise_pending()
-        _reject_unsupported(use_fp16_qk_reduction, prefix_len_ptr, token_pos_in_items_ptr, token_pos_in_items_len,
-                            max_item_len_ptr)
+        _reject_unsupported(use_fp16_qk_reduction)
+        multi_item = _multi_item_args(prefix_len_ptr, token_pos_in_items_ptr, token_pos_in_items_len, max_item_len_ptr)
         qo_indptr_host = host_index(qo_indptr, "qo_indptr")
         kv_indptr_host = host_index(kv_indptr, "kv_indptr")
         check_indptr_host(kv_indptr_host, "kv_indptr")
@@ -734,7 +852,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
             pos_encoding_mode=pos_encoding_mode, sm_scale=sm_scale, window_left=window_left,
             logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta, q_data_type=q_data_type,
             kv_data_type=kv_data_type, non_blocking=non_blocking, fixed_split_size=fixed_split_size,
-            disable_split_kv=disable_split_kv,
+            disable_split_kv=disable_split_kv, multi_item=multi_item,
         )
         kv_indptr_d = views[0]
         if self._use_cuda_graph:

@@ -81,13 +81,15 @@ def transform_scores(s, sm_scale_log2, soft_cap, HAS_SOFT_CAP: tl.constexpr):
 
 @triton.jit
 def visible_mask(
-    offs_n, tok, kv_len, q_len, window_left, mask_ptr, mask_base,
-    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CUSTOM_MASK: tl.constexpr,
+    offs_n, tok, kv_len, q_len, window_left, mask_ptr, mask_base, prefix_len, item_lo,
+    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CUSTOM_MASK: tl.constexpr, MULTI_ITEM: tl.constexpr,
 ):
     """[R, N] keep-mask of keys ``offs_n`` [N] for query tokens ``tok`` [R] (indices within the request).
 
     Causal is bottom-right aligned; the window keeps keys >= last visible position - window_left;
     the custom mask is FlashInfer's little-endian bit-packed [q_len, kv_len] row-major bitmap.
+    Multi-item scoring (with causal) keeps the keys before ``prefix_len`` and those from the row's
+    ``item_lo`` [R] on (``attention_item`` derives them).
     """
     # query token i sits at kv position i + kv_len - q_len
     diag = (tok + kv_len - q_len)[:, None]
@@ -100,6 +102,8 @@ def visible_mask(
         bit = tok.to(tl.int64)[:, None] * kv_len + offs_n[None, :]
         byte = tl.load(mask_ptr + mask_base + (bit >> 3), mask=keep, other=0)
         keep = keep & (((byte.to(tl.int32) >> (bit & 7).to(tl.int32)) & 1) != 0)
+    if MULTI_ITEM:
+        keep = keep & ((offs_n[None, :] < prefix_len) | (offs_n[None, :] >= item_lo[:, None]))
     return keep
 
 
@@ -199,11 +203,11 @@ def attend_range(
     m_i, l_i, acc, next_page, bad_page, q, lo, end, hi,
     k_ptr, stride_k_page, stride_k_slot, k_head, v_ptr, stride_v_page, stride_v_slot, v_head,
     kv_indices_ptr, num_pages, page_base, token_base, offs_dqk, offs_dqk_partner, dqk_ok, offs_dv, dv_ok,
-    tok, kv_len, q_len, window_left, mask_ptr, mask_base, row_scale, slope,
+    tok, kv_len, q_len, window_left, mask_ptr, mask_base, prefix_len, item_lo, row_scale, slope,
     sm_scale_log2, soft_cap, rope_rcp_scale, rope_log2_theta, q_elem,
     HEAD_DIM_QK: tl.constexpr, BLOCK_N: tl.constexpr, IS_PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_ROPE: tl.constexpr, HAS_CUSTOM_MASK: tl.constexpr, HAS_HEAD_SCALES: tl.constexpr,
+    HAS_ROPE: tl.constexpr, HAS_CUSTOM_MASK: tl.constexpr, MULTI_ITEM: tl.constexpr, HAS_HEAD_SCALES: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PREFETCH_PAGES: tl.constexpr, KV_AS_M: tl.constexpr, MASKED: tl.constexpr,
     FOLD_SCALE: tl.constexpr,
 ):
@@ -252,8 +256,8 @@ def attend_range(
                 s += slope[:, None] * (offs_n[None, :] - tok[:, None]).to(tl.float32)
         keep = True
         if MASKED:
-            keep = visible_mask(offs_n, tok, kv_len, q_len, window_left, mask_ptr, mask_base,
-                                IS_CAUSAL, HAS_WINDOW, HAS_CUSTOM_MASK)
+            keep = visible_mask(offs_n, tok, kv_len, q_len, window_left, mask_ptr, mask_base, prefix_len, item_lo,
+                                IS_CAUSAL, HAS_WINDOW, HAS_CUSTOM_MASK, MULTI_ITEM)
             keep = keep & n_ok[None, :]
         m_i, l_i, acc, p = softmax_update(m_i, l_i, acc, s, keep, sm_scale_log2, FOLD_SCALE)
 
@@ -356,10 +360,14 @@ def attention_item(
     WRITE_LSE: tl.constexpr, DOT_DTYPE: tl.constexpr, PREFETCH_PAGES: tl.constexpr, KV_AS_M: tl.constexpr,
     MASK_FREE_TILES: tl.constexpr, FOLD_SCALE: tl.constexpr, LANES: tl.constexpr, LANE_TOKENS: tl.constexpr,
     NUM_STAGES: tl.constexpr, MERGE_M: tl.constexpr, MERGE_DV_CHUNK: tl.constexpr, MERGE_SPLIT_BLOCK: tl.constexpr,
+    MULTI_ITEM: tl.constexpr,
 ):
     # the dot-free single-row path computes plain (or soft-capped) scores of one row (_attention.attention_variant)
     tl.static_assert(LANES == 0 or not (HAS_ROPE or HAS_ALIBI or HAS_CUSTOM_MASK or HAS_HEAD_SCALES or KV_AS_M
-                                        or GROUP != 1), "LANES: no RoPE, ALiBi, custom mask, head scales or groups")
+                                        or GROUP != 1 or MULTI_ITEM),
+                     "LANES: no RoPE, ALiBi, custom mask, head scales, groups or multi-item scoring")
+    # multi-item scoring reads its positions through the custom mask's pointers and is causal
+    tl.static_assert(not MULTI_ITEM or (IS_CAUSAL and not HAS_CUSTOM_MASK), "MULTI_ITEM: causal, no custom mask")
     i_kvh = tl.program_id(1)
     i_rows = tl.program_id(2)
 
@@ -406,6 +414,19 @@ def attention_item(
     mask_base = 0
     if HAS_CUSTOM_MASK:
         mask_base = tl.load(mask_indptr_ptr + req).to(tl.int64)
+    prefix_len = 0
+    item_lo = tok
+    if MULTI_ITEM:
+        # multi-item scoring (FlashInfer's MaskMode::kMultiItemScoring): mask_indptr_ptr holds per request
+        # (where sequence position 0 would sit in mask_ptr's token positions within items, prefix
+        # length); the row at sequence position p >= prefix_len, t-th token of its item (t = 0: a
+        # delimiter), sees its own item's keys from p - t + 1 on and the prefix
+        mask_base = tl.load(mask_indptr_ptr + 2 * req).to(tl.int64)
+        prefix_len = tl.load(mask_indptr_ptr + 2 * req + 1)
+        pos = tok + kv_len - q_len
+        in_item = row_ok & (pos >= prefix_len)
+        item_pos = tl.load(mask_ptr + mask_base + pos, mask=in_item, other=0)
+        item_lo = tl.where(in_item, pos - item_pos + 1, 0)
     if IS_PAGED:
         page_base = tl.load(kv_indptr_ptr + req)
     else:
@@ -460,7 +481,17 @@ def attention_item(
         full_hi = hi
         if IS_CAUSAL:
             full_hi = tl.minimum(full_hi, q_tile_start + kv_len - q_len + 1)
+        if MULTI_ITEM:
+            full_hi = tl.minimum(full_hi, prefix_len)
         full_end = lo + tl.maximum(full_hi - lo, 0) // BLOCK_N * BLOCK_N
+    # the masked tiles: [full_end, hi), with multi-item scoring in two runs that leave out the keys
+    # [prefix_len, skip_end) no row of this tile sees (a prefix row sees none past the prefix, an item
+    # row none before its item_lo): where multi-item scoring saves its time
+    masked_end = hi
+    if MULTI_ITEM:
+        skip_end = tl.min(tl.where(in_item, item_lo, hi), 0)
+        masked_end = tl.minimum(hi, tl.maximum(full_end, prefix_len))
+        resume = tl.maximum(full_end + tl.cdiv(masked_end - full_end, BLOCK_N) * BLOCK_N, skip_end)
     if LANES > 0:
         # one query row per program (a GQA group of one): no dots; the window and causal limits
         # are all in [lo, hi)
@@ -472,13 +503,27 @@ def attention_item(
     for phase in tl.static_range(2):
         if LANES == 0 and (phase == 1 or SPLIT_LOOP):
             m_i, l_i, acc, next_page, bad_page = attend_range(
-                m_i, l_i, acc, next_page, bad_page, q, lo if phase == 0 else full_end, full_end if phase == 0 else hi,
+                m_i, l_i, acc, next_page, bad_page, q, lo if phase == 0 else full_end,
+                full_end if phase == 0 else masked_end,
                 hi, k_ptr, stride_k_page, stride_k_slot, k_head, v_ptr, stride_v_page, stride_v_slot, v_head,
                 kv_indices_ptr, num_pages, page_base, token_base, offs_dqk, offs_dqk_partner, dqk_ok, offs_dv, dv_ok,
-                tok, kv_len, q_len, window_left, mask_ptr, mask_base, row_scale, slope,
+                tok, kv_len, q_len, window_left, mask_ptr, mask_base, prefix_len, item_lo, row_scale, slope,
                 sm_scale_log2, soft_cap, rope_rcp_scale, rope_log2_theta, tl.zeros([1], q_ptr.dtype.element_ty),
                 HEAD_DIM_QK, BLOCK_N, IS_PAGED, PAGE_SIZE, IS_CAUSAL, HAS_WINDOW, HAS_SOFT_CAP, HAS_ALIBI, HAS_ROPE,
-                HAS_CUSTOM_MASK, HAS_HEAD_SCALES, DOT_DTYPE, PREFETCH_PAGES, KV_AS_M, phase == 1, FOLD_SCALE)
+                HAS_CUSTOM_MASK, MULTI_ITEM, HAS_HEAD_SCALES, DOT_DTYPE, PREFETCH_PAGES, KV_AS_M, phase == 1,
+                FOLD_SCALE)
+    if MULTI_ITEM:
+        if IS_PAGED and PREFETCH_PAGES:
+            offs_resume = resume + tl.arange(0, BLOCK_N)
+            next_page = tl.load(kv_indices_ptr + page_base + offs_resume // PAGE_SIZE, mask=offs_resume < hi, other=0)
+        m_i, l_i, acc, next_page, bad_page = attend_range(
+            m_i, l_i, acc, next_page, bad_page, q, resume, hi, hi,
+            k_ptr, stride_k_page, stride_k_slot, k_head, v_ptr, stride_v_page, stride_v_slot, v_head,
+            kv_indices_ptr, num_pages, page_base, token_base, offs_dqk, offs_dqk_partner, dqk_ok, offs_dv, dv_ok,
+            tok, kv_len, q_len, window_left, mask_ptr, mask_base, prefix_len, item_lo, row_scale, slope,
+            sm_scale_log2, soft_cap, rope_rcp_scale, rope_log2_theta, tl.zeros([1], q_ptr.dtype.element_ty),
+            HEAD_DIM_QK, BLOCK_N, IS_PAGED, PAGE_SIZE, IS_CAUSAL, HAS_WINDOW, HAS_SOFT_CAP, HAS_ALIBI, HAS_ROPE,
+            HAS_CUSTOM_MASK, MULTI_ITEM, HAS_HEAD_SCALES, DOT_DTYPE, PREFETCH_PAGES, KV_AS_M, True, FOLD_SCALE)
 
     if IS_PAGED:
         report_bad_pages(err_ptr, bad_page, num_pages, req)
@@ -555,6 +600,7 @@ def attention_fwd_kernel(
     WRITE_LSE: tl.constexpr, DOT_DTYPE: tl.constexpr, PREFETCH_PAGES: tl.constexpr, KV_AS_M: tl.constexpr,
     MASK_FREE_TILES: tl.constexpr, FOLD_SCALE: tl.constexpr, LANES: tl.constexpr, LANE_TOKENS: tl.constexpr,
     NUM_STAGES: tl.constexpr, MERGE_M: tl.constexpr, MERGE_DV_CHUNK: tl.constexpr, MERGE_SPLIT_BLOCK: tl.constexpr,
+    MULTI_ITEM: tl.constexpr,
 ):
     """One launch of the attention core: program (item, KV head, row tile) runs work item ``item``
     (``attention_item``, whose arguments these are)."""
@@ -569,7 +615,7 @@ def attention_fwd_kernel(
         HEAD_DIM_VO, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, IS_PAGED, PAGE_SIZE, IS_CAUSAL, HAS_WINDOW,
         HAS_SOFT_CAP, HAS_ALIBI, HAS_ROPE, HAS_CUSTOM_MASK, HAS_SINKS, HAS_HEAD_SCALES, WRITE_LSE, DOT_DTYPE,
         PREFETCH_PAGES, KV_AS_M, MASK_FREE_TILES, FOLD_SCALE, LANES, LANE_TOKENS, NUM_STAGES, MERGE_M,
-        MERGE_DV_CHUNK, MERGE_SPLIT_BLOCK,
+        MERGE_DV_CHUNK, MERGE_SPLIT_BLOCK, MULTI_ITEM,
     )
 
 
@@ -605,6 +651,7 @@ def attention_pair_kernel(
     D_PREFETCH_PAGES: tl.constexpr, D_KV_AS_M: tl.constexpr, D_MASK_FREE_TILES: tl.constexpr,
     D_FOLD_SCALE: tl.constexpr, D_LANES: tl.constexpr, D_LANE_TOKENS: tl.constexpr, D_NUM_STAGES: tl.constexpr,
     D_MERGE_M: tl.constexpr, D_MERGE_DV_CHUNK: tl.constexpr, D_MERGE_SPLIT_BLOCK: tl.constexpr,
+    P_MULTI_ITEM: tl.constexpr, D_MULTI_ITEM: tl.constexpr,
 ):
     """Two planned attention launches in one grid (POD: a prefill batch and a decode batch). Programs
     ``0 .. num_items_p - 1`` of axis 0 run the first launch's work items with its arguments (``p_*``)
@@ -627,6 +674,7 @@ def attention_pair_kernel(
             P_HAS_WINDOW, P_HAS_SOFT_CAP, P_HAS_ALIBI, P_HAS_ROPE, P_HAS_CUSTOM_MASK, P_HAS_SINKS,
             P_HAS_HEAD_SCALES, P_WRITE_LSE, P_DOT_DTYPE, P_PREFETCH_PAGES, P_KV_AS_M, P_MASK_FREE_TILES,
             P_FOLD_SCALE, P_LANES, P_LANE_TOKENS, P_NUM_STAGES, P_MERGE_M, P_MERGE_DV_CHUNK, P_MERGE_SPLIT_BLOCK,
+            P_MULTI_ITEM,
         )
     else:
         attention_item(
@@ -642,6 +690,7 @@ def attention_pair_kernel(
             D_HAS_WINDOW, D_HAS_SOFT_CAP, D_HAS_ALIBI, D_HAS_ROPE, D_HAS_CUSTOM_MASK, D_HAS_SINKS,
             D_HAS_HEAD_SCALES, D_WRITE_LSE, D_DOT_DTYPE, D_PREFETCH_PAGES, D_KV_AS_M, D_MASK_FREE_TILES,
             D_FOLD_SCALE, D_LANES, D_LANE_TOKENS, D_NUM_STAGES, D_MERGE_M, D_MERGE_DV_CHUNK, D_MERGE_SPLIT_BLOCK,
+            D_MULTI_ITEM,
         )
 
 

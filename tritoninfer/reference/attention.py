@@ -43,6 +43,7 @@ __all__ = [
     "batch_decode_with_paged_kv_cache",
     "batch_prefill_with_paged_kv_cache",
     "batch_prefill_with_ragged_kv_cache",
+    "multi_item_mask",
     "merge_state",
     "merge_state_in_place",
     "merge_states",
@@ -995,6 +996,57 @@ def batch_prefill_with_ragged_kv_cache(
     masks = _split_masks(custom_mask, packed_custom_mask, mask_indptr, qo_lens, kv_lens)
     opts = _common_opts(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta, q_scale, k_scale, v_scale, sinks)
     return _batch_attention(q, qo, kv, masks, _check_bool(causal, "causal"), opts)
+
+
+def multi_item_mask(
+    qo_indptr: torch.Tensor,
+    kv_lens: Sequence[int],
+    prefix_len_ptr: torch.Tensor,
+    token_pos_in_items_ptr: torch.Tensor,
+    token_pos_in_items_len: int,
+) -> torch.Tensor:
+    """Multi-item scoring (the prefill wrappers' ``prefix_len_ptr`` & co.) as a dense custom mask, for
+    the ``custom_mask`` argument of :func:`batch_prefill_with_paged_kv_cache` /
+    :func:`batch_prefill_with_ragged_kv_cache` (``window_left`` still applies there).
+
+    For request ``i`` with prefix length ``P``, query ``j`` at sequence position
+    ``p = kv_len - qo_len + j`` keeps key ``k`` iff ``k <= p`` and (``p < P``, or ``k < P``, or
+    ``k > p - t``) where ``t = token_pos_in_items_ptr[i * token_pos_in_items_len + p - P]`` is the
+    token's position within its item (0 at a delimiter, which so sees only the prefix):
+    FlashInfer 0.5.3's ``logits_mask_multi_item_scoring`` (``include/flashinfer/attention/prefill.cuh``).
+    ``max_item_len_ptr`` only lets kernels skip KV tiles; it does not enter the mask.
+
+    Returns
+    -------
+    torch.Tensor
+        bool, ``sum_i qo_len_i * kv_len_i`` elements: each request's row-major ``[qo_len, kv_len]``
+        mask, concatenated (``True`` = keep).
+    """
+    qo = _check_indptr(qo_indptr, "qo_indptr")
+    kv_lens = [int(n) for n in kv_lens]
+    if len(kv_lens) != len(qo) - 1:
+        raise ValueError(f"kv_lens: expected {len(qo) - 1} lengths to match qo_indptr, got {len(kv_lens)}")
+    prefix = _host_ints(prefix_len_ptr.to(torch.int64) if isinstance(prefix_len_ptr, torch.Tensor) else prefix_len_ptr,
+                        "prefix_len_ptr")
+    if len(prefix) != len(kv_lens):
+        raise ValueError(f"prefix_len_ptr: expected {len(kv_lens)} elements, got {len(prefix)}")
+    positions = token_pos_in_items_ptr.reshape(-1).to("cpu", torch.int64)
+    masks = []
+    for i, kv_len in enumerate(kv_lens):
+        qo_len = qo[i + 1] - qo[i]
+        p = torch.arange(qo_len)[:, None] + (kv_len - qo_len)
+        k = torch.arange(kv_len)[None, :]
+        in_item = p >= prefix[i]
+        t = torch.zeros_like(p)
+        if in_item.any():
+            index = i * token_pos_in_items_len + p[in_item] - prefix[i]
+            if int(index.max()) >= positions.numel():
+                raise ValueError(f"token_pos_in_items_ptr: request {i} reads element {int(index.max())}, "
+                                 f"the tensor has {positions.numel()}")
+            t[in_item] = positions[index]
+        keep = (k <= p) & (~in_item | (k < prefix[i]) | (k > p - t))
+        masks.append(keep.reshape(-1))
+    return torch.cat(masks) if masks else torch.zeros(0, dtype=torch.bool)
 
 
 # --------------------------------------------------------------------------------------------------
