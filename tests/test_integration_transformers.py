@@ -33,6 +33,14 @@ from tritoninfer.testing import rel_error, tolerance  # noqa: E402
 # twice the table's value.
 LOGIT_TOL = {torch.float32: 2 * tolerance(torch.float16), torch.bfloat16: 2 * tolerance(torch.bfloat16)}
 
+# Models whose bf16 reference is itself about a tolerance away from the exact result: gpt-oss's
+# "eager" attention rounds the scores, the max-subtracted logits and the probabilities to bf16 (its
+# logits are 0.038 from float32 at the GPU test's shapes with every expert routed; an exact
+# float32-softmax bf16 attention is 0.027 from float32 and 0.031 from eager's bf16 run). Their bf16
+# logits are compared with the reference run in float32 on the same weights; at the GPU test's
+# shapes within the tolerance or the reference's own bf16 error, whichever is larger.
+F32_REFERENCE = {"gpt_oss"}
+
 
 def _configs(big: bool = False):
     """name -> (config, model class, reference attention implementation)."""
@@ -61,8 +69,14 @@ def _configs(big: bool = False):
         "gemma3": (t.Gemma3TextConfig(**dict(common, head_dim=32 if not big else 256), query_pre_attn_scalar=32,
                                       sliding_window=window, layer_types=alternating),
                    t.Gemma3ForCausalLM, "sdpa"),
+        # gpt-oss routes every token to all 4 experts here. Top-k routing is discontinuous: where a
+        # token's k-th and (k+1)-th router logits are within rounding of each other, a rounding
+        # difference anywhere before them (two correct bf16 attentions differ by ~1 ulp) picks other
+        # experts and that token's logits jump by ~40 %, so a bf16 comparison measured routing flips,
+        # not attention (0.09 from eager for an exact float32-softmax attention at the GPU test's
+        # shapes with top-2 of 4). With all experts the routing weights are a smooth softmax.
         "gpt_oss": (t.GptOssConfig(**dict(common, max_position_embeddings=131072), num_local_experts=4,
-                                   num_experts_per_tok=2, sliding_window=window, layer_types=alternating),
+                                   num_experts_per_tok=4, sliding_window=window, layer_types=alternating),
                     t.GptOssForCausalLM, "eager"),
     }
 
@@ -99,13 +113,25 @@ def _batch(vocab, lengths, device, seed=1):
     return ids.to(device), mask.to(device)
 
 
-def _check_logits(ours, ref, ids, mask, tol):
+def _check_logits(ours, ref, ids, mask, tol, f32_reference=False, or_reference_error=False):
+    """Teacher-forced logits of ``ours`` against ``ref``'s, within ``tol``. With ``f32_reference``
+    against ``ref`` converted to float32 (in place: the same weights, float32 arithmetic); with
+    ``or_reference_error`` too, within ``tol`` or the error of ``ref``'s own low-precision run,
+    whichever is larger."""
+    keep = mask.bool()  # padded positions are garbage for every implementation
+    note = ""
     with torch.no_grad():
         a = ours(ids, attention_mask=mask).logits
         b = ref(ids, attention_mask=mask).logits
-    keep = mask.bool()  # padded positions are garbage for every implementation
+        if f32_reference and b.dtype != torch.float32:
+            low = b
+            b = ref.float()(ids, attention_mask=mask).logits
+            low_err = rel_error(low[keep], b[keep])
+            note = f" (float32 reference; the {low.dtype} reference is {low_err:.3g} from it)"
+            if or_reference_error:
+                tol = max(tol, low_err)
     err = rel_error(a[keep], b[keep])
-    assert err <= tol, f"teacher-forced logits: relative error {err:.3g} > {tol:.3g}"
+    assert err <= tol, f"teacher-forced logits: relative error {err:.3g} > {tol:.3g}{note}"
     return err
 
 
@@ -214,6 +240,16 @@ def test_bf16_logits(device):
     _check_logits(ours, ref, ids, mask, LOGIT_TOL[torch.bfloat16])
 
 
+def test_bf16_logits_gpt_oss(device):
+    """bf16 gpt-oss (sinks, a sliding layer, left padding) against eager in float32. With top-2
+    routing this batch has tokens whose experts differ between bf16 and float32 runs, and the
+    logits were 0.2 from float32 for tritoninfer's bf16 run and eager's alike (0.09 between the
+    two): see _configs."""
+    ours, ref = _pair("gpt_oss", dtype=torch.bfloat16, device=device)
+    ids, mask = _batch(ours.config.vocab_size, [11, 8], device, seed=1)
+    _check_logits(ours, ref, ids, mask, LOGIT_TOL[torch.bfloat16], f32_reference=True)
+
+
 def test_custom_4d_masks(device):
     """A user's 4-D mask (boolean, or additive 0/min) runs as a custom mask; a bias mask raises."""
     ours, ref = _pair("llama3", device=device)
@@ -287,7 +323,8 @@ def test_generate_batch(name, device):
 def test_gpu_teacher_forced_logits(name):
     ours, ref = _pair(name, dtype=torch.bfloat16, device="cuda", big=True)
     ids, mask = _batch(ours.config.vocab_size, [1024, 700, 333, 1024], "cuda")
-    _check_logits(ours, ref, ids, mask, LOGIT_TOL[torch.bfloat16])
+    _check_logits(ours, ref, ids, mask, LOGIT_TOL[torch.bfloat16], f32_reference=name in F32_REFERENCE,
+                  or_reference_error=True)
 
 
 @pytest.mark.gpu
