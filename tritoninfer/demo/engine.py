@@ -11,6 +11,22 @@
   attention gives them 0) and the wrapper is re-planned before every replay.
 - Greedy (argmax) by default; with ``EngineConfig.sampling`` tritoninfer's sampling kernels pick each
   step's tokens (``sampler.py``): eagerly after a prefill, inside the graph in a decode step.
+- Token ids stay on the device: each running request owns a row (``Request.slot``) of a device
+  token table; a prefill writes its first token there, and a decode step reads its input ids from
+  the table and writes its tokens back into it (inside the graph), so no token has to come back
+  to the host before the next step can be launched.
+- Overlap (``EngineConfig.overlap``; decode on the CUDA-graph path without a reference or
+  ``record_logits``): step n+1 is scheduled, its page table built, its wrapper planned and its
+  graph launched before step n's tokens are read, so the host work of step n+1 runs while the GPU
+  runs step n. Tokens come back one step late through pinned buffers (non-blocking copy + event).
+  Everything runs on one stream, which orders what the host prepares early after the graph that
+  still reads the same memory: ``plan()``'s copies into the wrapper's fixed buffers, the inputs'
+  copy into the runner's, and the reuse of freed pages and token-table rows (see
+  :meth:`_DecodeRunner.prepare`). A stop token is read one step late: the finished request has
+  already been launched in the next step, whose token for it is discarded; its pages are freed
+  then. Prefill steps, ``--check`` and ``record_logits`` read their tokens at once (the
+  synchronous path). The device work is the same in both paths, so are the tokens (with stop
+  tokens the late step shifts the later batches, which changes sampled tokens: ``docs/demo.md``).
 
 fp8 KV: K/V are divided by the layer's static scale and rounded to e4m3 in torch, then appended
 (``append_paged_kv_cache`` can convert fp16/bf16 to fp8 itself, but under the Triton interpreter
@@ -29,6 +45,8 @@ import torch
 from tritoninfer.decode import BatchDecodeWithPagedKVCacheWrapper
 from tritoninfer.page import append_paged_kv_cache, get_batch_indices_positions
 from tritoninfer.prefill import BatchPrefillWithPagedKVCacheWrapper
+
+from tritoninfer import _device
 
 from .kv_cache import PagedKVCache
 from .model import LlamaModel
@@ -49,6 +67,8 @@ class EngineConfig:
     cuda_graph: bool = True  # on a GPU: capture the decode step; on the CPU: padded fixed buffers, eager
     workspace_bytes: int = 256 * 1024 * 1024
     attn_sample_every: int = 8  # CUDA-graph decode: time attention alone on every n-th decode step
+    # CUDA-graph decode: launch step n+1 before reading step n's tokens (off with a reference or record_logits)
+    overlap: bool = True
     record_logits: bool = False  # keep every step's logits per request (tests)
     check_tolerance: Optional[float] = None  # relative max |dlogit| allowed by --check
     sampling: Optional[SamplingConfig] = None  # None: greedy (argmax)
@@ -67,7 +87,8 @@ class Stats:
     decode_time: float = 0.0
     decode_attn_time: float = 0.0  # eager: measured; CUDA graph: on sampled steps
     decode_attn_base: float = 0.0  # the step time those attention times are a share of
-    decode_sampled_tokens: int = 0  # CUDA graph: tokens of the steps whose replay was timed
+    decode_device_time: float = 0.0  # CUDA-graph path: time the device ran the decode steps (see decode_host_share)
+    decode_discarded: int = 0  # tokens launched for a request that had already stopped (read one step late)
     decode_batch_sizes: List[int] = dataclasses.field(default_factory=list)
     graphs_captured: int = 0
     capture_time: float = 0.0
@@ -103,13 +124,16 @@ class Stats:
 
     @property
     def decode_host_share(self) -> float:
-        """The share of a decode step's wall time in which the GPU does not run the step's graph:
-        1 - (GPU time per token of the sampled replays) / (wall time per decode token). 0 when no
-        replay was sampled (eager decode, or no GPU)."""
-        if not (self.decode_sampled_tokens and self.decode_attn_base and self.decode_tokens and self.decode_time):
+        """The share of the decode steps' wall time in which the device does not run a decode step:
+        ``1 - decode_device_time / decode_time``, i.e. host time not overlapped with device work.
+        ``decode_time`` is the serving loop's wall time over decode steps (scheduling, page tables,
+        plan, launches, waiting for and reading tokens, bookkeeping; not --check's reference, not
+        ``record_logits``); ``decode_device_time`` sums each graph replay's device time (CUDA events
+        around every replay, read with its tokens, so without a synchronisation of its own; on the
+        CPU the padded forward's time). 0 on the eager decode path, which times no device work."""
+        if not (self.decode_device_time and self.decode_time):
             return 0.0
-        gpu = self.decode_attn_base / self.decode_sampled_tokens
-        return max(0.0, 1.0 - gpu / (self.decode_time / self.decode_tokens))
+        return max(0.0, 1.0 - self.decode_device_time / self.decode_time)
 
     @property
     def attn_share(self) -> float:
@@ -171,18 +195,25 @@ class _Timer:
 
 class _DecodeRunner:
     """One batch-size bucket of the decode step: fixed input buffers, a ``use_cuda_graph=True``
-    decode wrapper with its fixed page-table buffers, and (on a GPU) the captured graph."""
+    decode wrapper with its fixed page-table buffers, and (on a GPU) the captured graph.
+
+    The step reads its input ids from the engine's token table at the rows in ``slots`` and writes
+    the tokens it picks back there (argmax or the sampler, inside the graph), so consecutive steps
+    pass tokens on the device."""
 
     def __init__(self, engine: "Engine", bucket: int) -> None:
         e = engine
         dev = e.device
         self.e, self.bucket = engine, bucket
-        self.ids = torch.zeros(bucket, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(bucket, dtype=torch.int32, device=dev)
-        self.bidx = torch.full((bucket,), -1, dtype=torch.int32, device=dev)
+        # positions, batch indices, token-table rows and page ids in one buffer: one copy per step;
+        # each part starts 64-byte aligned, as separate tensors would (Triton specialises on it)
+        self.stride = s = _aligned(bucket)
+        self.inputs = torch.zeros(3 * s + _page_capacity(e, bucket), dtype=torch.int32, device=dev)
+        self.pos = self.inputs[:bucket]
+        self.bidx = self.inputs[s:s + bucket]
+        self.slots = self.inputs[2 * s:2 * s + bucket]
+        self.indices = self.inputs[3 * s:]
         self.indptr = torch.zeros(bucket + 1, dtype=torch.int32, device=dev)
-        # room for every page of the cache, and for the warm-up's bucket of dummy rows sharing one page
-        self.indices = torch.zeros(max(e.cache.num_pages, bucket), dtype=torch.int32, device=dev)
         self.lpl = torch.zeros(bucket, dtype=torch.int32, device=dev)
         self.wrapper = BatchDecodeWithPagedKVCacheWrapper(
             e.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=e.cfg.use_tensor_cores,
@@ -191,11 +222,11 @@ class _DecodeRunner:
         self.sbufs = e.sampler.buffers(bucket) if e.sampler is not None else None
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.logits: Optional[torch.Tensor] = None
-        self.tokens: Optional[torch.Tensor] = None  # sampled in the graph (None: greedy, argmax outside)
+        self.tokens: Optional[torch.Tensor] = None
         self.attn_graph: Optional[torch.cuda.CUDAGraph] = None
 
-    def _forward(self, timer: Optional[_Timer]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """(logits, sampled tokens or None) of the whole bucket."""
+    def _forward(self, timer: Optional[_Timer]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(logits, tokens) of the whole bucket; the tokens are also written to the token table."""
         e = self.e
 
         def attention(layer, q, k, v):
@@ -209,33 +240,66 @@ class _DecodeRunner:
                 timer.stop()
             return o
 
-        logits = e.model.forward(self.ids, self.pos, attention)
-        return logits, (e.sampler.sample(logits, self.sbufs) if e.sampler is not None else None)
+        slots = self.slots.long()
+        logits = e.model.forward(e.tok_table.index_select(0, slots), self.pos, attention)
+        tokens = e.sampler.sample(logits, self.sbufs) if e.sampler is not None else logits.argmax(-1)
+        e.tok_table.index_copy_(0, slots, tokens)
+        return logits, tokens
 
-    def step(self, reqs: Sequence[Request], timer: Optional[_Timer]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Logits ``[len(reqs), vocab]`` of the decode step (K/V of each request's last token written),
-        and the sampled tokens ``[len(reqs)]`` (None when greedy)."""
+    def prepare(self, reqs: Sequence[Request], slots: Optional[Sequence[int]]) -> Tuple[np.ndarray, np.ndarray]:
+        """Inputs and plan of a step over ``reqs`` (token-table rows ``slots``; None: scratch rows).
+        Returns the plan's host (indptr, last_page_len).
+
+        Nothing here waits for the device, so with overlap this runs while the previous step's graph
+        runs, possibly this runner's own. That is safe because everything is stream-ordered: the
+        inputs' copy into this runner's fixed buffers and ``plan()``'s copies into the wrapper's
+        fixed buffers (work list, indptr, last page lengths) execute after that graph has read
+        them. Their host sides are pinned buffers that are not rewritten before their copy has run:
+        ours come from ``Engine.stage`` (a ring of two, each guarded by the event of its last
+        copy); ``plan()``'s staging buffer is guarded by its ``PlanUploader`` (it waits for the
+        previous plan's copy out of it, enqueued before the previous graph, so long finished). The
+        page ids are passed as this runner's device buffer itself, which ``plan()`` then does not
+        copy. (Two sets of wrappers used in turn would also avoid the race, at twice the graphs.)"""
         e, n, b = self.e, len(reqs), self.bucket
         ps = e.cache.page_size
-        npages = np.array([len(r.pages) for r in reqs] + [0] * (b - n), dtype=np.int64)
+        npages = np.zeros(b, dtype=np.int64)
+        npages[:n] = [len(r.pages) for r in reqs]
         indptr = np.zeros(b + 1, dtype=np.int32)
         np.cumsum(npages, out=indptr[1:])
-        indices = _page_ids(reqs)
-        lpl = np.array([(r.kv_len) % ps + 1 for r in reqs] + [0] * (b - n), dtype=np.int32)  # after this token
-        self.wrapper.plan(torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(lpl),
+        kv = np.array([r.kv_len for r in reqs], dtype=np.int32)
+        lpl = np.zeros(b, dtype=np.int32)
+        lpl[:n] = kv % ps + 1  # after this token
+        s = self.stride
+        size = 3 * s + int(indptr[-1])
+        i, host = e.stage.take()
+        buf = host.numpy()
+        buf[:n] = kv
+        buf[n:b] = 0
+        buf[s:s + n] = np.arange(n)
+        buf[s + n:s + b] = -1  # padding rows: the append skips them
+        if slots is None:
+            buf[2 * s:2 * s + b] = e.scratch_slots[:b]
+        else:
+            buf[2 * s:2 * s + n] = slots
+            buf[2 * s + n:2 * s + b] = e.scratch_slots[n:b]
+        if n:
+            np.concatenate([r.page_array() for r in reqs], out=buf[3 * s:size])
+        self.inputs[:size].copy_(host[:size], non_blocking=True)
+        e.stage.record(i)
+        self.wrapper.plan(torch.from_numpy(indptr), self.indices, torch.from_numpy(lpl),
                           e.cfg_model.num_heads, e.cfg_model.num_kv_heads, e.cfg_model.head_dim, ps,
                           window_left=e.cfg_model.window_left, q_data_type=e.model.attn_dtype,
                           kv_data_type=e.cache.dtype)
-        host = torch.tensor([[r.last_token for r in reqs] + [0] * (b - n),
-                             [r.kv_len for r in reqs] + [0] * (b - n),
-                             list(range(n)) + [-1] * (b - n)], dtype=torch.int64)
-        self.ids.copy_(host[0])
-        self.pos.copy_(host[1])
-        self.bidx.copy_(host[2])
         if self.sbufs is not None:
             e.sampler.fill(self.sbufs, reqs)
+        return indptr, lpl
+
+    def launch(self, timer: Optional[_Timer], events: Optional["_Slot"]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Runs the prepared step: (logits, tokens) of the whole bucket, valid until this runner's
+        next launch. With a captured graph, ``events`` bracket the replay (its device time)."""
+        e = self.e
         if e.device.type != "cuda" or not e.cfg.cuda_graph:
-            return _rows(self._forward(timer), n)
+            return self._forward(timer)
         if self.graph is None:
             # this step, eagerly (it compiles every kernel before the capture), on a side stream
             # as PyTorch advises for the warm-up before a capture
@@ -260,9 +324,13 @@ class _DecodeRunner:
             torch.cuda.synchronize()
             e.stats.graphs_captured += 1
             e.stats.capture_time += time.perf_counter() - t0
-            return _rows(out, n)
+            return out
+        if events is not None:
+            events.start.record()
         self.graph.replay()
-        return _rows((self.logits, self.tokens), n)
+        if events is not None:
+            events.end.record()
+        return self.logits, self.tokens
 
     def time_attention(self) -> float:
         """Seconds the current plan's attention takes over all layers (a graph of the wrapper's
@@ -295,6 +363,65 @@ class _DecodeRunner:
         return start.elapsed_time(end) / 1e3
 
 
+def _aligned(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+def _page_capacity(e: "Engine", bucket: int) -> int:
+    # room for every page of the cache, and for the warm-up's bucket of dummy rows sharing one page
+    return max(e.cache.num_pages, bucket)
+
+
+class _Slot:
+    """One buffer of a :class:`_Ring` and its events."""
+
+    def __init__(self, size: int, dtype: torch.dtype, cuda: bool) -> None:
+        self.host = torch.zeros(size, dtype=dtype, pin_memory=cuda and _device.can_pin_memory())
+        self.done = torch.cuda.Event() if cuda else None  # recorded after the last copy into or out of ``host``
+        self.start = torch.cuda.Event(enable_timing=True) if cuda else None  # around a graph replay
+        self.end = torch.cuda.Event(enable_timing=True) if cuda else None
+
+
+class _Ring:
+    """Host buffers used in turn (pinned on a GPU) for the steps' non-blocking copies. Two are
+    enough: at most one step is in flight while the next is prepared, and a buffer comes round
+    again only after the step that used it was read (``take`` still waits for its event, which
+    costs nothing then)."""
+
+    def __init__(self, size: int, dtype: torch.dtype, device: torch.device, count: int = 2) -> None:
+        cuda = device.type == "cuda"
+        self.slots = [_Slot(size, dtype, cuda) for _ in range(count)]
+        self.next = 0
+
+    def take(self) -> Tuple[int, torch.Tensor]:
+        i = self.next
+        self.next = (i + 1) % len(self.slots)
+        slot = self.slots[i]
+        if slot.done is not None:
+            slot.done.synchronize()
+        return i, slot.host
+
+    def record(self, i: int) -> None:
+        """After the copy into or out of buffer ``i`` was enqueued."""
+        if self.slots[i].done is not None:
+            self.slots[i].done.record()
+
+
+@dataclasses.dataclass
+class _Launched:
+    """A step launched on the device whose tokens may not have been read yet."""
+
+    kind: str
+    reqs: List[Request]
+    t0: float  # when its iteration of the loop started (perf_counter)
+    slot: int = -1  # its buffer in Engine.readback
+    logits: Optional[torch.Tensor] = None  # valid until the next launch of the same bucket
+    timer: Optional[_Timer] = None  # attention time (eager steps, CPU padded path)
+    events: Optional[_Slot] = None  # bracket its graph replay
+    device_time: float = 0.0  # CPU padded path: the forward's time
+    attn_sample: Optional[Tuple] = None  # (runner, indptr, last_page_len, page ids): attention timed later
+
+
 class Engine:
     """Continuous batching over a paged KV cache. ``run(requests)`` serves them all and returns
     :class:`Stats`; with a ``reference``, every step's logits are compared with it."""
@@ -317,6 +444,18 @@ class Engine:
         self.sampler = Sampler(cfg.sampling, self.device) if cfg.sampling is not None else None
         self.stats = Stats(num_pages=self.cache.num_pages)
         self.logits: Dict[int, List[torch.Tensor]] = {}  # rid -> per-step logits (record_logits)
+        # a graph's logits buffer is rewritten by its next replay: --check and record_logits read
+        # every step's logits, so they keep the synchronous path
+        self.overlap = cfg.overlap and cfg.cuda_graph and reference is None and not cfg.record_logits
+        # rows 0..max_batch-1: one per running request (Request.slot); then one per padding row of a
+        # bucket, so that no two rows of a step write the same entry
+        self.tok_table = torch.zeros(2 * cfg.max_batch, dtype=torch.long, device=self.device)
+        self.scratch_slots = np.arange(cfg.max_batch, 2 * cfg.max_batch, dtype=np.int32)
+        self.stage = _Ring(3 * _aligned(cfg.max_batch) + _page_capacity(self, cfg.max_batch), torch.int32, self.device)
+        self.readback = _Ring(cfg.max_batch, torch.long, self.device)
+        self._free_slots: List[int] = []
+        self._attn_samples: List[Tuple] = []
+        self._launches = 0  # decode steps launched: picks the steps whose attention is timed
 
     # ------------------------------------------------------------------ helpers
     def _sync(self) -> None:
@@ -394,19 +533,138 @@ class Engine:
             r.kv_len = len(r.prompt)
         return logits
 
-    def _decode(self, reqs: List[Request], timer: _Timer) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        if self.cfg.cuda_graph:
-            bucket = next(b for b in self.buckets if b >= len(reqs))
-            runner = self._runners.get(bucket)
-            if runner is None:
-                runner = self._runners[bucket] = _DecodeRunner(self, bucket)
-            logits, sampled = runner.step(reqs, None if self.device.type == "cuda" else timer)
-        else:
+    def _runner(self, n: int) -> _DecodeRunner:
+        bucket = next(b for b in self.buckets if b >= n)
+        runner = self._runners.get(bucket)
+        if runner is None:
+            runner = self._runners[bucket] = _DecodeRunner(self, bucket)
+        return runner
+
+    def _launch_prefill(self, reqs: List[Request], t0: float) -> _Launched:
+        timer = _Timer(self.device)
+        logits = self._prefill(reqs, timer)
+        sampled = self._sample_eager(reqs, logits)
+        tokens = logits.argmax(-1) if sampled is None else sampled
+        if self.cfg.cuda_graph:  # the first token is the next decode step's input, on the device
+            rows = torch.tensor([r.slot for r in reqs], dtype=torch.long).to(self.device)
+            self.tok_table.index_copy_(0, rows, tokens)
+        for r in reqs:
+            r.launched += 1
+        return self._read_later(_Launched("prefill", reqs, t0, logits=logits, timer=timer), tokens)
+
+    def _launch_decode(self, reqs: List[Request], t0: float) -> _Launched:
+        if not self.cfg.cuda_graph:
+            timer = _Timer(self.device)
             logits = self._decode_eager(reqs, timer)
             sampled = self._sample_eager(reqs, logits)
+            rec = _Launched("decode", reqs, t0, logits=logits, timer=timer)
+            tokens = logits.argmax(-1) if sampled is None else sampled
+        else:
+            runner = self._runner(len(reqs))
+            indptr, lpl = runner.prepare(reqs, [r.slot for r in reqs])
+            on_gpu = self.device.type == "cuda"
+            rec = _Launched("decode", reqs, t0, timer=None if on_gpu else _Timer(self.device))
+            if on_gpu and runner.graph is not None:
+                rec.events = self.readback.slots[self.readback.next]  # the buffer _read_later takes
+                if self._launches % max(1, self.cfg.attn_sample_every) == 0:
+                    rec.attn_sample = (runner, indptr, lpl, _page_ids(reqs))
+            t = time.perf_counter()
+            logits, tokens = runner.launch(rec.timer, rec.events)
+            if not on_gpu:
+                rec.device_time = time.perf_counter() - t
+            n = len(reqs)
+            rec.logits, tokens = logits[:n], tokens[:n]
+        self._launches += 1
         for r in reqs:
             r.kv_len += 1
-        return logits, sampled
+            r.launched += 1
+        return self._read_later(rec, tokens)
+
+    def _read_later(self, rec: _Launched, tokens: torch.Tensor) -> _Launched:
+        """Starts the copy of the step's tokens into a pinned buffer (non-blocking; an event after it)."""
+        i, host = self.readback.take()
+        host[:tokens.shape[0]].copy_(tokens, non_blocking=True)
+        self.readback.record(i)
+        rec.slot = i
+        return rec
+
+    def _finish(self, rec: _Launched, on_step) -> float:
+        """Reads the step's tokens (waits for its event), checks and records its logits, appends the
+        tokens to the outputs (a request already stopped gets none: its token is discarded), and
+        accounts the step. Returns the seconds spent in --check and record_logits, which the step
+        times leave out."""
+        st = self.stats
+        slot = self.readback.slots[rec.slot]
+        if slot.done is not None:
+            slot.done.synchronize()
+        reqs = rec.reqs
+        tokens = slot.host[:len(reqs)].tolist()
+        attn = rec.timer.flush() if rec.timer is not None else 0.0
+        if rec.kind == "prefill":
+            st.prefill_steps += 1
+            st.prefill_attn_time += attn
+        else:
+            device = rec.device_time
+            if rec.events is not None:  # complete: the readback's event comes after them
+                device = rec.events.start.elapsed_time(rec.events.end) / 1e3
+            st.decode_device_time += device
+            if rec.attn_sample is not None:  # its attention is timed at the next drain
+                self._attn_samples.append(rec.attn_sample)
+                st.decode_attn_base += device
+            elif rec.timer is not None:  # CPU padded path and eager decode: attention timed within the step
+                st.decode_attn_time += attn
+                st.decode_attn_base += device if device else time.perf_counter() - rec.t0
+            st.decode_steps += 1
+            st.decode_batch_sizes.append(len(reqs))
+        t_paused = time.perf_counter()
+        if self.reference is not None:
+            if rec.kind == "prefill":
+                for r in reqs:
+                    self.reference.reserve(r.rid, r.max_kv_len)
+            segments = [(r.rid, r.prompt if rec.kind == "prefill" else [r.last_token]) for r in reqs]
+            self._check(segments, rec.logits, reqs, tokens)
+        if self.cfg.record_logits:
+            rows = rec.logits.float().cpu()
+            for i, r in enumerate(reqs):
+                self.logits.setdefault(r.rid, []).append(rows[i])
+        paused = time.perf_counter() - t_paused
+        emitted = 0
+        for r, t in zip(reqs, tokens):
+            if r.done:  # stopped at the previous step, whose tokens were read after this one was launched
+                st.decode_discarded += 1
+                continue
+            r.output.append(t)
+            emitted += 1
+            if t in r.stop_token_ids:
+                r.stopped = True
+        st.generated_tokens += emitted
+        if rec.kind == "decode":
+            st.decode_tokens += emitted
+        if on_step is not None:
+            on_step(self, StepInfo(rec.kind, len(reqs), n_tokens(rec.kind, reqs),
+                                   time.perf_counter() - rec.t0 - paused))
+        return paused
+
+    def _retire(self) -> None:
+        for r in self.scheduler.retire():
+            self._free_slots.append(r.slot)
+            r.slot = -1
+            if self.reference is not None:
+                self.reference.release(r.rid)
+        self.stats.peak_pages = self.cache.allocator.peak_used
+
+    def _time_attention_samples(self) -> None:
+        """Times the attention of the sampled decode steps (Stats.decode_attn_share) where no step is
+        in flight, so that the measurement neither stalls nor lengthens the overlapped steps: each
+        runner is re-planned with the sampled step's page table and its attention graph replayed
+        (the pages may hold other tokens by now, which does not change the time; only read)."""
+        mc = self.cfg_model
+        for runner, indptr, lpl, ids in self._attn_samples:
+            runner.wrapper.plan(torch.from_numpy(indptr), torch.from_numpy(ids), torch.from_numpy(lpl), mc.num_heads,
+                                mc.num_kv_heads, mc.head_dim, self.cache.page_size, window_left=mc.window_left,
+                                q_data_type=self.model.attn_dtype, kv_data_type=self.cache.dtype)
+            self.stats.decode_attn_time += runner.time_attention()
+        self._attn_samples.clear()
 
     def _decode_eager(self, reqs: List[Request], timer: _Timer) -> torch.Tensor:
         mc, ps, cache = self.cfg_model, self.cache.page_size, self.cache
@@ -462,7 +720,8 @@ class Engine:
             for bucket in self.buckets:
                 dummies = [Request(-1, [0], 1, output=[0], pages=page, kv_len=0) for _ in range(bucket)]
                 runner = self._runners[bucket] = _DecodeRunner(self, bucket)
-                runner.step(dummies, None)
+                runner.prepare(dummies, None)  # the token table's scratch rows
+                runner.launch(None, None)
             alloc.free(page)
         self._sync()
         alloc.peak_used = 0
@@ -486,6 +745,14 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop
     def run(self, requests: Sequence[Request], on_step: Optional[Callable[["Engine", StepInfo], None]] = None) -> Stats:
+        """Serves ``requests`` to the end.
+
+        Each iteration schedules a step, launches it and reads a step's tokens: its own (the
+        synchronous path), or with ``overlap`` the decode step launched by the previous iteration,
+        so that the host schedules, plans and launches step n+1 while the device runs step n. A
+        step's time is its iteration's wall time (a drain of the pending decode step before a
+        prefill counts as decode), less the work that only measures: --check, record_logits and
+        the attention timing."""
         sched = Scheduler(self.cache.allocator, self.cache.page_size, self.cfg.max_batch, self.cfg.max_prefill_tokens)
         self.scheduler = sched
         st = self.stats
@@ -498,87 +765,53 @@ class Engine:
             sched.add(r)
             st.requests += 1
             st.prompt_tokens += len(r.prompt)
-        t_start = time.perf_counter()
+        self._free_slots = list(range(self.cfg.max_batch - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
+        pending: Optional[_Launched] = None  # overlap: the decode step launched, not read yet
+        t_start = t = time.perf_counter()
         while True:
             plan = sched.schedule()
             if plan is None:
                 break
             kind, reqs = plan
-            timer = _Timer(self.device)
-            t0 = time.perf_counter()
             if kind == "prefill":
-                logits = self._prefill(reqs, timer)
-                sampled = self._sample_eager(reqs, logits)
+                if pending is not None:  # prefill steps are synchronous: the pipeline drains first
+                    paused = self._finish(pending, on_step)
+                    pending = None
+                    self._retire()
+                    now = time.perf_counter()
+                    st.decode_time += now - t - paused
+                    t = now
+                if self._attn_samples:  # measurement only: left out of the step times
+                    self._time_attention_samples()
+                    t = time.perf_counter()
+                for r in reqs:
+                    r.slot = self._free_slots.pop()
+                paused = self._finish(self._launch_prefill(reqs, t), on_step)
+                self._retire()
+                now = time.perf_counter()
+                st.prefill_time += now - t - paused
+                t = now
+                continue
+            rec = self._launch_decode(reqs, t)
+            if self.overlap:
+                # the requests whose last token was just launched leave now (pages, token-table row):
+                # as in the synchronous path, before the next step is scheduled
+                self._retire()
+                paused = self._finish(pending, on_step) if pending is not None else 0.0
+                pending = rec
             else:
-                logits, sampled = self._decode(reqs, timer)
-            tokens = (logits.argmax(-1) if sampled is None else sampled).tolist()  # syncs
-            dt = time.perf_counter() - t0
-            attn = timer.flush()
-            if kind == "prefill":
-                st.prefill_steps += 1
-                st.prefill_time += dt
-                st.prefill_attn_time += attn
-            else:
-                st.decode_steps += 1
-                st.decode_time += dt
-                st.decode_tokens += len(reqs)
-                st.decode_batch_sizes.append(len(reqs))
-                self._sample_decode_attention(reqs, attn, dt)
-            if self.reference is not None:
-                if kind == "prefill":
-                    for r in reqs:
-                        self.reference.reserve(r.rid, r.max_kv_len)
-                segments = [(r.rid, r.prompt if kind == "prefill" else [r.last_token]) for r in reqs]
-                self._check(segments, logits, reqs, tokens)
-            if self.cfg.record_logits:
-                rows = logits.float().cpu()
-                for i, r in enumerate(reqs):
-                    self.logits.setdefault(r.rid, []).append(rows[i])
-            for r, t in zip(reqs, tokens):
-                r.output.append(int(t))
-            st.generated_tokens += len(reqs)
-            for r in sched.retire():
-                if self.reference is not None:
-                    self.reference.release(r.rid)
-            st.peak_pages = self.cache.allocator.peak_used
-            if on_step is not None:
-                on_step(self, StepInfo(kind, len(reqs), n_tokens(kind, reqs), dt))
+                paused = self._finish(rec, on_step)
+            self._retire()
+            now = time.perf_counter()
+            st.decode_time += now - t - paused
+            t = now
+        if pending is not None:
+            paused = self._finish(pending, on_step)
+            self._retire()
+            st.decode_time += time.perf_counter() - t - paused
+        self._time_attention_samples()
         st.wall_time = time.perf_counter() - t_start
         return st
-
-    def _sample_decode_attention(self, reqs, attn: float, dt: float) -> None:
-        st = self.stats
-        graphed = self.cfg.cuda_graph and self.device.type == "cuda"
-        if not graphed:
-            st.decode_attn_time += attn
-            st.decode_attn_base += dt
-            return
-        if (st.decode_steps - 1) % max(1, self.cfg.attn_sample_every):
-            return
-        # the step just replayed a graph: time its attention alone (same plan, same cache), and
-        # the full step's replay, both as device time
-        runner = self._runners[next(b for b in self.buckets if b >= len(reqs))]
-        if runner.graph is None or runner.logits is None:
-            return
-        st.decode_attn_time += runner.time_attention()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        # replaying the step again rewrites the same K/V values (same inputs): harmless; its draws
-        # are undone so that the tokens do not depend on which steps are timed
-        rng = self.sampler.generator.get_state() if self.sampler is not None else None
-        start.record()
-        runner.graph.replay()
-        end.record()
-        end.synchronize()
-        if rng is not None:
-            self.sampler.generator.set_state(rng)
-        st.decode_attn_base += start.elapsed_time(end) / 1e3
-        st.decode_sampled_tokens += len(reqs)
-
-
-def _rows(out: Tuple[torch.Tensor, Optional[torch.Tensor]], n: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The first ``n`` rows (the real requests) of a padded bucket's (logits, tokens)."""
-    logits, tokens = out
-    return logits[:n], (tokens[:n] if tokens is not None else None)
 
 
 def _page_ids(reqs: Sequence[Request]) -> np.ndarray:

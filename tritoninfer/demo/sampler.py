@@ -129,10 +129,17 @@ class Sampler:
             return
         host = torch.tensor([[p.temperature for p in params], [p.top_p for p in params],
                              [p.min_p for p in params]], dtype=torch.float32)
-        bufs.temperature.copy_(host[0])
-        bufs.top_p.copy_(host[1])
-        bufs.min_p.copy_(host[2])
-        bufs.top_k.copy_(torch.tensor([p.top_k for p in params], dtype=torch.int32))
+        top_k = torch.tensor([p.top_k for p in params], dtype=torch.int32)
+        cuda = bufs.top_k.is_cuda
+        if cuda:
+            # pinned, so the copies do not wait for the step in flight (the engine prepares the next
+            # step while the device runs the previous one); PyTorch's pinned-memory cache keeps each
+            # block until its copy has run
+            host, top_k = host.pin_memory(), top_k.pin_memory()
+        bufs.temperature.copy_(host[0], non_blocking=cuda)
+        bufs.top_p.copy_(host[1], non_blocking=cuda)
+        bufs.min_p.copy_(host[2], non_blocking=cuda)
+        bufs.top_k.copy_(top_k, non_blocking=cuda)
         bufs._last = key
 
     def sample(self, logits: torch.Tensor, bufs: SamplingBuffers) -> torch.Tensor:

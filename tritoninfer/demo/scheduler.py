@@ -5,6 +5,12 @@ Admission (first come, first served) needs a free batch slot, room in the step's
 budget, and enough free pages for the request's whole life (prompt + generated tokens), which are
 reserved, not allocated: pages are allocated as the KV grows and all of a request's pages go back
 to the allocator when it finishes, so no request is ever preempted.
+
+A request finishes after ``max_new_tokens`` tokens or when it emits one of its ``stop_token_ids``
+(kept in its output). The engine may launch a step before it has read the previous one's tokens
+(``EngineConfig.overlap``): ``launched`` counts the tokens launched, ``output`` those read back, and
+:meth:`Scheduler.retire` retires a request as soon as no more tokens are to be launched for it
+(``exhausted``): at launch for the length limit, when the token is read for a stop token.
 """
 
 from __future__ import annotations
@@ -35,6 +41,10 @@ class Request:
     kv_len: int = 0  # tokens whose K/V are in the cache
     reserved: int = 0  # pages reserved for the request's whole life
     sampling: Optional[SamplingParams] = None  # None: the engine's default (greedy without EngineConfig.sampling)
+    stop_token_ids: Tuple[int, ...] = ()  # emitting one of these ends the request (the token is kept)
+    stopped: bool = False  # a stop token was read back
+    launched: int = 0  # tokens launched on the device (read back or not)
+    slot: int = -1  # the engine's row of its device token table while running
     _page_cache: Optional[np.ndarray] = dataclasses.field(default=None, repr=False)
 
     def page_array(self) -> np.ndarray:
@@ -45,7 +55,13 @@ class Request:
 
     @property
     def done(self) -> bool:
-        return len(self.output) >= self.max_new_tokens
+        """Finished: every token it will emit has been read back."""
+        return self.stopped or len(self.output) >= self.max_new_tokens
+
+    @property
+    def exhausted(self) -> bool:
+        """No more tokens are to be launched for it (some may still be on their way back)."""
+        return self.stopped or max(self.launched, len(self.output)) >= self.max_new_tokens
 
     @property
     def max_kv_len(self) -> int:
@@ -123,10 +139,13 @@ class Scheduler:
             self._reserved_unallocated -= need
 
     def retire(self) -> List[Request]:
-        """Move finished requests out of the batch and free their pages (and unused reservation)."""
-        done = [r for r in self.running if r.done]
+        """Move exhausted requests out of the batch and free their pages (and unused reservation).
+
+        With steps in flight this is safe: every kernel runs on one stream, so a later step that
+        reuses a freed page is ordered after the steps that still write to it."""
+        done = [r for r in self.running if r.exhausted]
         if done:
-            self.running = [r for r in self.running if not r.done]
+            self.running = [r for r in self.running if not r.exhausted]
             for req in done:
                 self._reserved_unallocated -= req.reserved - len(req.pages)
                 self.allocator.free(req.pages)
