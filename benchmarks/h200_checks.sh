@@ -7,41 +7,73 @@
 #
 # PART:
 #   tests-core   pytest -m gpu on the attention files (launch, decode, prefill, cascade, safety, route)
-#   tests-rest   pytest -m gpu on everything else (compile, rope, norm, page, sampling, engines, demo, ...)
+#   tests-new    pytest -m gpu, two workers, on the wave-2 files (MLA, POD, BatchAttention, block-sparse,
+#                fp8 queries, multi-item, sampling, logits processor, transformers, demo)
+#   tests-rest   pytest -m gpu on everything else (compile, rope, norm, page, engines, ...)
 #   ab-merge     device time of the working tree against OLD=<dir holding an older tritoninfer> (decode,
-#                the fused split merge; prefill); needs OLD set, e.g. OLD=.ab/pre24 (carry it)
+#                the fused split merge); needs OLD set, e.g. OLD=.ab/pre24 (carry it); a watchdog prints
+#                the stacks if it hangs
 #   host         benchmarks/host_path.py, every decode and prefill row, FlashInfer in the same process
-#   fit          FlashInfer's own tests for sampling, logits processor, rope, norm (FIT_PER_TEST=20);
-#                needs ../shared/flashinfer-tests copied to .fit (carry it)
+#   fit          FlashInfer's own tests for sampling and the logits processor (FIT_PER_TEST=20, 4 workers:
+#                the sampling tests synchronise after every call, and many processes time-slice the GPU)
+#   fit-new-a    FlashInfer's own tests for MLA, POD, BatchAttention, sinks (FIT_PER_TEST=20)
+#   fit-new-b    ... for block-sparse, Hopper fp8, rope, norm, batch prefill (multi-item), Hopper; the fit
+#                parts need ../shared/flashinfer-tests copied to .fit (carry it)
+#   groups       tritoninfer bench sampling / mla / pod / sparse / rope-append, each --quick
 #
-# Wheels: `bash ../shared/tools/peer-wheels.sh .peers` here first, and carry `.peers`. Each part logs
-# per-file durations (pytest --durations) so the next session knows what a part costs.
+# Wheels: `bash ../shared/tools/peer-wheels.sh .peers` here first, and carry `.peers`; for the
+# transformers tests also a transformers 5.24 wheel in .tfw (the GPU image has 5.17; its other
+# dependencies are there). Each part logs per-file durations (pytest --durations) so the next session
+# knows what a part costs. Run GPU test files with at most two workers: eight ran out of GPU memory.
 set -euo pipefail
-part=${1:?part: tests-core | tests-rest | ab-merge | host | fit}
+part=${1:?part: tests-core | tests-new | tests-rest | ab-merge | host | fit | fit-new-a | fit-new-b | groups}
 out=${2:?output folder}
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .peers/*.whl
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .peers/*.whl $(ls .tfw/*.whl 2>/dev/null) 2>/dev/null
 export FLASHINFER_WORKSPACE_BASE=/tmp/fiws MAX_JOBS=16
 core="tests/test_launch.py tests/test_decode.py tests/test_prefill.py tests/test_cascade.py tests/test_safety.py tests/test_route.py"
+new="tests/test_mla.py tests/test_pod.py tests/test_batch_attention.py tests/test_sparse.py tests/test_fp8_query.py
+  tests/test_multi_item.py tests/test_sampling.py tests/test_logits_processor.py tests/test_integration_transformers.py
+  tests/test_demo.py"
+# FlashInfer's tests at FIT_PER_TEST=20 from .fit; per-test outcome counts in NAME-counts.txt
+fit_run() {
+  local name=$1 workers=$2; shift 2
+  (cd .fit && PYTHONPATH=/tmp/site:$OLDPWD FIT_PER_TEST=20 FIT_LOG="$out/$name.tsv" timeout 570 python3 -m pytest \
+    -n "$workers" -q -p no:cacheprovider --timeout 150 $* > "$out/$name.log" 2>&1 || true)
+  sort -u -t$'\t' -k3,3 "$out/$name.tsv" | awk -F'\t' '{split($3,a,"::"); split(a[2],b,"["); print $1, a[1]"::"b[1]}' \
+    | sort | uniq -c > "$out/$name-counts.txt" || true
+}
 case "$part" in
   tests-core)
     PYTHONPATH=/tmp/site:$PWD timeout 580 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 $core \
       > "$out/tests-core.log" 2>&1 || true ;;
+  tests-new)
+    PYTHONPATH=/tmp/site:$PWD timeout 580 python3 -m pytest -q -m gpu -n 2 -p no:cacheprovider --durations=15 $new \
+      > "$out/tests-new.log" 2>&1 || true ;;
   tests-rest)
-    ignore=$(for f in $core; do printf -- "--ignore=%s " "$f"; done)
+    ignore=$(for f in $core $new; do printf -- "--ignore=%s " "$f"; done)
     PYTHONPATH=/tmp/site:$PWD timeout 580 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 tests/ $ignore \
       > "$out/tests-rest.log" 2>&1 || true ;;
   ab-merge)
     PYTHONPATH=$PWD timeout 580 python3 benchmarks/ab_versions.py --old "pre=${OLD:?OLD=dir of the older tritoninfer}" \
-      --shapes few --rounds 5 --tolerance 0.03 --out "$out/ab-merge.md" > "$out/ab-merge.log" 2>&1 || true ;;
+      --shapes few --rounds 5 --tolerance 0.03 --watchdog 560 --out "$out/ab-merge.md" > "$out/ab-merge.log" 2>&1 || true ;;
   host)
     PYTHONPATH=/tmp/site:$PWD timeout 580 python3 benchmarks/host_path.py --profile --out "$out/host-path.md" \
       > "$out/host-path.log" 2>&1 || true ;;
   fit)
-    (cd .fit && PYTHONPATH=/tmp/site:$OLDPWD FIT_PER_TEST=20 FIT_LOG="$out/fit.tsv" timeout 580 python3 -m pytest -n 8 -q \
-      --timeout 150 tests/utils/test_sampling.py tests/utils/test_logits_processor.py tests/utils/test_norm.py \
-      tests/attention/test_rope.py > "$out/fit.log" 2>&1 || true)
-    sort -u -t$'\t' -k3,3 "$out/fit.tsv" | cut -f1 | sort | uniq -c > "$out/fit-counts.txt" || true ;;
+    fit_run fit 4 tests/utils/test_sampling.py tests/utils/test_logits_processor.py ;;
+  fit-new-a)
+    fit_run fit-new-a 4 tests/attention/test_deepseek_mla.py tests/attention/test_mla_page.py \
+      tests/utils/test_pod_kernels.py tests/attention/test_batch_attention.py tests/attention/test_attention_sink.py ;;
+  fit-new-b)
+    fit_run fit-new-b 4 tests/utils/test_block_sparse.py tests/attention/test_hopper_fp8_attention.py \
+      tests/attention/test_rope.py tests/utils/test_norm.py tests/attention/test_batch_prefill_kernels.py \
+      tests/attention/test_hopper.py ;;
+  groups)
+    for g in sampling mla pod sparse rope-append; do
+      PYTHONPATH=/tmp/site:$PWD timeout 110 python3 -m tritoninfer bench $g --quick --out "$out" \
+        > "$out/bench-$g.log" 2>&1 || true
+    done ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
 tail -5 "$out"/*.log 2>/dev/null || true
