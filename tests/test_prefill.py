@@ -529,3 +529,26 @@ def test_gpu_matches_flashinfer_fa2():
                pos_encoding_mode="ROPE_LLAMA", q_data_type=torch.bfloat16)
         outs.append(w.run(q, kv.cache))
     testing.assert_close(outs[1], outs[0].float(), torch.bfloat16)
+
+
+def test_ragged_run_checks_k_and_v(device):
+    """run()'s K/V checks (one comparison chain on the common path) still name what is wrong, and a
+    tensor subclass (an nn.Parameter) takes the careful path and runs."""
+    hq, hk, d, n = 4, 2, 16, 8
+    qo = torch.tensor([0, n], dtype=torch.int32)
+    w = tritoninfer.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device))
+    w.plan(qo, qo, hq, hk, d, causal=True, q_data_type=torch.float16)
+    q = torch.randn(n, hq, d, dtype=torch.float16, device=device)
+    k = torch.randn(n, hk, d, dtype=torch.float16, device=device)
+    v = torch.randn(n, hk, d, dtype=torch.float16, device=device)
+    with pytest.raises(ValueError, match="must share a dtype"):
+        w.run(q, k, v.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="v: shape"):
+        w.run(q, k, v[: n - 1])
+    with pytest.raises(ValueError, match="v: the last"):
+        w.run(q, k, torch.randn(n, hk, 2 * d, dtype=torch.float16, device=device)[..., ::2])
+    with pytest.raises(ValueError, match="k: expected a 3-D"):
+        w.run(q, k[0], v)
+    want = w.run(q, k, v)
+    got = w.run(q, torch.nn.Parameter(k, requires_grad=False), v)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

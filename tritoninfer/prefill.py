@@ -747,18 +747,22 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
 
 def _ragged_kv(k: torch.Tensor, v: torch.Tensor, layout: TensorLayout, kv_indptr: torch.Tensor, name_k="k", name_v="v"):
     """Ragged K/V ``[nnz, H, D]`` (NHD) or ``[H, nnz, D]`` (HND) -> KVSource and (H, D_qk, D_vo)."""
-    check_tensor(k, name_k, ndim=3, dtype=KV_DTYPES)
-    check_tensor(v, name_v, ndim=3, dtype=KV_DTYPES)
-    if k.dtype != v.dtype:
-        raise ValueError(f"{name_k} and {name_v} must share a dtype, got {k.dtype} and {v.dtype}")
+    # run() meets new K/V tensors every layer: the common case costs one comparison chain
+    if not (type(k) is torch.Tensor and type(v) is torch.Tensor and k.dim() == 3 and v.dim() == 3
+            and k.dtype == v.dtype and k.dtype in KV_DTYPES):
+        check_tensor(k, name_k, ndim=3, dtype=KV_DTYPES)
+        check_tensor(v, name_v, ndim=3, dtype=KV_DTYPES)
+        if k.dtype != v.dtype:
+            raise ValueError(f"{name_k} and {name_v} must share a dtype, got {k.dtype} and {v.dtype}")
     tok, head = (0, 1) if layout == TensorLayout.NHD else (1, 0)
-    if k.shape[tok] != v.shape[tok] or k.shape[head] != v.shape[head]:
-        raise ValueError(f"{name_v}: shape {tuple(v.shape)} does not match {name_k}'s {tuple(k.shape)}")
-    for name, t in ((name_k, k), (name_v, v)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name}: the last (head_dim) dimension must be contiguous")
-    source = KVSource(k, v, (k.stride(tok), 0, k.stride(head)), (v.stride(tok), 0, v.stride(head)), 0, kv_indptr)
-    return source, k.shape[head], k.shape[2], v.shape[2], k.shape[tok]
+    ks, vs, kshape, vshape = k.stride(), v.stride(), k.shape, v.shape
+    if kshape[tok] != vshape[tok] or kshape[head] != vshape[head]:
+        raise ValueError(f"{name_v}: shape {tuple(vshape)} does not match {name_k}'s {tuple(kshape)}")
+    if ks[2] != 1 or vs[2] != 1:
+        name = name_k if ks[2] != 1 else name_v
+        raise ValueError(f"{name}: the last (head_dim) dimension must be contiguous")
+    source = KVSource(k, v, (ks[tok], 0, ks[head]), (vs[tok], 0, vs[head]), 0, kv_indptr)
+    return source, kshape[head], kshape[2], vshape[2], kshape[tok]
 
 
 class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
