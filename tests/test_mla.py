@@ -88,7 +88,8 @@ def test_mla_kv_as_m_tiles(monkeypatch):
     from tritoninfer import _plan, mla
 
     monkeypatch.setattr(mla, "mla_tiles", lambda heads, q: _plan.Tiles(16, 16, 1, 1, 2, 1, prefetch_pages=False,
-                                                                       kv_as_m=True, programs_per_sm=1))
+                                                                       kv_as_m=True, programs_per_sm=1,
+                                                                       mask_free_tiles=True))
     c = make_case([2, 1], [19, 40], 8, 32, 16, 4, torch.float16, strided=True)
     w = BatchMLAPagedAttentionWrapper(make_workspace(WS, DEVICE))
     plan(w, c, 8, 4, True, 0.2, torch.float16)
@@ -97,6 +98,24 @@ def test_mla_kv_as_m_tiles(monkeypatch):
     ref_o, ref_lse = ref_of(c, 0.2, True)
     assert_close(out, ref_o, torch.float16)
     assert_lse_close(lse, ref_lse, dtype=torch.float16)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_mla_one_masked_loop(monkeypatch, causal):
+    """The GPU's 64-row tiles run one loop with every tile masked (no mask-free first loop): same
+    numbers, with KV lengths that end inside a tile and a causal diagonal across tiles."""
+    from tritoninfer import _plan, mla
+
+    monkeypatch.setattr(mla, "mla_tiles", lambda heads, q: _plan.Tiles(16, 16, 1, 1, 4, 1, prefetch_pages=False,
+                                                                       programs_per_sm=1, mask_free_tiles=False))
+    c = make_case([4, 1, 3], [37, 16, 5], 4, 32, 16, 4, torch.bfloat16, strided=True)
+    w = BatchMLAPagedAttentionWrapper(make_workspace(WS, DEVICE))
+    plan(w, c, 4, 4, causal, 0.2, torch.bfloat16)
+    assert not w._step.tiles.mask_free_tiles
+    out, lse = w.run(c["q_nope"], c["q_pe"], c["ckv"], c["kpe"], return_lse=True)
+    ref_o, ref_lse = ref_of(c, 0.2, causal)
+    assert_close(out, ref_o, torch.bfloat16)
+    assert_lse_close(lse, ref_lse, dtype=torch.bfloat16)
 
 
 def test_mla_split_kv_merges_and_lse_base_e():

@@ -64,10 +64,19 @@ def mla_tiles(num_heads: int, avg_q_len: float) -> Tiles:
     Keyed on the head count and the batch's mean query tokens per request (as ``prefill_tiles`` on
     its packed rows), never on KV lengths. 64 heads or more fill the block with one token's heads;
     fewer heads take several query tokens per item (speculative verify, prefill), so the KV tile is
-    still read once for up to 64 rows. Chosen by ptxas's register report for sm_90 at DeepSeek's
-    dims (not timed on a GPU yet): 16 rows with KV as the dots' M (wgmma reads the latent tile from
-    shared memory; 125 registers, no spills), 32 rows 189 registers, 64 rows 255 registers with
-    ~124-220 bytes of spills (every 64-row variant tried spills: 16 warps, 16- or 64-position tiles).
+    still read once for up to 64 rows. Chosen by ptxas's report for sm_90 at DeepSeek's dims (not
+    timed on a GPU yet; ``tests/test_sm90_compile.py`` asserts no spills):
+
+    - 16 rows: KV as the dots' M (wgmma reads the latent tile from shared memory), 32-position
+      tiles, 3 stages: 123 registers;
+    - 32 rows: 187 registers (mma.sync: wgmma needs 64 rows per warpgroup);
+    - 64 rows: 32-position tiles, 2 stages, one masked loop (``mask_free_tiles=False``): 255
+      registers, no spills, 148 KB of shared memory. Two loop bodies (mask-free, then masked)
+      spill 124-220 bytes; 64-position tiles spill 8-32 bytes outside the loop and need 221 KB;
+      16 warps cap a thread at 128 registers and spill in the loop. The score dot of a chained
+      pair keeps all 8 warps on M (Triton), so both warpgroups compute the same 64 x 32 scores:
+      1.5x the useful tensor work at 128 heads.
+
     One program per SM for the split policy (the tiles take most of an SM's registers).
     """
     if num_heads >= 64:
@@ -78,11 +87,14 @@ def mla_tiles(num_heads: int, avg_q_len: float) -> Tiles:
     if _device.is_interpreter():
         # 16 x 16 blocks: each tl op costs time there, not registers
         tokens = max(1, min(tokens, 16 // num_heads)) if num_heads < 16 else 1
-        return Tiles(16, 16, 1, 1, tokens, cdiv(num_heads * tokens, 16), prefetch_pages=False, programs_per_sm=1)
+        return Tiles(16, 16, 1, 1, tokens, cdiv(num_heads * tokens, 16), prefetch_pages=False, programs_per_sm=1,
+                     mask_free_tiles=True)
     block_m = min(64, max(16, next_pow2(rows)))
     if block_m == 16:
-        return Tiles(16, 32, 8, 3, tokens, cdiv(rows, 16), prefetch_pages=False, kv_as_m=True, programs_per_sm=1)
-    return Tiles(block_m, 32, 8, 2, tokens, cdiv(rows, block_m), prefetch_pages=False, programs_per_sm=1)
+        return Tiles(16, 32, 8, 3, tokens, cdiv(rows, 16), prefetch_pages=False, kv_as_m=True, programs_per_sm=1,
+                     mask_free_tiles=True)
+    return Tiles(block_m, 32, 8, 2, tokens, cdiv(rows, block_m), prefetch_pages=False, programs_per_sm=1,
+                 mask_free_tiles=block_m < 64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +147,7 @@ class MLALaunch:
             BLOCK_N=tiles.block_n, BLOCK_CKV=block_ckv, BLOCK_KPE=max(16, next_pow2(step.head_dim_kpe)),
             PAGE_SIZE=step.page_size, IS_CAUSAL=step.causal, WRITE_LSE=write_lse, DOT_DTYPE=dot,
             FOLD_SCALE=step.sm_scale > 0, NUM_STAGES=tiles.num_stages, KV_AS_M=tiles.kv_as_m,
+            MASK_FREE_TILES=tiles.mask_free_tiles,
             MERGE_DV_CHUNK=merge_dv,
             MERGE_SPLIT_BLOCK=max(1, min(8, 8192 // (tiles.block_m * merge_dv))),
             num_warps=tiles.num_warps, num_stages=tiles.num_stages,

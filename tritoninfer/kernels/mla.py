@@ -132,8 +132,8 @@ def mla_fwd_kernel(
     NUM_HEADS: tl.constexpr, HEAD_DIM_CKV: tl.constexpr, HEAD_DIM_KPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_CKV: tl.constexpr, BLOCK_KPE: tl.constexpr,
     PAGE_SIZE: tl.constexpr, IS_CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    FOLD_SCALE: tl.constexpr, NUM_STAGES: tl.constexpr, KV_AS_M: tl.constexpr, MERGE_DV_CHUNK: tl.constexpr,
-    MERGE_SPLIT_BLOCK: tl.constexpr,
+    FOLD_SCALE: tl.constexpr, NUM_STAGES: tl.constexpr, KV_AS_M: tl.constexpr, MASK_FREE_TILES: tl.constexpr,
+    MERGE_DV_CHUNK: tl.constexpr, MERGE_SPLIT_BLOCK: tl.constexpr,
 ):
     """Grid ``(row programs, work items)``: the row programs of one item are neighbours in launch
     order, so their reads of the same KV tiles meet in L2."""
@@ -189,7 +189,7 @@ def mla_fwd_kernel(
         report_fault(err_ptr, 2, req, page_base, num_indices)
         hi = tl.maximum(tl.minimum(hi, table_end), lo).to(hi.dtype)
     full_hi = tl.minimum(full_hi, hi)
-    full_end = lo + tl.maximum(full_hi - lo, 0) // BLOCK_N * BLOCK_N
+    full_end = lo + tl.maximum(full_hi - lo, 0) // BLOCK_N * BLOCK_N  # MASK_FREE_TILES only
     page_base = tl.maximum(page_base, 0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -197,19 +197,30 @@ def mla_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_CKV], tl.float32)
     # [BLOCK_N] the largest page ids (unsigned) met so far (bound_page_ids)
     bad_page = tl.zeros([BLOCK_N], tl.uint32)
-    # tiles every row sees in full, without a score mask; then the rest, masked
-    for start in tl.range(lo, full_end, BLOCK_N, num_stages=NUM_STAGES):
-        m_i, l_i, acc, bad_page = mla_tile(
-            m_i, l_i, acc, bad_page, q_nope, q_pe, start, hi, diag, ckv_ptr, stride_ckv_page, stride_ckv_slot,
-            kpe_ptr, stride_kpe_page, stride_kpe_slot, kv_indices_ptr, page_base, num_pages, offs_c, offs_p,
-            sm_scale_log2, HEAD_DIM_CKV, HEAD_DIM_KPE, BLOCK_N, BLOCK_CKV, BLOCK_KPE, PAGE_SIZE, DOT_DTYPE,
-            False, IS_CAUSAL, FOLD_SCALE, KV_AS_M)
-    for start in tl.range(full_end, hi, BLOCK_N):
-        m_i, l_i, acc, bad_page = mla_tile(
-            m_i, l_i, acc, bad_page, q_nope, q_pe, start, hi, diag, ckv_ptr, stride_ckv_page, stride_ckv_slot,
-            kpe_ptr, stride_kpe_page, stride_kpe_slot, kv_indices_ptr, page_base, num_pages, offs_c, offs_p,
-            sm_scale_log2, HEAD_DIM_CKV, HEAD_DIM_KPE, BLOCK_N, BLOCK_CKV, BLOCK_KPE, PAGE_SIZE, DOT_DTYPE,
-            True, IS_CAUSAL, FOLD_SCALE, KV_AS_M)
+    if MASK_FREE_TILES:
+        # tiles every row sees in full, without a score mask; then the rest, masked
+        for start in tl.range(lo, full_end, BLOCK_N, num_stages=NUM_STAGES):
+            m_i, l_i, acc, bad_page = mla_tile(
+                m_i, l_i, acc, bad_page, q_nope, q_pe, start, hi, diag, ckv_ptr, stride_ckv_page, stride_ckv_slot,
+                kpe_ptr, stride_kpe_page, stride_kpe_slot, kv_indices_ptr, page_base, num_pages, offs_c, offs_p,
+                sm_scale_log2, HEAD_DIM_CKV, HEAD_DIM_KPE, BLOCK_N, BLOCK_CKV, BLOCK_KPE, PAGE_SIZE, DOT_DTYPE,
+                False, IS_CAUSAL, FOLD_SCALE, KV_AS_M)
+        for start in tl.range(full_end, hi, BLOCK_N):
+            m_i, l_i, acc, bad_page = mla_tile(
+                m_i, l_i, acc, bad_page, q_nope, q_pe, start, hi, diag, ckv_ptr, stride_ckv_page, stride_ckv_slot,
+                kpe_ptr, stride_kpe_page, stride_kpe_slot, kv_indices_ptr, page_base, num_pages, offs_c, offs_p,
+                sm_scale_log2, HEAD_DIM_CKV, HEAD_DIM_KPE, BLOCK_N, BLOCK_CKV, BLOCK_KPE, PAGE_SIZE, DOT_DTYPE,
+                True, IS_CAUSAL, FOLD_SCALE, KV_AS_M)
+    else:
+        # one loop, every tile masked: at 64 rows the 64 x 512 fp32 accumulator takes half of the
+        # 255 registers, and with a second loop body ptxas spills (124-220 bytes for sm_90) where
+        # one body spills nothing
+        for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
+            m_i, l_i, acc, bad_page = mla_tile(
+                m_i, l_i, acc, bad_page, q_nope, q_pe, start, hi, diag, ckv_ptr, stride_ckv_page, stride_ckv_slot,
+                kpe_ptr, stride_kpe_page, stride_kpe_slot, kv_indices_ptr, page_base, num_pages, offs_c, offs_p,
+                sm_scale_log2, HEAD_DIM_CKV, HEAD_DIM_KPE, BLOCK_N, BLOCK_CKV, BLOCK_KPE, PAGE_SIZE, DOT_DTYPE,
+                True, IS_CAUSAL, FOLD_SCALE, KV_AS_M)
     report_bad_pages(err_ptr, bad_page, num_pages, req)
 
     o_rows = q_tok * stride_o_tok + head.to(tl.int64) * stride_o_head
