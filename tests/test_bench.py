@@ -646,3 +646,211 @@ def test_group_tables_with_times():
     assert groups.at_least_as_fast(rows, "tritoninfer-pod", "flashinfer-pod", "x") == "**x: 1 of 1**"
     assert groups.at_least_as_fast(rows, "tritoninfer-pod", "tritoninfer-separate", "y") == "**y: 0 of 1**"
     assert "| 1.20 " in bp.table([dataclasses.replace(r, p20_us=1.0, p80_us=2.0) for r in rows])
+
+
+# ---- issue 25's grid (--grid) and the goal mark ---------------------------------------------------
+
+from tritoninfer.bench import grid as bg  # noqa: E402
+
+
+def test_grid_axes_are_the_issues():
+    names = lambda axes: {a.name: a.values for a in axes}  # noqa: E731
+    d = names(bg.DECODE_AXES)
+    assert d["page"] == (1, 16, 64) and d["head_dim"] == (64, 128, 256)
+    assert d["heads"] == ((32, 32), (32, 8), (28, 4), (64, 8), (16, 2)) and d["kv_dtype"] == (BF16, E4M3)
+    assert d["batch"] == (1, 16, 64, 256) and d["kv_len"] == (1024, 4096, 32768)
+    p = names(bg.PREFILL_AXES)
+    assert p["page"] == (1, 16, 32) and p["head_dim"] == (64, 128, 256) and p["causal"] == (True, False)
+    assert p["lengths"] == ((16, 1024), (4, 4096), (1, 16384)) and p["kv_dtype"] == (BF16, E4M3)
+    assert len(bg.grid_rows("decode", "full")) == 3 * 3 * 5 * 2 * 4 * 3
+    assert len(bg.grid_rows("prefill", "full")) == 3 * 3 * 2 * 3 * 2
+
+
+@pytest.mark.parametrize("workload", ["decode", "prefill"])
+@pytest.mark.parametrize("gpu", [True, False])
+def test_grid_star_has_every_value_with_the_others_at_defaults(workload, gpu):
+    axes = bg.axes_of(workload, gpu)
+    points = [bg.point_of(workload, axes, r.shape) for r in bg.grid_rows(workload, "pairs", gpu=gpu)]
+    assert len(points) == len(set(points))
+    defaults = tuple(a.default for a in axes)
+    assert defaults in points
+    for i, a in enumerate(axes):
+        for v in a.values:
+            assert defaults[:i] + (v,) + defaults[i + 1:] in points, (a.name, v)
+    star = bg.grid_rows(workload, "star", gpu=gpu)
+    assert len(star) == 1 + sum(len(a.values) - 1 for a in axes)
+    assert all(r.kind == "star" and r.shape.tag.startswith("star: ") for r in star)
+
+
+@pytest.mark.parametrize("workload", ["decode", "prefill"])
+def test_grid_pairs_cover_every_pair_deterministically(workload):
+    axes = bg.axes_of(workload, True)
+    rows = bg.grid_rows(workload)
+    covered = set()
+    for r in rows:
+        covered |= bg.pairs_of(tuple(a.values.index(v) for a, v in zip(axes, bg.point_of(workload, axes, r.shape))))
+    assert bg.all_pairs(axes) <= covered
+    # e.g. page 1 with head_dim 256, and fp8 with 28/4 heads
+    pts = [bg.point_of(workload, axes, r.shape) for r in rows]
+    if workload == "decode":
+        assert any(p[0] == 1 and p[1] == 256 for p in pts) and any(p[2] == (28, 4) and p[3] == E4M3 for p in pts)
+    # the pairwise rows fit the planning budget; the same call gives the same rows
+    for r in rows:
+        if r.kind == "pairs":
+            assert input_bytes(r.shape) * num_copies(r.shape, bg.H200_L2, True) <= bg.PLAN_BUDGET
+    again = bg.grid_rows(workload)
+    assert [(r.shape, r.shape.tag) for r in again] == [(r.shape, r.shape.tag) for r in rows]
+    assert len(rows) < {"decode": 40, "prefill": 20}[workload]  # a sample, not the product
+    # rows sharing a FlashInfer JIT module are adjacent
+    keys = [(r.shape.head_dim, r.shape.kv_dtype) for r in rows]
+    assert all(k not in keys[:i] or keys[i - 1] == k for i, k in enumerate(keys))
+
+
+def test_grid_extra_rows_are_seeded():
+    base = bg.grid_rows("prefill")
+    more = bg.grid_rows("prefill", extra=5)
+    again = bg.grid_rows("prefill", extra=5)
+    assert [r.shape for r in more] == [r.shape for r in again]
+    extra = [r for r in more if r.kind == "random"]
+    assert len(extra) == 5 and len({r.shape for r in more}) == len(base) + 5
+    assert {r.shape for r in base} <= {r.shape for r in more}
+
+
+_PROVIDERS = {"decode": ["tritoninfer", "flashinfer-tc", "flashinfer-cc"],
+              "prefill": ["tritoninfer", "flashinfer-fa2", "flashinfer-fa3"]}
+
+
+@pytest.mark.parametrize("mode", ["pairs", "star"])
+def test_grid_parts_partition_the_grid(mode):
+    whole = bg.plan(["decode", "prefill"], mode, 0, True, TimingConfig(), _PROVIDERS, 1)
+    for n in range(1, 8):
+        p = bg.plan(["decode", "prefill"], mode, 0, True, TimingConfig(), _PROVIDERS, n)
+        parts = [p.part_rows(k) for k in range(n)]
+        assert [r.shape for part in parts for r in part] == [r.shape for r in whole.rows]  # in order, once each
+        for w in ("decode", "prefill"):
+            assert [s for k in range(n) for s in p.shapes(w, k)] == whole.shapes(w, None)
+        assert all(p.seconds(part) > 0 for part in parts if part)
+    assert bg.split([1, 1, 1, 1], 2) == [0, 0, 1, 1] and bg.split([5, 1, 1, 1, 1, 1], 2) == [0, 1, 1, 1, 1, 1]
+    assert bg.split([1, 1], 5) == [1, 3] and bg.split([], 3) == []
+    text = p.text(2)
+    assert "part 3/7" in text and "<- this run" in text and "FlashInfer JIT modules" in text
+    assert bg.suggest_parts(whole) >= 1
+
+
+def test_grid_estimate_counts_compiles_once_per_part():
+    p = bg.plan(["decode"], "pairs", 0, True, TimingConfig(), _PROVIDERS, 1)
+    rows = p.rows
+    keys = set().union(*(bg.compile_keys(r.shape, _PROVIDERS["decode"]) for r in rows))
+    modules = {k for k in keys if k[0] == "flashinfer"}
+    assert len(modules) == 2 * 3 * 2  # cc and tc × head_dim × KV dtype: the pairs hold every head_dim × dtype
+    assert p.counts("decode") == (len(rows), len({(r.shape.head_dim, r.shape.kv_dtype, r.shape.page_size)
+                                                  for r in rows}), len(modules))
+    assert p.seconds(rows) == pytest.approx(bg.STARTUP_S + bg.compile_seconds(keys)
+                                            + sum(p._row_s(r) for r in rows))
+
+
+def _timed(shape, provider, us, status="ok"):
+    t = Timing("CUDA graph", us, us, us) if status == "ok" else None
+    return Result(shape, provider, status=status, timing=t, bytes=bytes_moved(shape), flops=flops(shape))
+
+
+def test_goal_mark_and_summary(tmp_path):
+    shapes = [Shape("decode", b, 4096, 1, 32, 8, 128, 16, tag="grid: pairs") for b in (1, 16, 64, 256)]
+    wr = WorkloadResults("decode")
+    cases = [
+        [("tritoninfer", 100.0), ("flashinfer-tc", 94.0), ("flashinfer-cc", 120.0)],  # 0.94: below
+        [("tritoninfer", 100.0), ("flashinfer-tc", 130.0), ("flashinfer-cc", 96.0)],  # 0.96: not below
+        [("tritoninfer", None), ("flashinfer-tc", 50.0), ("flashinfer-cc", None)],  # no time: below
+        [("tritoninfer", 100.0), ("flashinfer-tc", None), ("flashinfer-cc", None)],  # no FlashInfer time
+    ]
+    for s, case in zip(shapes, cases):
+        rows = [_timed(s, p, us) if us else _timed(s, p, 0, "error") for p, us in case]
+        Sweep.ratios(rows)
+        wr.results += rows
+    ti = [r for r in wr.results if r.provider == "tritoninfer"]
+    assert (ti[0].best_peer, ti[0].vs_best, ti[0].below_goal) == ("flashinfer-tc", pytest.approx(0.94), True)
+    assert (ti[1].best_peer, ti[1].vs_best, ti[1].below_goal) == ("flashinfer-cc", pytest.approx(0.96), False)
+    assert (ti[2].best_peer, ti[2].vs_best, ti[2].below_goal) == ("flashinfer-tc", None, True)
+    assert (ti[3].best_peer, ti[3].below_goal) == ("", None)
+    line = report.goal_line(wr)
+    assert line.startswith("goal ≥ 0.95× FlashInfer's best (cc or tc): 2 of 3 rows BELOW; worst 0.940× on ")
+    assert shapes[0].label() in line and "against flashinfer-tc" in line
+    assert "1 of the rows below have no tritoninfer time" in line and "1 rows have no FlashInfer time" in line
+
+    headers, rows = report.summary_rows(wr)
+    col = headers.index("vs FlashInfer best")
+    assert [r[col] for r in rows] == ["0.940 (tc) BELOW", "0.960 (cc)", "no time (tc) BELOW", ""]
+    rows = _read(report.write_csv(wr, tmp_path / "decode.csv"))
+    ti_rows = [r for r in rows if r["provider"] == "tritoninfer"]
+    assert [r["best_peer"] for r in ti_rows] == ["flashinfer-tc", "flashinfer-cc", "flashinfer-tc", ""]
+    assert [r["below_goal"] for r in ti_rows] == ["True", "False", "True", ""]
+    assert float(ti_rows[0]["vs_best"]) == pytest.approx(0.94) and ti_rows[2]["vs_best"] == ""
+    assert all(r["best_peer"] == "" for r in rows if r["provider"] != "tritoninfer")
+    md = report.write_markdown(wr, tmp_path / "decode.md", {"device": "x"}, "tritoninfer bench", False).read_text()
+    assert f"**{line}**" in md and "0.940 (tc) BELOW" in md
+
+    # all met; prefill's best is the faster of fa2 and fa3
+    s = Shape("prefill", 4, 4096, 4096, 32, 8, 128, 16, causal=True)
+    rows = [_timed(s, "tritoninfer", 100.0), _timed(s, "flashinfer-fa2", 150.0), _timed(s, "flashinfer-fa3", 97.0)]
+    Sweep.ratios(rows)
+    pre = WorkloadResults("prefill", rows)
+    assert report.goal_line(pre) == (f"goal ≥ 0.95× FlashInfer's best (fa2 or fa3): met on all 1 rows; worst "
+                                     f"0.970× on {s.label()} against flashinfer-fa3")
+    assert report.goal_line(WorkloadResults("decode", [_timed(s, "tritoninfer", 1.0)])) is None
+
+
+def test_parse_grid():
+    cfg = cli.parse_args(["all", "--grid", "--grid-part", "2/3", "--grid-extra", "4"])
+    assert cfg.workloads == ["decode", "prefill"] and cfg.grid == "pairs" and cfg.grid_part == (2, 3)
+    assert cfg.grid_extra == 4 and not cfg.dry_run
+    assert cli.parse_args(["prefill", "--grid", "--grid-mode", "full"]).grid == "full"
+    assert cli.parse_args(["decode"]).grid is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--grid", "--grid-part", "0/3"], "expected 1 <= K <= N in K/N, got '0/3'"),
+    (["--grid", "--grid-part", "4/3"], "expected 1 <= K <= N in K/N, got '4/3'"),
+    (["--grid", "--grid-part", "1/0"], "expected 1 <= K <= N"),
+    (["--grid", "--grid-part", "a/b"], "expected K/N (part K of N, e.g. 2/3), got 'a/b'"),
+    (["--grid", "--grid-part", "3"], "expected K/N"),
+    (["--grid", "--grid-part", "1/2/3"], "expected K/N"),
+    (["--grid-part", "1/2"], "argument --grid-part: only with --grid"),
+    (["--grid-mode", "star"], "argument --grid-mode: only with --grid"),
+    (["--grid-extra", "3"], "argument --grid-extra: only with --grid"),
+    (["--grid", "--grid-extra", "-1"], "expected a non-negative integer"),
+    (["--grid", "--grid-mode", "half"], "invalid choice: 'half'"),
+    (["--grid", "--heads", "32/8", "--quick"], "the grid fixes its shapes; leave out --quick, --heads"),
+    (["append", "--grid"], "the grid covers decode and prefill (or all), not append"),
+])
+def test_bad_grid_options(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_args(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "tritoninfer bench: error:" in err and message in err, err
+
+
+def test_grid_dry_run_and_one_part_end_to_end(tmp_path, capsys):
+    assert main(["all", "--grid", "--dry-run", "--grid-part", "2/3"]) == 0
+    out = capsys.readouterr().out
+    assert "dry run" in out and "<- this run" in out and "part 2/3" in out and "~" in out
+    listed = [ln for ln in out.splitlines() if ln.startswith("  part 2/3  ")]
+    plan = bg.plan(["decode", "prefill"], "pairs", 0, True, TimingConfig(), {
+        "decode": ["tritoninfer", "flashinfer-tc", "flashinfer-cc"],
+        "prefill": ["tritoninfer", "flashinfer-fa2", "flashinfer-fa3"]}, 3)
+    assert len(listed) == len(plan.part_rows(1)) > 0
+
+    # the CPU's grid, one part of the star: checked against the reference, no timings, no goal line
+    argv = ["decode", "--grid", "--grid-mode", "star", "--grid-part", "1/4", "--out", str(tmp_path),
+            "--no-progress", "--no-plots"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "grid decode: 8 rows (8 star)" in printed and "goal" not in printed
+    rows = _read(tmp_path / "decode.csv")
+    cpu = bg.plan(["decode"], "star", 0, False, TimingConfig(),
+                  {"decode": ["tritoninfer", "flashinfer-tc", "flashinfer-cc", "reference"]}, 4)
+    assert {r["shape"] for r in rows} == {x.shape.label() for x in cpu.part_rows(0)}
+    assert all(r["tag"].startswith("star: ") for r in rows)
+    assert {r["provider"] for r in rows} == {"tritoninfer", "flashinfer-tc", "flashinfer-cc", "reference"}
+    _check_rows(rows)
+    assert all(r["best_peer"] == "" for r in rows)

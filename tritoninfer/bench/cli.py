@@ -11,6 +11,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .._options import MAX_HEAD_DIM, canonicalize_dtype
+from .grid import GRID_WORKLOADS, MODES as GRID_MODES
 from .groups import epilog_lines
 from .providers import all_names
 from .shapes import SweepSpec, WORKLOADS
@@ -28,6 +29,8 @@ examples:
   tritoninfer bench decode --heads 32/8 --batch 16,64 --kv-len 4K,16K --kv-dtype bf16,e4m3
   tritoninfer bench prefill --heads 64/8 --head-dim 256 --page-size 1 --providers tritoninfer,flashinfer
   tritoninfer bench all --quick --out bench-out/quick
+  tritoninfer bench all --grid --dry-run            # issue 25's grid: rows, parts, estimated time
+  tritoninfer bench all --grid --grid-part 1/3 --out bench-out/grid-1
 
 groups (each with its own options: tritoninfer bench GROUP --help):
 {groups}
@@ -52,6 +55,10 @@ class BenchConfig:
     progress: bool
     seed: int
     argv: List[str] = field(default_factory=list)
+    grid: Optional[str] = None  # None: the sweep; else a grid mode (grid.MODES)
+    grid_extra: int = 0
+    grid_part: Optional[Tuple[int, int]] = None  # (K, N), K 1-based
+    dry_run: bool = False
 
 
 # ---- value parsers (raise ArgumentTypeError: argparse prefixes "argument --opt: ") --------------
@@ -175,6 +182,30 @@ def positive_float(text: str) -> float:
     return v
 
 
+def grid_part(text: str) -> Tuple[int, int]:
+    """``K/N``: part K (1-based) of N."""
+    parts = text.split("/")
+    try:
+        k, n = (int(x) for x in parts) if len(parts) == 2 else (None, None)
+    except ValueError:
+        k = n = None
+    if k is None:
+        raise argparse.ArgumentTypeError(f"expected K/N (part K of N, e.g. 2/3), got {text!r}")
+    if n < 1 or not 1 <= k <= n:
+        raise argparse.ArgumentTypeError(f"expected 1 <= K <= N in K/N, got {text!r}")
+    return k, n
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return v
+
+
 def positive_int(text: str) -> int:
     if "," in text:
         raise argparse.ArgumentTypeError(f"expected one integer, got {text!r}")
@@ -217,6 +248,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--extras", dest="extras", action="store_true", default=None,
                    help="add the page-1, HND and small-head_dim rows (default: on in the full default sweep)")
     g.add_argument("--no-extras", dest="extras", action="store_false")
+
+    gr = p.add_argument_group("issue 25's grid (decode and prefill; see benchmarks/README.md)")
+    gr.add_argument("--grid", action="store_true",
+                    help="run the grid instead of the sweep (decode, prefill or all). Default providers: "
+                         "tritoninfer and FlashInfer's paths")
+    gr.add_argument("--grid-mode", choices=GRID_MODES, metavar="star|pairs|full",
+                    help="pairs (default): the star (each axis value with the others at the defaults) plus rows "
+                         "until every pair of axis values appears at least once; star: the star alone; full: "
+                         "the whole product")
+    gr.add_argument("--grid-extra", type=non_negative_int, default=0, metavar="N",
+                    help="add N rows drawn from the rest of the grid with a fixed seed (default 0)")
+    gr.add_argument("--grid-part", type=grid_part, metavar="K/N",
+                    help="run part K of N: contiguous parts of about equal estimated time that together "
+                         "run every row once")
+    gr.add_argument("--dry-run", action="store_true",
+                    help="print the rows, their parts and the estimated H200 time, and run nothing")
 
     r = p.add_argument_group("what runs and where the results go")
     r.add_argument("--providers", type=provider_list, metavar="LIST",
@@ -263,6 +310,24 @@ def parse_args(argv: Sequence[str]) -> BenchConfig:
         if min(a.kv_len) < max(a.qo_len):
             parser.error(f"argument --qo-len: cannot append {max(a.qo_len)} tokens to requests of "
                          f"{min(a.kv_len)} (--kv-len is the length after appending)")
+    if not a.grid:
+        for opt, given in (("--grid-mode", a.grid_mode is not None), ("--grid-part", a.grid_part is not None),
+                           ("--grid-extra", bool(a.grid_extra))):
+            if given:
+                parser.error(f"argument {opt}: only with --grid")
+    else:
+        # The grid fixes every axis: mixing in the sweep's axis options would leave a grid that the
+        # goal and the parts no longer describe.
+        sweep_opts = {"--quick": a.quick, "--heads": a.heads, "--head-dim": a.head_dim, "--page-size": a.page_size,
+                      "--layout": a.layout, "--q-dtype": a.q_dtype, "--kv-dtype": a.kv_dtype, "--batch": a.batch,
+                      "--kv-len": a.kv_len, "--qo-len": a.qo_len, "--shared-len": a.shared_len, "--mask": a.mask,
+                      "--kv-form": a.kv_form, "--extras/--no-extras": a.extras is not None}
+        given = [k for k, v in sweep_opts.items() if v]
+        if given:
+            parser.error(f"argument --grid: the grid fixes its shapes; leave out {', '.join(given)}")
+        if workload not in GRID_WORKLOADS + ("all",):
+            parser.error(f"argument --grid: the grid covers {' and '.join(GRID_WORKLOADS)} (or all), not {workload}")
+        workloads = [w for w in workloads if w in GRID_WORKLOADS]
     spec = SweepSpec(
         heads=a.heads, head_dims=a.head_dim, page_sizes=a.page_size, layouts=a.layout, q_dtypes=a.q_dtype,
         kv_dtypes=a.kv_dtype, batches=a.batch, kv_lens=a.kv_len, qo_lens=a.qo_len, shared_lens=a.shared_len,
@@ -273,5 +338,6 @@ def parse_args(argv: Sequence[str]) -> BenchConfig:
     return BenchConfig(
         workloads=workloads, quick=a.quick, spec=spec, providers=a.providers, out=a.out,
         mem_budget_gb=a.mem_budget_gb, timing=timing, ref_max_tokens=a.ref_max_tokens, plots=a.plots,
-        progress=a.progress, seed=a.seed, argv=list(argv),
+        progress=a.progress, seed=a.seed, argv=list(argv), grid=(a.grid_mode or "pairs") if a.grid else None,
+        grid_extra=a.grid_extra, grid_part=a.grid_part, dry_run=a.dry_run,
     )

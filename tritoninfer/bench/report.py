@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from .. import _device
-from .results import COLUMNS, OK, Result, WorkloadResults
+from .results import COLUMNS, FLASHINFER_PATHS, GOAL, OK, Result, WorkloadResults, goal_summary
 from .shapes import Shape
 
 CPU_WARNING = (
@@ -192,12 +192,35 @@ def check_cell(r: Result) -> str:
     return text
 
 
+def _short(provider: str) -> str:
+    return provider.replace("flashinfer-", "") or provider
+
+
+def best_cell(r: Optional[Result]) -> str:
+    """tritoninfer against FlashInfer's fastest path on the row: ``1.021 (tc)``, ``0.940 (fa3)
+    BELOW`` (under the goal), ``no time (tc) BELOW``, or empty when nothing was compared."""
+    if r is None or not r.best_peer:
+        return ""
+    text = "no time" if r.vs_best is None else f"{r.vs_best:.3f}"
+    text += f" ({_short(r.best_peer)})"
+    return text + (" BELOW" if r.below_goal else "")
+
+
+BEST_HEADER = "vs FlashInfer best"
+
+
 def summary_rows(wr: WorkloadResults, timed: bool = True) -> (List[str], List[List[str]]):
     providers = wr.providers()
     headers = ["shape", "tag"] + providers
     rows = []
+    best = timed and any(r.best_peer for r in wr.results if r.provider == "tritoninfer")
+    if best:
+        headers.append(BEST_HEADER)
     for shape in wr.shapes():
-        rows.append([shape.label(), shape.tag] + [cell(wr.get(shape, p), timed) for p in providers])
+        row = [shape.label(), shape.tag] + [cell(wr.get(shape, p), timed) for p in providers]
+        if best:
+            row.append(best_cell(wr.get(shape, "tritoninfer")))
+        rows.append(row)
     if not any(r[1] for r in rows):
         headers.pop(1)
         rows = [r[:1] + r[2:] for r in rows]
@@ -215,8 +238,36 @@ def legend(workload: str, timed: bool = True) -> str:
     return (
         f"cells: device µs per call ({METRIC[workload]}) ×speed-up, speed-up = provider time / tritoninfer time "
         "(>1: tritoninfer faster; within 0.95–1.05 is a tie). n/impl: not implemented, n/inst: not installed, "
-        "skip: skipped, MISMATCH: output differs from the check baseline."
+        "skip: skipped, MISMATCH: output differs from the check baseline. "
+        f"{BEST_HEADER}: the time of FlashInfer's fastest path on the row ({_paths(workload)}) / tritoninfer's; "
+        f"BELOW: under the goal of {GOAL}."
     )
+
+
+def _paths(workload: str) -> str:
+    return " or ".join(_short(p) for p in FLASHINFER_PATHS.get(workload, ())) or "none"
+
+
+def goal_line(wr: WorkloadResults) -> Optional[str]:
+    """One line on issue 25's goal over the workload's rows: how many are below
+    ``GOAL`` × FlashInfer's best, and the worst ratio and where. None when no row had a FlashInfer
+    time to compare with."""
+    g = goal_summary(wr)
+    if g is None:
+        return None
+    head = f"goal ≥ {GOAL}× FlashInfer's best ({_paths(wr.workload)}):"
+    if g.below:
+        text = f"{head} {len(g.below)} of {g.compared} rows BELOW"
+    else:
+        text = f"{head} met on all {g.compared} rows"
+    if g.worst is not None:
+        text += (f"; worst {g.worst.vs_best:.3f}× on {g.worst.shape.label()}"
+                 f"{f' [{g.worst.shape.tag}]' if g.worst.shape.tag else ''} against {g.worst.best_peer}")
+    if g.untimed:
+        text += f"; {g.untimed} of the rows below have no tritoninfer time"
+    if g.no_peer:
+        text += f"; {g.no_peer} rows have no FlashInfer time (not compared)"
+    return text
 
 
 # The columns of detail_rows that are timings or derived from them (left out of an untimed report).
@@ -326,6 +377,9 @@ def write_markdown(wr: WorkloadResults, path: Path, env: Dict[str, str], command
     headers, rows = summary_rows(wr, timed=not cpu_only)
     lines += ["## Summary", "", legend(wr.workload, timed=not cpu_only), "",
               tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True), ""]
+    goal = None if cpu_only else goal_line(wr)
+    if goal:
+        lines += [f"**{goal}**", ""]
     for img in images:
         lines += [f"![{img.stem}]({img.name})", ""]
     ns = notes(wr)
@@ -362,7 +416,10 @@ def _colors(providers: Sequence[str]) -> Dict[str, str]:
     return {p: _COLORS[i % len(_COLORS)] for i, p in enumerate(providers)}
 
 
-def plot(wr: WorkloadResults, path: Path, env: Dict[str, str], roofline_tb_s: Optional[float], cpu_only: bool) -> Path:
+def plot(wr: WorkloadResults, path: Path, env: Dict[str, str], roofline_tb_s: Optional[float], cpu_only: bool,
+         bars: bool = False) -> Path:
+    """``bars``: one bar group per shape for decode too (the grid's rows share no kv_len axis to
+    draw lines along)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -373,7 +430,7 @@ def plot(wr: WorkloadResults, path: Path, env: Dict[str, str], roofline_tb_s: Op
     title = f"tritoninfer bench: {wr.workload} on {env.get('device', '?')}"
     if cpu_only:
         title += "\n(CPU interpreter: timings say nothing about GPU speed)"
-    if wr.workload == "decode":
+    if wr.workload == "decode" and not bars:
         fig = _plot_decode(plt, wr, providers, colors, roofline_tb_s, title)
     else:
         fig = _plot_bars(plt, wr, providers, colors, roofline_tb_s if wr.workload != "prefill" else None, title)

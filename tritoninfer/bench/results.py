@@ -17,6 +17,16 @@ ERROR = "error"
 NOT_INSTALLED = "not installed"
 SKIPPED = "skipped"
 
+# Issue 25's goal: tritoninfer at >= 0.95x the speed of FlashInfer's fastest path on every row.
+GOAL = 0.95
+# FlashInfer's paths per workload, whose fastest on a row is "FlashInfer's best" there.
+FLASHINFER_PATHS = {
+    "decode": ("flashinfer-cc", "flashinfer-tc"),
+    "prefill": ("flashinfer-fa2", "flashinfer-fa3"),
+    "append": ("flashinfer",),
+    "cascade": ("flashinfer",),
+}
+
 # CSV columns, in order (see benchmarks/README.md for what each means).
 COLUMNS = [
     "workload", "shape", "tag", "kv_form", "batch", "qo_len", "kv_len", "shared_len",
@@ -25,7 +35,7 @@ COLUMNS = [
     "time_us", "p20_us", "p80_us", "timing", "copies",
     "eager_dev_us", "eager_host_us", "plan_host_us",
     "bytes", "tb_per_s", "flops", "tflop_per_s",
-    "speedup", "speedup_eager",
+    "speedup", "speedup_eager", "best_peer", "vs_best", "below_goal",
     "check", "check_against", "rel_err", "tol", "err_vs_tritoninfer",
 ]
 
@@ -49,6 +59,17 @@ class Result:
     match: Optional[bool] = None  # None: not compared
     err_vs_tritoninfer: Optional[float] = None
     is_baseline: bool = False
+    # tritoninfer's row only: FlashInfer's fastest path that ran on this shape, and its time /
+    # tritoninfer's (None when tritoninfer has no time).
+    best_peer: str = ""
+    vs_best: Optional[float] = None
+
+    @property
+    def below_goal(self) -> Optional[bool]:
+        """Whether tritoninfer is under :data:`GOAL` × FlashInfer's best (None: not compared)."""
+        if not self.best_peer:
+            return None
+        return self.vs_best is None or self.vs_best < GOAL
 
     @property
     def ok(self) -> bool:
@@ -111,6 +132,9 @@ class Result:
             tflop_per_s=_num(self.tflop_per_s),
             speedup=_num(self.speedup),
             speedup_eager=_num(self.speedup_eager),
+            best_peer=self.best_peer,
+            vs_best=_num(self.vs_best),
+            below_goal="" if self.below_goal is None else self.below_goal,
             check=self.check_text(),
             check_against=self.check_against,
             rel_err=_num(self.rel_err),
@@ -118,6 +142,49 @@ class Result:
             err_vs_tritoninfer=_num(self.err_vs_tritoninfer),
         )
         return {c: d.get(c, "") for c in COLUMNS}
+
+
+def set_vs_best(rows: List[Result]) -> None:
+    """On tritoninfer's row among one shape's ``rows``: FlashInfer's fastest timed path
+    (``best_peer``) and its time / tritoninfer's (``vs_best``; None when tritoninfer has no time,
+    which counts as below the goal)."""
+    ti = next((r for r in rows if r.provider == "tritoninfer"), None)
+    if ti is None:
+        return
+    paths = FLASHINFER_PATHS.get(ti.shape.workload, ())
+    peers = [r for r in rows if r.provider in paths and r.ok]
+    if not peers:
+        ti.best_peer, ti.vs_best = "", None
+        return
+    best = min(peers, key=lambda r: r.time_us)
+    ti.best_peer = best.provider
+    ti.vs_best = best.time_us / ti.time_us if ti.ok else None
+
+
+@dataclass
+class GoalSummary:
+    """The goal over one workload's rows: ``compared`` rows with a FlashInfer time, of which
+    ``below`` are under the goal (``untimed`` of those because tritoninfer has no time), the
+    worst timed one, and the rows without any FlashInfer time."""
+
+    compared: int
+    below: List[Result]
+    untimed: int
+    worst: Optional[Result]
+    no_peer: int
+
+
+def goal_summary(wr: "WorkloadResults") -> Optional[GoalSummary]:
+    """None when no row has a FlashInfer time to compare with (a CPU run, FlashInfer absent)."""
+    ti = [r for r in wr.results if r.provider == "tritoninfer"]
+    compared = [r for r in ti if r.best_peer]
+    if not compared:
+        return None
+    timed = [r for r in compared if r.vs_best is not None]
+    worst = min(timed, key=lambda r: r.vs_best) if timed else None
+    below = [r for r in compared if r.below_goal]
+    return GoalSummary(len(compared), below, sum(r.vs_best is None for r in compared), worst,
+                       sum(not r.best_peer for r in ti))
 
 
 def _num(x: Optional[float]):

@@ -13,11 +13,12 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .. import _device, testing
-from . import report
+from . import grid, report
 from .cases import Case, num_copies
 from .cli import BenchConfig
 from .providers import Provider, Refused, Runner, Skipped, select
-from .results import ERROR, NOT_IMPLEMENTED, NOT_INSTALLED, REFUSED, SKIPPED, Result, WorkloadResults
+from .results import (ERROR, NOT_IMPLEMENTED, NOT_INSTALLED, REFUSED, SKIPPED, Result, WorkloadResults,
+                      set_vs_best)
 from .shapes import Shape, bytes_moved, flops, input_bytes, make_shapes
 from .timing import TimingConfig, copy_bandwidth, measure
 
@@ -179,6 +180,7 @@ class Sweep:
 
     @staticmethod
     def ratios(rows: List[Result]) -> None:
+        set_vs_best(rows)
         ti = next((r for r in rows if r.provider == "tritoninfer" and r.ok), None)
         if ti is None:
             return
@@ -276,10 +278,48 @@ def _l2_bytes(device: torch.device) -> int:
     return int(getattr(props, "L2_cache_size", 0) or DEFAULT_L2)
 
 
+def provider_names(cfg: BenchConfig, gpu: bool) -> Optional[List[str]]:
+    """``--providers``, or for the grid tritoninfer and FlashInfer's paths (the goal's comparison;
+    on the CPU, where FlashInfer is absent, the float32 reference too, so the checks still mean
+    something)."""
+    if cfg.providers is None and cfg.grid:
+        return ["tritoninfer", "flashinfer"] + ([] if gpu else ["reference"])
+    return cfg.providers
+
+
+def grid_plan(cfg: BenchConfig, gpu: bool) -> grid.Plan:
+    names = provider_names(cfg, gpu)
+    providers = {w: [p.name for p in select(w, names, cfg.ref_max_tokens)] for w in cfg.workloads}
+    nparts = cfg.grid_part[1] if cfg.grid_part else 1
+    return grid.plan(cfg.workloads, cfg.grid, cfg.grid_extra, gpu, cfg.timing, providers, nparts)
+
+
+def dry_run(cfg: BenchConfig) -> int:
+    """``--dry-run``: the rows of the sweep or grid as an H200 would run them (whatever this
+    machine has), their parts and the estimated time; nothing runs."""
+    if cfg.grid:
+        plan = grid_plan(cfg, gpu=True)
+    else:
+        names = provider_names(cfg, True)
+        providers = {w: [p.name for p in select(w, names, cfg.ref_max_tokens)] for w in cfg.workloads}
+        rows = [grid.GridRow(w, s, "sweep") for w in cfg.workloads
+                for s in make_shapes(w, cfg.spec, quick=cfg.quick, gpu=True)]
+        plan = grid.Plan(rows, [0] * len(rows), 1, providers, cfg.timing, splittable=False)
+    part = cfg.grid_part[0] - 1 if cfg.grid_part else None
+    print("dry run: the H200 shapes; nothing runs\n" + plan.text(part) + "\n")
+    for r, k in zip(plan.rows, plan.parts):
+        if part is None or k == part:
+            tag = f"  [{r.shape.tag}]" if r.shape.tag else ""
+            print(f"  part {k + 1}/{plan.nparts}  {r.workload:7s} {r.shape.label()}{tag}")
+    return 0
+
+
 def run_config(cfg: BenchConfig) -> int:
     """Run the workloads of ``cfg``; returns 1 if any output mismatched, else 0. Without a GPU the
     printed tables show the checks only (no timings), and the last line is the verdict of
     :func:`report.verdict`."""
+    if cfg.dry_run:
+        return dry_run(cfg)
     gpu = _device.has_gpu()
     device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
     if not gpu:
@@ -300,10 +340,19 @@ def run_config(cfg: BenchConfig) -> int:
     roofline = f"copy roofline {copy_tb_s:.3f} TB/s; " if gpu else ""
     print(f"{roofline}memory budget {budget / 1e9:.1f} GB; output in {cfg.out}/\n", flush=True)
 
+    plan, part = None, None
+    if cfg.grid:
+        plan = grid_plan(cfg, gpu)
+        part = cfg.grid_part[0] - 1 if cfg.grid_part else None
+        print(plan.text(part, estimates=gpu) + "\n", flush=True)
+
     done: List[WorkloadResults] = []
     for workload in cfg.workloads:
-        shapes = make_shapes(workload, cfg.spec, quick=cfg.quick, gpu=gpu)
-        providers = select(workload, cfg.providers, cfg.ref_max_tokens)
+        if plan is not None:
+            shapes = plan.shapes(workload, part)
+        else:
+            shapes = make_shapes(workload, cfg.spec, quick=cfg.quick, gpu=gpu)
+        providers = select(workload, provider_names(cfg, gpu), cfg.ref_max_tokens)
         if not shapes or not providers:
             print(f"{workload}: nothing to run ({len(shapes)} shapes, {len(providers)} providers)\n")
             continue
@@ -316,12 +365,15 @@ def run_config(cfg: BenchConfig) -> int:
         print(f"== {workload}: {len(shapes)} shapes × {len(providers)} providers")
         print(report.terminal_table(wr, timed=gpu))
         print(report.legend(workload, timed=gpu))
+        goal = report.goal_line(wr) if gpu else None
+        if goal:
+            print(goal)
         for note in report.notes(wr):
             print(f"  - {note}")
         written = [report.write_csv(wr, csv_path)]
         images = []
         if cfg.plots:
-            images.append(report.plot(wr, cfg.out / f"{workload}.png", env, copy_tb_s, not gpu))
+            images.append(report.plot(wr, cfg.out / f"{workload}.png", env, copy_tb_s, not gpu, bars=plan is not None))
         written.append(report.write_markdown(wr, cfg.out / f"{workload}.md", env, command, not gpu, images))
         written += images
         if sweep.tracebacks:
