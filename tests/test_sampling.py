@@ -83,13 +83,18 @@ def crafted_probs(vocab: int, device) -> torch.Tensor:
 
 @pytest.fixture
 def tiles(monkeypatch, request):
-    """Parametrise a test over whole-row tiles and 64-wide tiles (the multi-tile loops)."""
-    if request.param:
+    """Parametrise a test over whole-row tiles, 64-wide tiles (the multi-tile loops) and rows split
+    into segments of 64 walked in tiles of 16 (the segmented searches: partial histograms combined
+    across programs, the owner segment of a sample)."""
+    if request.param == "tiles64":
         monkeypatch.setattr(sampling, "_INTERP_MAX_BLOCK", 64)
+    elif request.param == "segs64":
+        monkeypatch.setattr(sampling, "_INTERP_MAX_BLOCK", 16)
+        monkeypatch.setattr(sampling, "_INTERP_MAX_SEGMENT", 64)
     return request.param
 
 
-TILES = pytest.mark.parametrize("tiles", [False, True], ids=["one_tile", "tiles64"], indirect=True)
+TILES = pytest.mark.parametrize("tiles", ["one_tile", "tiles64", "segs64"], indirect=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -259,6 +264,28 @@ def test_top_k_top_p_sampling_freq(device, tiles, order):
     samples = sampling.top_k_top_p_sampling_from_logits(logits, k, p, indices=draws(3, device=device),
                                                         filter_apply_order=order)
     check_rows(samples, dists, what=f"from_logits {order}")
+
+
+def test_segments_split_rows(monkeypatch, device):
+    """A row in many segments: the searches and the sampler agree with one whole-row program, and the
+    owner-segment rule still returns the row's last kept entry when nothing exceeds ``u * Z``."""
+    probs = crafted_probs(300, device)
+    split = sampling._Split(300, 3, probs.device)
+    assert split.segs == 1
+    whole = [sampling.top_k_renorm_probs(probs, 4), sampling.top_p_renorm_probs(probs, 0.62)]
+    monkeypatch.setattr(sampling, "_INTERP_MAX_BLOCK", 8)
+    monkeypatch.setattr(sampling, "_INTERP_MAX_SEGMENT", 32)
+    assert sampling._Split(300, 3, probs.device).segs == 10
+    assert_close(sampling.top_k_renorm_probs(probs, 4), whole[0], torch.float32)
+    assert_close(sampling.top_p_renorm_probs(probs, 0.62), whole[1], torch.float32)
+    # u just below 1: the sample is the last kept entry, in whichever segment it lies
+    keep = reference.top_k_keep_mask(probs, 3) & (probs > 0)
+    last = torch.stack([r.nonzero().max() for r in keep])
+    monkeypatch.setattr(sampling, "_uniforms", lambda n, device, generator: torch.full((n,), 1 - 2**-24,
+                                                                                       device=device))
+    assert torch.equal(sampling.top_k_sampling_from_probs(probs, 3).long(), last)
+    zero = torch.zeros(2, 300, device=device)
+    assert sampling.sampling_from_probs(zero).tolist() == [0, 0]
 
 
 def test_per_output_parameters(device):

@@ -149,10 +149,12 @@ def test_attention_kernel_compiles_for_sm90():
 
 # the MLA kernel (kernels/mla.py) at DeepSeek's dims: (heads, mean query tokens, causal, page size, lse)
 MLA_CASES = {
-    "mla-128h-decode": (128, 1, False, 1, False),
+    "mla-128h-decode": (128, 1, False, 1, False),  # 64 rows, one masked loop
+    "mla-128h-decode-p64-lse": (128, 1, False, 64, True),
     "mla-16h-decode": (16, 1, False, 64, True),  # 16 rows: KV as the dots' M
-    "mla-32h-decode": (32, 1, False, 1, False),
-    "mla-16h-q4-causal": (16, 4, True, 64, True),
+    "mla-32h-decode": (32, 1, False, 1, False),  # 32 rows
+    "mla-32h-q2-causal": (32, 2, True, 64, False),  # 64 rows
+    "mla-16h-q4-causal": (16, 4, True, 64, True),  # 64 rows
 }
 
 
@@ -167,8 +169,9 @@ def compile_mla_case(name: str):
     merge_dv = min(512, max(16, 4096 // tiles.block_m))
     constexprs = dict(NUM_HEADS=heads, HEAD_DIM_CKV=512, HEAD_DIM_KPE=64, BLOCK_M=tiles.block_m,
                       BLOCK_N=tiles.block_n, BLOCK_CKV=512, BLOCK_KPE=64, PAGE_SIZE=page_size, IS_CAUSAL=causal,
-                      WRITE_LSE=write_lse, DOT_DTYPE=tl.bfloat16, FOLD_SCALE=True, NUM_STAGES=tiles.num_stages, KV_AS_M=tiles.kv_as_m,
-                      MERGE_DV_CHUNK=merge_dv, MERGE_SPLIT_BLOCK=max(1, min(8, 8192 // (tiles.block_m * merge_dv))))
+                      WRITE_LSE=write_lse, DOT_DTYPE=tl.bfloat16, FOLD_SCALE=True, NUM_STAGES=tiles.num_stages,
+                      KV_AS_M=tiles.kv_as_m, MASK_FREE_TILES=tiles.mask_free_tiles, MERGE_DV_CHUNK=merge_dv,
+                      MERGE_SPLIT_BLOCK=max(1, min(8, 8192 // (tiles.block_m * merge_dv))))
     sig, attrs = {}, {}
     for i, p in enumerate(mla_fwd_kernel.params):
         n = p.name
@@ -192,8 +195,23 @@ def compile_mla_case(name: str):
     return tiles, compiled
 
 
+def resource_usage(compiled) -> dict:
+    """Registers and stack (spill) bytes of a cubin, from Triton's cuobjdump (``CompiledKernel.n_regs``
+    and ``n_spills`` are only filled in by a driver)."""
+    import re
+    import tempfile
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    return {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK):(\d+)", usage)}
+
+
 def test_mla_kernel_compiles_for_sm90():
-    """The MLA kernel's GPU variants compile to a cubin (one subprocess without the interpreter)."""
+    """The MLA kernel's GPU variants compile to a cubin (one subprocess without the interpreter) without
+    spills (no local-memory stack) and within an H200 SM's shared memory."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
@@ -203,41 +221,62 @@ def test_mla_kernel_compiles_for_sm90():
     report = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.startswith("case-"))
     assert set(report) == {f"case-{n}" for n in MLA_CASES}, done.stdout
     assert "kv_as_m" in report["case-mla-16h-decode"]
+    for case, line in report.items():
+        facts = dict(f.split("=") for f in line.split() if "=" in f)
+        assert int(facts["stack"]) == 0, f"{case} spills: {line}"
+        assert int(facts["shared"]) <= 227 * 1024, f"{case}: {line}"
+    for case in ("mla-128h-decode", "mla-32h-q2-causal", "mla-16h-q4-causal"):
+        assert "block_m=64" in report[f"case-{case}"], report
 
 
-# the sampling kernels (kernels/sampling.py) with the GPU tiles of sampling._tiles: every flag on
-SAMPLING_FLOATS = {"x_ptr", "u_ptr", "p_ptr", "t_ptr", "draft_ptr", "target_ptr", "p_val", "t_val"}
+# the sampling kernels (kernels/sampling.py) with the GPU tiles of sampling._Split / _tiles
+SAMPLING_FLOATS = {"x_ptr", "u_ptr", "p_ptr", "t_ptr", "draft_ptr", "target_ptr", "p_val", "t_val", "p_part",
+                   "max_part", "z_part"}
+
+
+def sampling_cases():
+    """name -> (kernel, constexprs): every sampling kernel with its feature flags on and off, with the
+    GPU tiles of ``sampling._Split`` (a row in 32 segments) and ``sampling._tiles``."""
+    from tritoninfer.kernels import sampling as ks
+
+    seg = dict(ROWS=1, SEGS_P2=32)
+    stream, search = dict(seg, BLOCK=2048, NUM_TILES=2), dict(seg, BLOCK=512, NUM_TILES=8)
+    row_stream = dict(ROWS=1, BLOCK=2048, NUM_TILES=64)
+    plain = dict(HAS_INDICES=False, IS_LOGITS=False, USE_K=False, USE_P=False, USE_MIN_P=False, K_ARR=False,
+                 P_ARR=False, PARAM_BY_SOURCE=False)
+    joint = dict(HAS_INDICES=True, IS_LOGITS=True, USE_K=True, USE_P=True, USE_MIN_P=False, K_ARR=True,
+                 P_ARR=True, PARAM_BY_SOURCE=True)
+    minp = dict(plain, USE_MIN_P=True, P_ARR=True)
+    cases = {}
+    for name, flags in (("plain", plain), ("topk-topp", joint), ("minp", minp)):
+        cases[f"sample-mass-{name}"] = (ks.sample_mass_kernel, dict(flags, **stream))
+        cases[f"sample-pick-{name}"] = (ks.sample_pick_kernel, dict(flags, **stream))
+    cases["max-pass"] = (ks.max_pass_kernel, dict(HAS_INDICES=True, ROWS=1, BLOCK=2048, NUM_TILES=2))
+    radix = {k: joint[k] for k in ("HAS_INDICES", "USE_K", "USE_P", "K_ARR", "P_ARR", "PARAM_BY_SOURCE")}
+    for d in (0, 1, 3, 4, 7):
+        cases[f"radix-pass-joint-{d}"] = (ks.radix_pass_kernel, dict(radix, PASS=d, **search))
+    cases["radix-pass-topk-2"] = (ks.radix_pass_kernel, dict(radix, USE_P=False, P_ARR=False, HAS_INDICES=False,
+                                                            K_ARR=False, PASS=2, **search))
+    cases["radix-pass-topp-5"] = (ks.radix_pass_kernel, dict(radix, USE_K=False, K_ARR=False, PASS=5, **search))
+    for name, use_k, mask in (("topk", True, True), ("topp", False, False), ("topk-probs", True, False)):
+        flags = dict(USE_K=use_k, USE_P=not use_k, K_ARR=use_k, P_ARR=not use_k)
+        if not mask:
+            cases[f"renorm-mass-{name}"] = (ks.renorm_mass_kernel, dict(flags, **stream))
+        cases[f"renorm-write-{name}"] = (ks.renorm_write_kernel, dict(flags, MASK_LOGITS=mask, **stream))
+    cases["softmax"] = (ks.softmax_kernel, dict(T_ARR=True, **row_stream))
+    cases["chain-speculative"] = (ks.chain_speculative_kernel, dict(N=4, **row_stream))
+    return cases
 
 
 def compile_sampling_cases():
     """Compiles each sampling kernel for sm_90 with its feature flags on and off; yields case names."""
-    from tritoninfer.kernels import sampling as ks
-
-    stream, search = dict(ROWS=1, BLOCK=2048, NUM_TILES=64), dict(ROWS=1, BLOCK=512, NUM_TILES=256)
-    cases = {
-        "sample-plain": (ks.sample_kernel, dict(HAS_INDICES=False, IS_LOGITS=False, USE_K=False, USE_P=False,
-                                                USE_MIN_P=False, K_ARR=False, P_ARR=False, PARAM_BY_SOURCE=False,
-                                                **stream)),
-        "sample-topk-topp": (ks.sample_kernel, dict(HAS_INDICES=True, IS_LOGITS=True, USE_K=True, USE_P=True,
-                                                    USE_MIN_P=False, K_ARR=True, P_ARR=True, PARAM_BY_SOURCE=True,
-                                                    **search)),
-        "sample-minp": (ks.sample_kernel, dict(HAS_INDICES=False, IS_LOGITS=False, USE_K=False, USE_P=False,
-                                               USE_MIN_P=True, K_ARR=False, P_ARR=True, PARAM_BY_SOURCE=False,
-                                               **stream)),
-        "renorm-topk": (ks.renorm_kernel, dict(USE_K=True, USE_P=False, MASK_LOGITS=True, K_ARR=True, P_ARR=False,
-                                               **search)),
-        "renorm-topp": (ks.renorm_kernel, dict(USE_K=False, USE_P=True, MASK_LOGITS=False, K_ARR=False, P_ARR=True,
-                                               **search)),
-        "softmax": (ks.softmax_kernel, dict(T_ARR=True, **stream)),
-        "chain-speculative": (ks.chain_speculative_kernel, dict(N=4, **stream)),
-    }
-    for name, (kernel, constexprs) in cases.items():
+    for name, (kernel, constexprs) in sampling_cases().items():
         sig = {}
         for p in kernel.params:
             n = p.name
             if n in constexprs:
                 sig[n] = "constexpr"
-            elif n.endswith("_ptr"):
+            elif n.endswith(("_ptr", "_part", "_state")):
                 sig[n] = "*fp32" if n in SAMPLING_FLOATS else "*i32"
             else:
                 sig[n] = "fp32" if n in SAMPLING_FLOATS else "i32"
@@ -256,7 +295,7 @@ def test_sampling_kernels_compile_for_sm90():
     done = subprocess.run([sys.executable, __file__, "sampling"], env=env, capture_output=True, text=True,
                           timeout=600, cwd=root)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    assert done.stdout.count("case-") == 7, done.stdout
+    assert done.stdout.count("case-") == len(sampling_cases()), done.stdout
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["sampling"]:
@@ -266,8 +305,11 @@ elif __name__ == "__main__" and sys.argv[1:] == ["mla"]:
     for case in MLA_CASES:
         tiles, kernel = compile_mla_case(case)
         assert kernel.asm["cubin"], case
-        facts = [f"block_m={tiles.block_m}", f"block_n={tiles.block_n}"] + ["kv_as_m"] * tiles.kv_as_m
-        print(f"case-{case} {' '.join(facts)} shared={kernel.metadata.shared}", flush=True)
+        use = resource_usage(kernel)
+        facts = [f"block_m={tiles.block_m}", f"block_n={tiles.block_n}", f"warps={tiles.num_warps}",
+                 f"stages={tiles.num_stages}"] + ["kv_as_m"] * tiles.kv_as_m + ["mask_free"] * tiles.mask_free_tiles
+        print(f"case-{case} {' '.join(facts)} regs={use['reg']} stack={use['stack']} shared={kernel.metadata.shared}",
+              flush=True)
 elif __name__ == "__main__":
     for case in CASES:
         tiles, kernel = compile_case(case)

@@ -37,7 +37,7 @@ import torch
 from . import _device, _ops
 from ._launch import CachedLauncher
 from ._plan import cdiv, next_pow2
-from .kernels.sampling import chain_speculative_kernel, renorm_kernel, sample_kernel, softmax_kernel
+from .kernels import sampling as _k
 
 __all__ = [
     "softmax",
@@ -56,23 +56,34 @@ __all__ = [
     "chain_speculative_sampling",
 ]
 
-_SAMPLE = CachedLauncher(sample_kernel)
-_RENORM = CachedLauncher(renorm_kernel)
-_SOFTMAX = CachedLauncher(softmax_kernel)
-_CHAIN = CachedLauncher(chain_speculative_kernel)
+_RADIX_PASS = CachedLauncher(_k.radix_pass_kernel)
+_MAX_PASS = CachedLauncher(_k.max_pass_kernel)
+_SAMPLE_MASS = CachedLauncher(_k.sample_mass_kernel)
+_SAMPLE_PICK = CachedLauncher(_k.sample_pick_kernel)
+_RENORM_MASS = CachedLauncher(_k.renorm_mass_kernel)
+_RENORM_WRITE = CachedLauncher(_k.renorm_write_kernel)
+_SOFTMAX = CachedLauncher(_k.softmax_kernel)
+_CHAIN = CachedLauncher(_k.chain_speculative_kernel)
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _ORDERS = ("top_k_first", "joint")
-# Tiles: the threshold search holds [BLOCK, 16] candidates per pass, so it gets a smaller tile than
-# the streaming passes. Not yet tuned on a GPU.
+# Tiles: the top-p digit pass holds a [BLOCK, 16] one-hot, so it gets a smaller tile than the
+# streaming passes (and the top-k pass, whose histogram is a few ops per entry). Not yet tuned on a GPU.
 _GPU_BLOCK_SEARCH = 512
 _GPU_BLOCK_STREAM = 2048
+# Segments: a row is split until rows x segments reaches 8 programs an SM (a program's tile loop is
+# load-latency bound: 8 resident programs hide it), but no segment shorter than this (a pass's
+# [segments, 256] partials stay small enough to re-read in every program). Not yet tuned on a GPU.
+_GPU_PROGRAMS_PER_SM = 8
+_GPU_MIN_SEGMENT = 4096
 # Under the interpreter each op costs about the same whatever its size: whole rows, many rows per
 # program (the search's [ROWS, BLOCK, 16] intermediate stays near this many elements).
 _INTERP_ELEMS = 1 << 20  # Triton's largest tensor
-# the tile under the interpreter: whole rows, unless a test lowers it to walk the multi-tile loops
+# the tile and the segment under the interpreter: whole rows, unless a test lowers them to walk the
+# multi-tile loops and the multi-segment combine
 _INTERP_MAX_BLOCK = 1 << 16
+_INTERP_MAX_SEGMENT = 1 << 16
 
 Param = Union[torch.Tensor, float, int]
 
@@ -223,13 +234,74 @@ def _by_source(*params: Optional[_Params]) -> bool:
 
 
 def _tiles(vocab: int, rows: int, search: bool) -> Tuple[int, int, int, int]:
-    """(ROWS, BLOCK, NUM_TILES, num_warps)."""
+    """(ROWS, BLOCK, NUM_TILES, num_warps) of the one-program-per-row kernels (softmax, chain)."""
     if _device.is_interpreter():
         block = min(next_pow2(vocab), _INTERP_MAX_BLOCK)
         per_row = block * (16 if search else 1)
         return max(1, min(next_pow2(rows), _INTERP_ELEMS // per_row)), block, cdiv(vocab, block), 4
     block = min(next_pow2(vocab), _GPU_BLOCK_SEARCH if search else _GPU_BLOCK_STREAM)
     return 1, block, cdiv(vocab, block), 4 if block <= 512 else 8
+
+
+class _Split:
+    """How the segmented kernels cover ``[rows, vocab]``: ``ROWS`` rows a program, ``segs`` segments
+    of ``seg_len`` entries a row (grid ``(cdiv(rows, ROWS), segs)``), and each kind of pass's tile."""
+
+    def __init__(self, vocab: int, rows: int, device: torch.device):
+        if _device.is_interpreter():
+            self.seg_len = min(next_pow2(vocab), _INTERP_MAX_SEGMENT)
+            self.block_stream = self.block_search = min(self.seg_len, _INTERP_MAX_BLOCK)
+            self.segs = cdiv(vocab, self.seg_len)
+            self.segs_p2 = next_pow2(self.segs)
+            # keep the [ROWS, BLOCK, 16] one-hot and the [ROWS, SEGS, 256] partials near the budget
+            per_row = max(self.block_search * 16, self.segs_p2 * 256)
+            self.rows = max(1, min(next_pow2(rows), _INTERP_ELEMS // per_row))
+            self.warps_stream = self.warps_search = 4
+        else:
+            segs = max(1, min(cdiv(_GPU_PROGRAMS_PER_SM * _device.num_sms(device), rows),
+                                   cdiv(vocab, _GPU_MIN_SEGMENT)))
+            align = min(_GPU_BLOCK_STREAM, next_pow2(vocab))
+            self.seg_len = cdiv(cdiv(vocab, segs), align) * align
+            self.segs = cdiv(vocab, self.seg_len)
+            self.segs_p2 = next_pow2(self.segs)
+            self.block_stream, self.block_search = align, min(align, _GPU_BLOCK_SEARCH)
+            self.rows = 1
+            self.warps_stream, self.warps_search = 8, 4
+        self.grid = (cdiv(rows, self.rows), self.segs)
+
+    def stream(self) -> dict:
+        return dict(ROWS=self.rows, SEGS_P2=self.segs_p2, BLOCK=self.block_stream,
+                    NUM_TILES=self.seg_len // self.block_stream, num_warps=self.warps_stream)
+
+    def search(self) -> dict:
+        return dict(ROWS=self.rows, SEGS_P2=self.segs_p2, BLOCK=self.block_search,
+                    NUM_TILES=self.seg_len // self.block_search, num_warps=self.warps_search)
+
+
+def _search_scratch(batch: int, segs: int, device, use_k: bool, use_p: bool):
+    """(k_state, k_part, p_state, p_part): per-pass prefixes and the double-buffered per-segment
+    histograms of the radix searches (None for a search that does not run)."""
+    k_state = k_part = p_state = p_part = None
+    if use_k:
+        k_state = torch.empty((int(_k.K_PASSES), batch), dtype=torch.int32, device=device)
+        k_part = torch.empty((2, batch, segs, int(_k.K_BINS)), dtype=torch.int32, device=device)
+    if use_p:
+        p_state = torch.empty((int(_k.P_PASSES), batch), dtype=torch.int32, device=device)
+        p_part = torch.empty((2, batch, segs, int(_k.P_BINS)), dtype=torch.float32, device=device)
+    return k_state, k_part, p_state, p_part
+
+
+def _radix_passes(split: _Split, x, indices, k_arr, p_arr, k_val, p_val, batch, scratch,
+                  use_k: bool, use_p: bool, by_source: bool) -> None:
+    """The launches of the top-k (4) and top-p (8) digit searches; the joint search shares them."""
+    num_rows, vocab = x.shape
+    passes = int(_k.P_PASSES) if use_p else int(_k.K_PASSES) if use_k else 0
+    for d in range(passes):
+        _RADIX_PASS[split.grid](
+            x, indices, k_arr, p_arr, *scratch, k_val, p_val, batch, num_rows, vocab, x.stride(0), split.segs,
+            PASS=d, HAS_INDICES=indices is not None, USE_K=use_k, USE_P=use_p,
+            K_ARR=k_arr is not None, P_ARR=p_arr is not None, PARAM_BY_SOURCE=by_source, **split.search(),
+        )
 
 
 def _uniforms(n: int, device: torch.device, generator: Optional[torch.Generator]) -> torch.Tensor:
@@ -264,13 +336,22 @@ def _launch_sample(x: torch.Tensor, indices: Optional[torch.Tensor], u: torch.Te
     _device.check_launchable(x.device, "sampling")
     num_rows, vocab = x.shape
     batch = out.shape[0]
-    rows, block, tiles, warps = _tiles(vocab, batch, search=use_k or use_p)
-    _SAMPLE[(cdiv(batch, rows),)](
-        x, indices, u, out, k_arr, p_arr, k_val, p_val, batch, num_rows, vocab, x.stride(0),
-        HAS_INDICES=indices is not None, IS_LOGITS=is_logits, USE_K=use_k, USE_P=use_p, USE_MIN_P=use_min_p,
-        K_ARR=k_arr is not None, P_ARR=p_arr is not None, PARAM_BY_SOURCE=by_source,
-        ROWS=rows, BLOCK=block, NUM_TILES=tiles, num_warps=warps,
-    )
+    split = _Split(vocab, batch, x.device)
+    scratch = _search_scratch(batch, split.segs, x.device, use_k, use_p)
+    _radix_passes(split, x, indices, k_arr, p_arr, k_val, p_val, batch, scratch, use_k, use_p, by_source)
+    max_part = None
+    flags = dict(HAS_INDICES=indices is not None, IS_LOGITS=is_logits, USE_K=use_k, USE_P=use_p,
+                 USE_MIN_P=use_min_p, K_ARR=k_arr is not None, P_ARR=p_arr is not None, PARAM_BY_SOURCE=by_source)
+    if is_logits or use_min_p:
+        max_part = torch.empty((batch, split.segs), dtype=torch.float32, device=x.device)
+        _MAX_PASS[split.grid](x, indices, max_part, batch, num_rows, vocab, x.stride(0), split.segs,
+                              HAS_INDICES=indices is not None, ROWS=split.rows, BLOCK=split.block_stream,
+                              NUM_TILES=split.seg_len // split.block_stream, num_warps=split.warps_stream)
+    z_part = torch.empty((batch, split.segs), dtype=torch.float32, device=x.device)
+    _SAMPLE_MASS[split.grid](x, indices, k_arr, p_arr, *scratch, max_part, z_part,
+                             k_val, p_val, batch, num_rows, vocab, x.stride(0), split.segs, **flags, **split.stream())
+    _SAMPLE_PICK[split.grid](x, indices, u, out, k_arr, p_arr, *scratch, max_part, z_part,
+                             k_val, p_val, batch, num_rows, vocab, x.stride(0), split.segs, **flags, **split.stream())
 
 
 @_ops.custom_op("sample", mutates_args=("out",))
@@ -300,12 +381,17 @@ def _launch_renorm(x: torch.Tensor, out: torch.Tensor, k_arr: Optional[torch.Ten
     """The renorm / mask kernel over checked arguments, into ``out`` [num_rows, vocab] float32."""
     _device.check_launchable(x.device, "sampling")
     num_rows, vocab = x.shape
-    rows, block, tiles, warps = _tiles(vocab, num_rows, search=True)
-    _RENORM[(cdiv(num_rows, rows),)](
-        x, out, k_arr, p_arr, k_val, p_val, num_rows, vocab, x.stride(0), out.stride(0),
-        USE_K=use_k, USE_P=use_p, MASK_LOGITS=mask_logits, K_ARR=k_arr is not None, P_ARR=p_arr is not None,
-        ROWS=rows, BLOCK=block, NUM_TILES=tiles, num_warps=warps,
-    )
+    split = _Split(vocab, num_rows, x.device)
+    scratch = _search_scratch(num_rows, split.segs, x.device, use_k, use_p)
+    _radix_passes(split, x, None, k_arr, p_arr, k_val, p_val, num_rows, scratch, use_k, use_p, True)
+    flags = dict(USE_K=use_k, USE_P=use_p, K_ARR=k_arr is not None, P_ARR=p_arr is not None)
+    z_part = None
+    if not mask_logits:
+        z_part = torch.empty((num_rows, split.segs), dtype=torch.float32, device=x.device)
+        _RENORM_MASS[split.grid](x, k_arr, p_arr, *scratch, z_part, k_val, p_val, num_rows, vocab, x.stride(0),
+                                 split.segs, **flags, **split.stream())
+    _RENORM_WRITE[split.grid](x, out, k_arr, p_arr, *scratch, z_part, k_val, p_val, num_rows, vocab, x.stride(0),
+                              out.stride(0), split.segs, MASK_LOGITS=mask_logits, **flags, **split.stream())
 
 
 @_ops.custom_op("renorm", mutates_args=("out",))

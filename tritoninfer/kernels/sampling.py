@@ -1,20 +1,26 @@
 """Sampling, top-k / top-p / min-p filters, softmax: ``@triton.jit`` code only.
 
-Every kernel handles ``ROWS`` rows per program (1 on the GPU: one program per row; more under the
-interpreter, whose cost is per op and program) and walks a row's ``V`` entries in ``NUM_TILES``
-tiles of ``BLOCK``. Nothing is sorted and no loop length depends on the data:
+The filtering and sampling work is split over a grid of (row blocks, segments): each program
+handles ``ROWS`` rows (1 on the GPU; more under the interpreter, whose cost is per op and program)
+and one segment of ``NUM_TILES * BLOCK`` entries of them, so a row is read by many programs at once.
+A search is a few launches; each program of a launch rebuilds what it needs from the previous
+launch's per-(row, segment) partial results (a few KB, read from L2), so there is no combine launch.
+Nothing is sorted and no loop length depends on the data:
 
 - **Thresholds by radix search.** Each float32 entry gets an order-preserving int32 key
-  (``_ordered_key``). The top-k threshold is the largest key ``T`` with
-  ``count(key >= T) >= k`` (the k-th largest entry); the top-p threshold the largest key ``L`` with
-  ``sum(p where key > L) >= top_p``. Both predicates are monotone, so the thresholds are built four
-  bits at a time from the top: 8 passes over the row, each counting (or summing) the entries above
-  16 candidate prefixes at once. Kept entries: ``key >= T`` (ties with the k-th largest are kept)
-  and ``key > L`` (the entry whose mass crosses ``top_p`` is kept), FlashInfer's sets.
-- **Sampling by inverse CDF.** One uniform ``u`` in ``[0, 1)`` per output row (drawn by the caller
-  with torch, so a ``torch.Generator`` makes runs reproducible): the sample is the first entry whose
-  running sum of kept mass exceeds ``u * Z`` (``Z`` the kept mass), found in one pass with
-  ``tl.cumsum`` per tile; if rounding leaves nothing above ``u * Z``, the last kept entry.
+  (``_ordered_key``). The top-k threshold is the largest key ``T`` with ``count(key >= T) >= k``
+  (the k-th largest entry); the top-p threshold the largest key ``L'`` with
+  ``sum(p where key >= L') >= top_p``. Both predicates are monotone, so each threshold is built
+  digit by digit from the top, one launch per digit (``radix_pass_kernel``): top-k with 8-bit digits
+  counted by ``tl.histogram`` (4 launches), top-p with 4-bit digits whose masses are summed over a
+  ``[BLOCK, 16]`` one-hot (8 launches). Kept entries: ``key >= T`` (ties with the k-th largest are
+  kept) and ``key >= L'`` (the entry whose mass crosses ``top_p`` is kept), FlashInfer's sets.
+- **Sampling by inverse CDF**, two launches. One uniform ``u`` in ``[0, 1)`` per output row (drawn
+  by the caller with torch, so a ``torch.Generator`` makes runs reproducible). ``sample_mass_kernel``
+  sums each segment's kept mass; in ``sample_pick_kernel`` every program finds, from those sums, the
+  segment where the running kept mass first exceeds ``u * Z`` (``Z`` the kept mass) and only that
+  segment scans for the entry (with ``tl.cumsum`` per tile). If rounding leaves nothing above
+  ``u * Z``, the last kept entry (of that segment, or of the row).
 
 Row ``i`` of the output reads source row ``indices[i]`` when ``HAS_INDICES`` (rows sharing a
 distribution); source ids outside ``[0, n_src)`` read nothing (an all-zero row: sample 0).
@@ -25,10 +31,15 @@ by source row when ``PARAM_BY_SOURCE`` and by output row otherwise, else one sca
 import triton
 import triton.language as tl
 
-# the top bits of the 32-bit key space first, four at a time
-_RADIX_BITS = tl.constexpr(4)
-_RADIX = tl.constexpr(16)
-_DIGITS = tl.constexpr(8)
+# digit widths: top-k counts 8 bits a launch (tl.histogram is a few ops per entry whatever the
+# bins); top-p sums masses over a one-hot of the digit, whose cost grows with the bins: 4 bits
+K_BITS = tl.constexpr(8)
+K_BINS = tl.constexpr(256)
+K_PASSES = tl.constexpr(4)
+P_BITS = tl.constexpr(4)
+P_BINS = tl.constexpr(16)
+P_PASSES = tl.constexpr(8)
+_KEY_MIN = tl.constexpr(-2147483648)
 
 
 @triton.jit
@@ -73,55 +84,156 @@ def _tile(x_ptr, row_off, m_s, t, V, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _row_max(x_ptr, row_off, m_s, V, ROWS: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr):
-    mx = tl.full([ROWS], float("-inf"), tl.float32)
-    for t in range(NUM_TILES):
-        offs, m, x = _tile(x_ptr, row_off, m_s, t, V, BLOCK)
-        mx = tl.maximum(mx, tl.max(tl.where(m, x, float("-inf")), axis=1))
-    return mx
+def _prefix(state_ptr, part_ptr, rows, m_r, B, n_segs, seg, need,
+            SLOT: tl.constexpr, BITS: tl.constexpr, NB: tl.constexpr, WRITE: tl.constexpr, ROWS: tl.constexpr,
+            SEGS_P2: tl.constexpr):
+    """int64 [ROWS]: a threshold after ``SLOT`` digits of ``BITS``: the prefix after ``SLOT - 1`` digits
+    (``state[SLOT - 1]``, written by the previous launch) plus the largest digit ``b >= 1`` whose
+    cumulative count / mass from the top, summed over the segments' partial histograms of pass
+    ``SLOT - 1`` (``part[(SLOT - 1) % 2]``), reaches ``need``; ``b = 0`` (the prefix itself satisfies
+    the predicate) otherwise. ``WRITE``: segment 0 stores the result as ``state[SLOT]`` for the next
+    launch (each slot written by one launch and read by the next: no race)."""
+    lo = tl.full([ROWS], _KEY_MIN, dtype=tl.int64)
+    if SLOT >= 2:
+        lo = tl.load(state_ptr + rows + B * (SLOT - 1), mask=m_r, other=0).to(tl.int64)
+    if SLOT >= 1:
+        b = tl.arange(0, NB)
+        s = tl.arange(0, SEGS_P2)
+        base = ((rows + B * ((SLOT - 1) % 2)).to(tl.int64) * n_segs)[:, None, None]
+        m = m_r[:, None, None] & (s < n_segs)[None, :, None]
+        # [ROWS, SEGS_P2, NB] -> [ROWS, NB]
+        h = tl.sum(tl.load(part_ptr + (base + s[None, :, None]) * NB + b[None, None, :], mask=m, other=0), axis=1)
+        cum = tl.cumsum(h, axis=1, reverse=True)
+        digit = tl.max(tl.where((cum >= need[:, None]) & (b[None, :] >= 1), b[None, :], 0), axis=1)
+        lo += digit.to(tl.int64) << (32 - SLOT * BITS)
+        if WRITE:
+            if seg == 0:
+                tl.store(state_ptr + rows + B * SLOT, lo.to(tl.int32), mask=m_r)
+    return lo
 
 
 @triton.jit
-def _radix_thresholds(x_ptr, row_off, m_s, V, k, p,
-                      USE_K: tl.constexpr, USE_P: tl.constexpr,
-                      ROWS: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr):
-    """(T, L) [ROWS] int32 keys: the largest T with ``count(key >= T) >= k`` and the largest L with
-    ``sum(x where key > L) >= p`` (the smallest key, -2**31, when even that fails). Both searches
-    share the passes.
+def _digit(key, lo, SLOT: tl.constexpr, BITS: tl.constexpr, NB: tl.constexpr):
+    """int32 digit ``SLOT`` of ``key`` under prefix ``lo``, clamped to [0, 2**BITS): keys below the
+    prefix's range land in 0 (never counted: only digits >= 1 are tested), keys above it in the top
+    bin (they count for every digit >= 1, as they must)."""
+    d = (key.to(tl.int64) - lo[:, None]) >> (32 - (SLOT + 1) * BITS)
+    return tl.minimum(tl.maximum(d, 0), NB - 1).to(tl.int32)
 
-    A threshold is built from -2**31 by adding 4-bit digits from the top: a prefix plus
-    ``b << shift`` (b < 16) never passes 2**31 - 1, so int32 holds every candidate. Candidate 0 is
-    the current prefix, which satisfies the predicate, so only candidates b >= 1 (all above -2**31)
-    are ever chosen: masked entries get key -2**31 and count for none of them."""
-    b = tl.arange(0, _RADIX)
-    lo_k = tl.full([ROWS], -2147483648, dtype=tl.int32)
-    lo_p = tl.full([ROWS], -2147483648, dtype=tl.int32)
-    for d in range(_DIGITS):
-        shift = (_DIGITS - 1 - d) * _RADIX_BITS
-        step = b << shift
-        # [ROWS, RADIX]
-        cand_k = lo_k[:, None] + step[None, :]
-        cand_p = lo_p[:, None] + step[None, :]
-        count = tl.zeros([ROWS, _RADIX], dtype=tl.int32)
-        mass = tl.zeros([ROWS, _RADIX], dtype=tl.float32)
-        for t in range(NUM_TILES):
-            # inlined _tile and _ordered_key: nested jit calls are what costs most under the interpreter
-            offs = t * BLOCK + tl.arange(0, BLOCK)
-            m = m_s[:, None] & (offs < V)[None, :]
-            # [ROWS, BLOCK]
-            x = tl.load(x_ptr + row_off[:, None] + offs[None, :], mask=m, other=0.0).to(tl.float32)
-            bits = x.to(tl.int32, bitcast=True)
-            key = tl.where(m, tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF), -2147483648)
-            if USE_K:
-                # [ROWS, BLOCK, RADIX] -> [ROWS, RADIX]
-                count += tl.sum((key[:, :, None] >= cand_k[:, None, :]).to(tl.int32), axis=1)
-            if USE_P:
-                mass += tl.sum(tl.where(key[:, :, None] > cand_p[:, None, :], x[:, :, None], 0.0), axis=1)
-        if USE_K:
-            lo_k += tl.max(tl.where(count >= k[:, None], b[None, :], 0), axis=1) << shift
-        if USE_P:
-            lo_p += tl.max(tl.where(mass >= p[:, None], b[None, :], 0), axis=1) << shift
+
+@triton.jit
+def _thresholds(k_state, k_part, p_state, p_part, rows, m_r, src, B, V, n_segs, seg,
+                k_ptr, p_ptr, k_val, p_val,
+                SLOT_K: tl.constexpr, SLOT_P: tl.constexpr, WRITE: tl.constexpr,
+                USE_K: tl.constexpr, USE_P: tl.constexpr, K_ARR: tl.constexpr, P_ARR: tl.constexpr,
+                BY_SOURCE: tl.constexpr, ROWS: tl.constexpr, SEGS_P2: tl.constexpr):
+    """(top-k prefix, top-p prefix) int64 [ROWS] after ``SLOT_K`` / ``SLOT_P`` digits."""
+    lo_k = tl.full([ROWS], _KEY_MIN, dtype=tl.int64)
+    lo_p = tl.full([ROWS], _KEY_MIN, dtype=tl.int64)
+    if USE_K:
+        k = _param(k_ptr, k_val, rows, src, m_r, K_ARR, BY_SOURCE).to(tl.int32)
+        lo_k = _prefix(k_state, k_part, rows, m_r, B, n_segs, seg, tl.minimum(tl.maximum(k, 1), V),
+                       SLOT_K, K_BITS, K_BINS, WRITE, ROWS, SEGS_P2)
+    if USE_P:
+        p = _param(p_ptr, p_val, rows, src, m_r, P_ARR, BY_SOURCE).to(tl.float32)
+        # top_p <= 0 keeps the largest entries only (greedy)
+        lo_p = _prefix(p_state, p_part, rows, m_r, B, n_segs, seg, tl.maximum(p, 1e-30),
+                       SLOT_P, P_BITS, P_BINS, WRITE, ROWS, SEGS_P2)
     return lo_k, lo_p
+
+
+@triton.jit
+def _final_thresholds(k_state, k_part, p_state, p_part, rows, m_r, src, B, V, n_segs, seg,
+                      k_ptr, p_ptr, k_val, p_val,
+                      USE_K: tl.constexpr, USE_P: tl.constexpr, K_ARR: tl.constexpr, P_ARR: tl.constexpr,
+                      BY_SOURCE: tl.constexpr, ROWS: tl.constexpr, SEGS_P2: tl.constexpr):
+    """(T, L') int32 [ROWS]: kept entries are ``key >= T`` and ``key >= L'``; ``-2**31`` for a filter
+    that is off (``k <= 0`` or ``k >= V``; ``top_p >= 1``)."""
+    lo_k, lo_p = _thresholds(k_state, k_part, p_state, p_part, rows, m_r, src, B, V, n_segs, seg,
+                             k_ptr, p_ptr, k_val, p_val, K_PASSES, P_PASSES, False,
+                             USE_K, USE_P, K_ARR, P_ARR, BY_SOURCE, ROWS, SEGS_P2)
+    t = lo_k.to(tl.int32)
+    lp = lo_p.to(tl.int32)
+    if USE_K:
+        k = _param(k_ptr, k_val, rows, src, m_r, K_ARR, BY_SOURCE).to(tl.int32)
+        t = tl.where((k <= 0) | (k >= V), _KEY_MIN, t)
+    if USE_P:
+        p = _param(p_ptr, p_val, rows, src, m_r, P_ARR, BY_SOURCE).to(tl.float32)
+        lp = tl.where(p >= 1.0, _KEY_MIN, lp)
+    return t, lp
+
+
+@triton.jit
+def radix_pass_kernel(
+    x_ptr, idx_ptr, k_ptr, p_ptr, k_state, k_part, p_state, p_part,
+    k_val, p_val, B, n_src, V, stride_x, n_segs,
+    PASS: tl.constexpr, HAS_INDICES: tl.constexpr, USE_K: tl.constexpr, USE_P: tl.constexpr,
+    K_ARR: tl.constexpr, P_ARR: tl.constexpr, PARAM_BY_SOURCE: tl.constexpr,
+    ROWS: tl.constexpr, SEGS_P2: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
+):
+    """Digit ``PASS`` of the top-k (``PASS < K_PASSES``) and top-p (``PASS < P_PASSES``) searches over
+    one segment: resolves digit ``PASS - 1`` from the previous launch's partials, then writes this
+    segment's histogram of digit ``PASS`` (counts for top-k, masses for top-p) to ``part[PASS % 2]``
+    (``[2, B, n_segs, bins]``, double-buffered: the previous pass's stay readable)."""
+    rows, m_r, src, row_off, m_s = _rows(B, n_src, idx_ptr, stride_x, HAS_INDICES, ROWS)
+    seg = tl.program_id(1)
+    DO_K: tl.constexpr = USE_K and PASS < K_PASSES
+    DO_P: tl.constexpr = USE_P and PASS < P_PASSES
+    lo_k, lo_p = _thresholds(k_state, k_part, p_state, p_part, rows, m_r, src, B, V, n_segs, seg,
+                             k_ptr, p_ptr, k_val, p_val, PASS, PASS, True,
+                             DO_K, DO_P, K_ARR, P_ARR, PARAM_BY_SOURCE, ROWS, SEGS_P2)
+    KB: tl.constexpr = K_BINS
+    PB: tl.constexpr = P_BINS
+    r = tl.arange(0, ROWS)
+    bp = tl.arange(0, PB)
+    count = tl.zeros([ROWS * KB], dtype=tl.int32)
+    mass = tl.zeros([ROWS, PB], dtype=tl.float32)
+    if DO_P:
+        # top of the prefix's range: a tile with no key at or above lo_p + one digit step only
+        # feeds digit 0, which is never tested
+        step_p = lo_p + (tl.full([ROWS], 1, tl.int64) << (32 - (PASS + 1) * P_BITS))
+    for t in range(NUM_TILES):
+        offs, m, x = _tile(x_ptr, row_off, m_s, seg * NUM_TILES + t, V, BLOCK)
+        bits = x.to(tl.int32, bitcast=True)
+        key = tl.where(m, tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF), _KEY_MIN)
+        if DO_K:
+            # one histogram for all ROWS rows: bin = row * 256 + digit
+            d = _digit(key, lo_k, PASS, K_BITS, KB) + (r * KB)[:, None]
+            count += tl.histogram(tl.reshape(d, [ROWS * BLOCK]), ROWS * KB)
+        if DO_P:
+            if tl.max(tl.max((key.to(tl.int64) >= step_p[:, None]).to(tl.int32), axis=1), axis=0) > 0:
+                d = _digit(key, lo_p, PASS, P_BITS, PB)
+                # [ROWS, BLOCK, 16] -> [ROWS, 16]
+                mass += tl.sum(tl.where(d[:, :, None] == bp[None, None, :], x[:, :, None], 0.0), axis=1)
+    out_row = (rows + B * (PASS % 2)).to(tl.int64) * n_segs + seg
+    if DO_K:
+        tl.store(k_part + out_row[:, None] * KB + tl.arange(0, KB)[None, :], tl.reshape(count, [ROWS, KB]),
+                 mask=m_r[:, None])
+    if DO_P:
+        tl.store(p_part + out_row[:, None] * PB + bp[None, :], mass, mask=m_r[:, None])
+
+
+@triton.jit
+def _row_max(max_part, rows, m_r, n_segs, ROWS: tl.constexpr, SEGS_P2: tl.constexpr):
+    s = tl.arange(0, SEGS_P2)
+    v = tl.load(max_part + rows.to(tl.int64)[:, None] * n_segs + s[None, :],
+                mask=m_r[:, None] & (s < n_segs)[None, :], other=float("-inf"))
+    return tl.max(v, axis=1)
+
+
+@triton.jit
+def max_pass_kernel(
+    x_ptr, idx_ptr, max_part, B, n_src, V, stride_x, n_segs,
+    HAS_INDICES: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
+):
+    """``max_part[row, seg]``: the largest entry of the segment (-inf for none)."""
+    rows, m_r, src, row_off, m_s = _rows(B, n_src, idx_ptr, stride_x, HAS_INDICES, ROWS)
+    seg = tl.program_id(1)
+    mx = tl.full([ROWS], float("-inf"), tl.float32)
+    for t in range(NUM_TILES):
+        offs, m, x = _tile(x_ptr, row_off, m_s, seg * NUM_TILES + t, V, BLOCK)
+        mx = tl.maximum(mx, tl.max(tl.where(m, x, float("-inf")), axis=1))
+    tl.store(max_part + rows.to(tl.int64) * n_segs + seg, mx, mask=m_r)
 
 
 @triton.jit
@@ -138,108 +250,155 @@ def _kept(x, m, lo_k, lo_p, pivot, shift_max,
         if USE_K:
             keep = keep & (key >= lo_k[:, None])
         if USE_P:
-            keep = keep & (key > lo_p[:, None])
+            keep = keep & (key >= lo_p[:, None])
     if USE_MIN_P:
         keep = keep & (v >= pivot[:, None])
     return tl.where(keep, v, 0.0)
 
 
 @triton.jit
-def sample_kernel(
-    x_ptr, idx_ptr, u_ptr, out_ptr, k_ptr, p_ptr,
-    k_val, p_val, B, n_src, V, stride_x,
-    HAS_INDICES: tl.constexpr, IS_LOGITS: tl.constexpr,
-    USE_K: tl.constexpr, USE_P: tl.constexpr, USE_MIN_P: tl.constexpr,
-    K_ARR: tl.constexpr, P_ARR: tl.constexpr, PARAM_BY_SOURCE: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
-):
-    """``out[i]`` (int32) drawn from row ``i`` (or ``indices[i]``) of probabilities, or of logits
-    (``IS_LOGITS``: softmax), restricted to the top-k (``USE_K``), top-p (``USE_P``, with
-    ``USE_K`` their intersection) or min-p (``USE_MIN_P``, its ``min_p`` in ``p_ptr``/``p_val``) set."""
+def _sample_setup(x_ptr, idx_ptr, k_ptr, p_ptr, k_state, k_part, p_state, p_part, max_part,
+                  k_val, p_val, B, n_src, V, stride_x, n_segs,
+                  HAS_INDICES: tl.constexpr, IS_LOGITS: tl.constexpr,
+                  USE_K: tl.constexpr, USE_P: tl.constexpr, USE_MIN_P: tl.constexpr,
+                  K_ARR: tl.constexpr, P_ARR: tl.constexpr, PARAM_BY_SOURCE: tl.constexpr,
+                  ROWS: tl.constexpr, SEGS_P2: tl.constexpr):
+    """What both sampling launches need: rows, thresholds, min-p pivot, softmax shift."""
     rows, m_r, src, row_off, m_s = _rows(B, n_src, idx_ptr, stride_x, HAS_INDICES, ROWS)
-    lo_k = tl.full([ROWS], -2147483648, dtype=tl.int32)
-    lo_p = tl.full([ROWS], -2147483648, dtype=tl.int32)
+    seg = tl.program_id(1)
     pivot = tl.zeros([ROWS], dtype=tl.float32)
     shift_max = tl.zeros([ROWS], dtype=tl.float32)
     if IS_LOGITS or USE_MIN_P:
-        mx = _row_max(x_ptr, row_off, m_s, V, ROWS, BLOCK, NUM_TILES)
+        mx = _row_max(max_part, rows, m_r, n_segs, ROWS, SEGS_P2)
         if IS_LOGITS:
             # an all -inf row keeps weight 0 everywhere instead of NaN
             shift_max = tl.where(mx == float("-inf"), 0.0, mx)
         if USE_MIN_P:
             pivot = tl.where(m_s, mx, 0.0) * _param(p_ptr, p_val, rows, src, m_r, P_ARR, PARAM_BY_SOURCE).to(tl.float32)
-    if USE_K or USE_P:
-        k = _param(k_ptr, k_val, rows, src, m_r, K_ARR, PARAM_BY_SOURCE).to(tl.int32)
-        p = _param(p_ptr, p_val, rows, src, m_r, P_ARR, PARAM_BY_SOURCE).to(tl.float32)
-        # top_p <= 0 keeps the largest entries only (greedy)
-        p_search = tl.maximum(p, 1e-30)
-        lo_k, lo_p = _radix_thresholds(x_ptr, row_off, m_s, V, tl.minimum(tl.maximum(k, 1), V), p_search,
-                                       USE_K, USE_P, ROWS, BLOCK, NUM_TILES)
-        # k <= 0 or k >= V: no top-k filter; top_p >= 1: no top-p filter
-        lo_k = tl.where((k <= 0) | (k >= V), -2147483648, lo_k)
-        lo_p = tl.where(p >= 1.0, -2147483648, lo_p)
-
-    z = tl.zeros([ROWS], dtype=tl.float32)
-    for t in range(NUM_TILES):
-        offs, m, x = _tile(x_ptr, row_off, m_s, t, V, BLOCK)
-        z += tl.sum(_kept(x, m, lo_k, lo_p, pivot, shift_max, IS_LOGITS, USE_K, USE_P, USE_MIN_P), axis=1)
-
-    target = tl.load(u_ptr + rows, mask=m_r, other=0.0) * z
-    run = tl.zeros([ROWS], dtype=tl.float32)
-    first = tl.full([ROWS], V, dtype=tl.int32)
-    last = tl.full([ROWS], -1, dtype=tl.int32)
-    for t in range(NUM_TILES):
-        offs, m, x = _tile(x_ptr, row_off, m_s, t, V, BLOCK)
-        # [ROWS, BLOCK]
-        w = _kept(x, m, lo_k, lo_p, pivot, shift_max, IS_LOGITS, USE_K, USE_P, USE_MIN_P)
-        cdf = tl.cumsum(w, axis=1) + run[:, None]
-        hit = (cdf > target[:, None]) & (w > 0.0)
-        first = tl.minimum(first, tl.min(tl.where(hit, offs[None, :], V), axis=1))
-        last = tl.maximum(last, tl.max(tl.where(w > 0.0, offs[None, :], -1), axis=1))
-        run += tl.sum(w, axis=1)
-    # no hit: rounding put u * Z at or past the running total; no kept mass at all: entry 0
-    sample = tl.where(first < V, first, tl.maximum(last, 0))
-    tl.store(out_ptr + rows, sample, mask=m_r)
+    lo_k, lo_p = _final_thresholds(k_state, k_part, p_state, p_part, rows, m_r, src, B, V, n_segs, seg,
+                                   k_ptr, p_ptr, k_val, p_val, USE_K, USE_P, K_ARR, P_ARR, PARAM_BY_SOURCE,
+                                   ROWS, SEGS_P2)
+    return rows, m_r, row_off, m_s, seg, lo_k, lo_p, pivot, shift_max
 
 
 @triton.jit
-def renorm_kernel(
-    x_ptr, out_ptr, k_ptr, p_ptr,
-    k_val, p_val, B, V, stride_x, stride_o,
+def sample_mass_kernel(
+    x_ptr, idx_ptr, k_ptr, p_ptr, k_state, k_part, p_state, p_part, max_part, z_part,
+    k_val, p_val, B, n_src, V, stride_x, n_segs,
+    HAS_INDICES: tl.constexpr, IS_LOGITS: tl.constexpr,
+    USE_K: tl.constexpr, USE_P: tl.constexpr, USE_MIN_P: tl.constexpr,
+    K_ARR: tl.constexpr, P_ARR: tl.constexpr, PARAM_BY_SOURCE: tl.constexpr,
+    ROWS: tl.constexpr, SEGS_P2: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
+):
+    """``z_part[row, seg]``: the segment's kept mass (weights of probabilities, or of logits with
+    ``IS_LOGITS``: softmax), restricted to the top-k (``USE_K``), top-p (``USE_P``, with ``USE_K``
+    their intersection) or min-p (``USE_MIN_P``, its ``min_p`` in ``p_ptr``/``p_val``) set."""
+    rows, m_r, row_off, m_s, seg, lo_k, lo_p, pivot, shift_max = _sample_setup(
+        x_ptr, idx_ptr, k_ptr, p_ptr, k_state, k_part, p_state, p_part, max_part, k_val, p_val, B, n_src, V,
+        stride_x, n_segs, HAS_INDICES, IS_LOGITS, USE_K, USE_P, USE_MIN_P, K_ARR, P_ARR, PARAM_BY_SOURCE,
+        ROWS, SEGS_P2)
+    z = tl.zeros([ROWS], dtype=tl.float32)
+    for t in range(NUM_TILES):
+        offs, m, x = _tile(x_ptr, row_off, m_s, seg * NUM_TILES + t, V, BLOCK)
+        z += tl.sum(_kept(x, m, lo_k, lo_p, pivot, shift_max, IS_LOGITS, USE_K, USE_P, USE_MIN_P), axis=1)
+    tl.store(z_part + rows.to(tl.int64) * n_segs + seg, z, mask=m_r)
+
+
+@triton.jit
+def sample_pick_kernel(
+    x_ptr, idx_ptr, u_ptr, out_ptr, k_ptr, p_ptr, k_state, k_part, p_state, p_part, max_part, z_part,
+    k_val, p_val, B, n_src, V, stride_x, n_segs,
+    HAS_INDICES: tl.constexpr, IS_LOGITS: tl.constexpr,
+    USE_K: tl.constexpr, USE_P: tl.constexpr, USE_MIN_P: tl.constexpr,
+    K_ARR: tl.constexpr, P_ARR: tl.constexpr, PARAM_BY_SOURCE: tl.constexpr,
+    ROWS: tl.constexpr, SEGS_P2: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
+):
+    """``out[i]`` (int32): the first kept entry whose running kept mass exceeds ``u[i] * Z``. Every
+    program derives the same owner segment from ``z_part`` (the first whose running total exceeds
+    ``u * Z``; when rounding leaves none, the last with mass; with no mass at all, segment 0, which
+    then writes entry 0); only the owner scans and writes."""
+    rows, m_r, row_off, m_s, seg, lo_k, lo_p, pivot, shift_max = _sample_setup(
+        x_ptr, idx_ptr, k_ptr, p_ptr, k_state, k_part, p_state, p_part, max_part, k_val, p_val, B, n_src, V,
+        stride_x, n_segs, HAS_INDICES, IS_LOGITS, USE_K, USE_P, USE_MIN_P, K_ARR, P_ARR, PARAM_BY_SOURCE,
+        ROWS, SEGS_P2)
+    s = tl.arange(0, SEGS_P2)
+    # [ROWS, SEGS_P2]
+    zs = tl.load(z_part + rows.to(tl.int64)[:, None] * n_segs + s[None, :],
+                 mask=m_r[:, None] & (s < n_segs)[None, :], other=0.0)
+    cum = tl.cumsum(zs, axis=1)
+    target = tl.load(u_ptr + rows, mask=m_r, other=0.0) * tl.sum(zs, axis=1)
+    hit_seg = tl.min(tl.where(cum > target[:, None], s[None, :], SEGS_P2), axis=1)
+    last_seg = tl.max(tl.where(zs > 0.0, s[None, :], 0), axis=1)
+    owner = tl.where(hit_seg < SEGS_P2, hit_seg, last_seg)
+    mine = m_r & (owner == seg)
+    run = tl.sum(tl.where(s[None, :] < seg, zs, 0.0), axis=1)
+    first = tl.full([ROWS], V, dtype=tl.int32)
+    last = tl.full([ROWS], -1, dtype=tl.int32)
+    if tl.max(mine.to(tl.int32), axis=0) > 0:
+        m_own = m_s & mine
+        for t in range(NUM_TILES):
+            offs, m, x = _tile(x_ptr, row_off, m_own, seg * NUM_TILES + t, V, BLOCK)
+            # [ROWS, BLOCK]
+            w = _kept(x, m, lo_k, lo_p, pivot, shift_max, IS_LOGITS, USE_K, USE_P, USE_MIN_P)
+            cdf = tl.cumsum(w, axis=1) + run[:, None]
+            hit = (cdf > target[:, None]) & (w > 0.0)
+            first = tl.minimum(first, tl.min(tl.where(hit, offs[None, :], V), axis=1))
+            last = tl.maximum(last, tl.max(tl.where(w > 0.0, offs[None, :], -1), axis=1))
+            run += tl.sum(w, axis=1)
+    # no hit: rounding put u * Z at or past the running total; no kept mass at all: entry 0
+    sample = tl.where(first < V, first, tl.maximum(last, 0))
+    tl.store(out_ptr + rows, sample, mask=mine)
+
+
+@triton.jit
+def renorm_mass_kernel(
+    x_ptr, k_ptr, p_ptr, k_state, k_part, p_state, p_part, z_part,
+    k_val, p_val, B, V, stride_x, n_segs,
+    USE_K: tl.constexpr, USE_P: tl.constexpr, K_ARR: tl.constexpr, P_ARR: tl.constexpr,
+    ROWS: tl.constexpr, SEGS_P2: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
+):
+    """``z_part[row, seg]``: the segment's kept positive mass (the renorm's denominator, in parts)."""
+    rows, m_r, src, row_off, m_s = _rows(B, B, x_ptr, stride_x, False, ROWS)
+    seg = tl.program_id(1)
+    lo_k, lo_p = _final_thresholds(k_state, k_part, p_state, p_part, rows, m_r, src, B, V, n_segs, seg,
+                                   k_ptr, p_ptr, k_val, p_val, USE_K, USE_P, K_ARR, P_ARR, True, ROWS, SEGS_P2)
+    z = tl.zeros([ROWS], dtype=tl.float32)
+    for t in range(NUM_TILES):
+        offs, m, x = _tile(x_ptr, row_off, m_s, seg * NUM_TILES + t, V, BLOCK)
+        key = _ordered_key(x)
+        keep = (key >= lo_k[:, None]) & (key >= lo_p[:, None]) & (x > 0.0)
+        z += tl.sum(tl.where(keep, x, 0.0), axis=1)
+    tl.store(z_part + rows.to(tl.int64) * n_segs + seg, z, mask=m_r)
+
+
+@triton.jit
+def renorm_write_kernel(
+    x_ptr, out_ptr, k_ptr, p_ptr, k_state, k_part, p_state, p_part, z_part,
+    k_val, p_val, B, V, stride_x, stride_o, n_segs,
     USE_K: tl.constexpr, USE_P: tl.constexpr, MASK_LOGITS: tl.constexpr,
     K_ARR: tl.constexpr, P_ARR: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
+    ROWS: tl.constexpr, SEGS_P2: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
 ):
-    """float32 rows of ``out``: the top-k (``USE_K``) or top-p (``USE_P``) entries of ``x`` over
-    their sum (floored at 1e-8), 0 elsewhere; with ``MASK_LOGITS`` the top-k logits themselves,
-    ``-inf`` elsewhere. A row with ``k <= 0`` or ``k >= V`` is copied unchanged; ``top_p >= 1``
-    divides the row by its sum."""
+    """float32 rows of ``out``, one segment a program: the top-k (``USE_K``) or top-p (``USE_P``)
+    entries of ``x`` over their sum (floored at 1e-8; ``z_part`` from ``renorm_mass_kernel``), 0
+    elsewhere; with ``MASK_LOGITS`` the top-k logits themselves, ``-inf`` elsewhere. A row with
+    ``k <= 0`` or ``k >= V`` is copied unchanged; ``top_p >= 1`` divides the row by its sum."""
     rows, m_r, src, row_off, m_s = _rows(B, B, x_ptr, stride_x, False, ROWS)
+    seg = tl.program_id(1)
     out_off = rows.to(tl.int64) * stride_o
+    lo_k, lo_p = _final_thresholds(k_state, k_part, p_state, p_part, rows, m_r, src, B, V, n_segs, seg,
+                                   k_ptr, p_ptr, k_val, p_val, USE_K, USE_P, K_ARR, P_ARR, True, ROWS, SEGS_P2)
     if USE_K:
         k = _param(k_ptr, k_val, rows, src, m_r, K_ARR, True).to(tl.int32)
-        p = tl.zeros([ROWS], dtype=tl.float32)
         no_filter = (k <= 0) | (k >= V)
     else:
-        k = tl.zeros([ROWS], dtype=tl.int32)
-        p = _param(p_ptr, p_val, rows, src, m_r, P_ARR, True).to(tl.float32)
-        no_filter = p >= 1.0
-    lo_k, lo_p = _radix_thresholds(x_ptr, row_off, m_s, V, tl.minimum(tl.maximum(k, 1), V), tl.maximum(p, 1e-30),
-                                   USE_K, USE_P, ROWS, BLOCK, NUM_TILES)
-    lo_p = tl.where(no_filter, -2147483648, lo_p)
-
+        no_filter = rows < 0
     if not MASK_LOGITS:
-        z = tl.zeros([ROWS], dtype=tl.float32)
-        for t in range(NUM_TILES):
-            offs, m, x = _tile(x_ptr, row_off, m_s, t, V, BLOCK)
-            key = _ordered_key(x)
-            keep = (key >= lo_k[:, None]) & (key > lo_p[:, None]) & (x > 0.0)
-            z += tl.sum(tl.where(keep, x, 0.0), axis=1)
-        inv = 1.0 / tl.maximum(z, 1e-8)
+        inv = 1.0 / tl.maximum(_row_sum(z_part, rows, m_r, n_segs, ROWS, SEGS_P2), 1e-8)
     for t in range(NUM_TILES):
-        offs, m, x = _tile(x_ptr, row_off, m_s, t, V, BLOCK)
+        offs, m, x = _tile(x_ptr, row_off, m_s, seg * NUM_TILES + t, V, BLOCK)
         key = _ordered_key(x)
-        keep = (key >= lo_k[:, None]) & (key > lo_p[:, None])
+        keep = (key >= lo_k[:, None]) & (key >= lo_p[:, None])
         if MASK_LOGITS:
             y = tl.where(keep | no_filter[:, None], x, float("-inf"))
         else:
@@ -248,6 +407,13 @@ def renorm_kernel(
                 y = tl.where(no_filter[:, None], x, y)
         tl.store(out_ptr + out_off[:, None] + offs[None, :], y, mask=m)
 
+
+@triton.jit
+def _row_sum(z_part, rows, m_r, n_segs, ROWS: tl.constexpr, SEGS_P2: tl.constexpr):
+    s = tl.arange(0, SEGS_P2)
+    v = tl.load(z_part + rows.to(tl.int64)[:, None] * n_segs + s[None, :],
+                mask=m_r[:, None] & (s < n_segs)[None, :], other=0.0)
+    return tl.sum(v, axis=1)
 
 @triton.jit
 def softmax_kernel(
