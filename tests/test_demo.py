@@ -369,6 +369,13 @@ def test_main_check_fails_on_tight_tolerance(capsys):
     (["--top-k", "-2"], "--top-k: expected an integer >= 0"),
     (["--min-p", "1.5"], "--min-p: expected a value in [0, 1]"),
     (["--bogus"], "unrecognized arguments"),
+    (["--arch", "gpt"], "invalid choice"),
+    (["--kv-lora-rank", "16"], "add --arch deepseek"),
+    (["--arch", "deepseek", "--kv-dtype", "bf16,fp8"], "--kv-dtype fp8: the MLA latent cache is bf16 or fp16"),
+    (["--arch", "deepseek", "--heads", "8/2"], "MLA has no KV heads"),
+    (["--arch", "deepseek", "--use-tensor-cores"], "--use-tensor-cores"),
+    (["--arch", "deepseek", "--rope-dim", "7"], "--rope-dim: expected an even number"),
+    (["--arch", "deepseek", "--model", "/tmp"], "--arch deepseek is a random model"),
 ])
 def test_main_argument_errors(capsys, argv, message):
     assert main(argv) == 2
@@ -738,3 +745,224 @@ def test_gpu_overlap_host_share_under_ten_percent(sampled):
           f"device only {over.decode_tokens / over.decode_device_time:,.0f} tok/s")
     assert over_out == sync_out
     assert over.decode_host_share < 0.10, over.decode_host_share
+
+
+# ---------------------------------------------------------------------------------------------
+# --arch deepseek: multi-head latent attention served by BatchMLAPagedAttentionWrapper
+# ---------------------------------------------------------------------------------------------
+
+
+def _hf_deepseek(cfg, weights):
+    """``DeepseekV3ForCausalLM`` of the same shape with ``weights`` copied in (float32): every MLP dense
+    (``first_k_dense_replace`` = layers), rotate-half RoPE (``rope_interleave=False``), no YaRN."""
+    transformers = pytest.importorskip("transformers")
+    hf_cfg = transformers.DeepseekV3Config(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
+        q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, first_k_dense_replace=cfg.num_layers,
+        rope_interleave=False, rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=256,
+        tie_word_embeddings=False, attention_bias=False,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1)
+    hf_cfg._attn_implementation = "eager"
+    model = transformers.DeepseekV3ForCausalLM(hf_cfg).eval()
+    w = weights.to(torch.float32, "cpu")
+    i = cfg.intermediate_size
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(w.embed)
+        for layer, lw in zip(model.model.layers, w.layers):
+            a = layer.self_attn
+            if cfg.q_lora_rank is None:
+                a.q_proj.weight.copy_(lw.q_b)
+            else:
+                a.q_a_proj.weight.copy_(lw.q_a)
+                a.q_a_layernorm.weight.copy_(lw.q_a_norm)
+                a.q_b_proj.weight.copy_(lw.q_b)
+            a.kv_a_proj_with_mqa.weight.copy_(lw.kv_a)
+            a.kv_a_layernorm.weight.copy_(lw.kv_a_norm)
+            a.kv_b_proj.weight.copy_(lw.kv_b)
+            a.o_proj.weight.copy_(lw.o)
+            layer.mlp.gate_proj.weight.copy_(lw.gate_up[:i])
+            layer.mlp.up_proj.weight.copy_(lw.gate_up[i:])
+            layer.mlp.down_proj.weight.copy_(lw.down)
+            layer.input_layernorm.weight.copy_(lw.input_norm)
+            layer.post_attention_layernorm.weight.copy_(lw.post_norm)
+        model.model.norm.weight.copy_(w.final_norm)
+        model.lm_head.weight.copy_(w.lm_head)
+    return model
+
+
+@pytest.mark.parametrize("q_lora", [True, False], ids=["q-lora", "q-proj"])
+def test_mla_reference_matches_transformers(q_lora):
+    """The MLA dense reference (non-absorbed, a prefill then token-by-token steps) against
+    transformers' DeepSeek-V3 attention with the same weights."""
+    from tritoninfer.demo.deepseek import MLA_TINY, random_mla_weights
+    from tritoninfer.demo.reference import MLADenseReference
+
+    cfg = MLA_TINY if q_lora else dataclasses.replace(MLA_TINY, q_lora_rank=None)
+    weights = random_mla_weights(cfg, seed=0, dtype=torch.float32)
+    hf = _hf_deepseek(cfg, weights)
+    assert hf.model.layers[0].self_attn.scaling == pytest.approx(cfg.sm_scale)
+    tokens = torch.randint(0, cfg.vocab_size, (11,)).tolist()
+    ref = MLADenseReference(cfg, weights)
+    ours = torch.cat([ref.forward([(0, tokens[:7])], all_rows=True)] + [ref.forward([(0, [t])]) for t in tokens[7:]])
+    with torch.no_grad():
+        theirs = hf(torch.tensor([tokens])).logits[0]
+    assert (ours - theirs).abs().max() <= 1e-4 * theirs.abs().max()
+
+
+def _deepseek_run(dtype=torch.bfloat16, kv_dtype=torch.bfloat16, perturb=None, warmup=False, sampling=None,
+                  overlap=None, **engine_kw):
+    """Serve the test workload through the tiny MLA model with its dense reference (unless
+    ``overlap`` is given, which needs no reference). ``perturb(model)`` edits the served model only."""
+    from tritoninfer.demo.deepseek import MLA_TINY, DeepseekModel, random_mla_weights
+    from tritoninfer.demo.reference import MLADenseReference
+
+    cfg = MLA_TINY
+    weights = random_mla_weights(cfg, seed=0, dtype=torch.float32)
+    model = DeepseekModel(cfg, weights.to(dtype), dtype)
+    if perturb is not None:
+        perturb(model)
+    reference = MLADenseReference(cfg, weights) if overlap is None else None
+    ecfg = EngineConfig(page_size=4, workspace_bytes=8 << 20, sampling=sampling, overlap=bool(overlap),
+                        **{"max_batch": 3, **engine_kw})
+    engine = Engine(model, kv_dtype, ecfg, reference, num_pages=3 * 4)
+    workload = _workload(cfg.vocab_size)
+    if warmup:
+        engine.warmup(workload)
+    reqs = [Request(i, list(p), g) for i, (p, g) in enumerate(workload)]
+    stats = engine.run(reqs)
+    assert all(r.done for r in reqs) and stats.generated_tokens == sum(GEN_LENS)
+    assert engine.cache.allocator.num_free == engine.cache.num_pages
+    return engine, reqs, stats
+
+
+@pytest.mark.parametrize("dtype,kv_dtype,engine_kw,tol", [
+    # bf16, decode on the padded fixed-buffer path (the CUDA-graph one; max_batch 4: a batch of 3 is
+    # padded to 4), after the warm-up
+    (torch.bfloat16, torch.bfloat16, {"cuda_graph": True, "max_batch": 4, "warmup": True}, 0.08),
+    # fp32 activations with fp16 queries and latents, eager decode
+    (torch.float32, torch.float16, {"cuda_graph": False}, 0.01),
+], ids=["bf16-graphpath", "fp32-fp16kv-eager"])
+def test_deepseek_serving_loop_matches_dense_reference(dtype, kv_dtype, engine_kw, tol):
+    """Every step's logits (prefill through the causal MLA wrapper, decode steps) against the float32
+    non-absorbed forward; greedy tokens agree with the reference's argmax."""
+    engine, reqs, stats = _deepseek_run(dtype, kv_dtype, **engine_kw)
+    assert stats.checked_rows == sum(GEN_LENS) and stats.prefill_steps >= 2
+    assert stats.max_rel_diff <= tol, stats.max_rel_diff
+    assert stats.argmax_mismatches == 0
+    assert engine.cache.data.shape[-1] == engine.cfg_model.kv_lora_rank + engine.cfg_model.qk_rope_head_dim
+    if engine_kw.get("max_batch") == 4:
+        assert 3 in stats.decode_batch_sizes
+
+
+@pytest.mark.parametrize("broken", ["w_uk-heads-rolled", "w_uv-for-w_uk"])
+def test_deepseek_check_catches_a_broken_absorption(broken):
+    """The served model's absorbed W_UK is broken (one layer's heads permuted, or W_UV taken in its
+    place); the reference expands kv_b_proj from the definition, so the check fails far above its
+    tolerance."""
+    def perturb(model):
+        if broken == "w_uk-heads-rolled":
+            model.w_uk[0] = model.w_uk[0].roll(1, 0)
+        else:
+            model.w_uk[1] = model.w_uv[1].transpose(1, 2).contiguous()
+
+    _, _, stats = _deepseek_run(perturb=perturb)
+    assert stats.max_rel_diff > 0.3, stats.max_rel_diff
+
+
+def test_main_deepseek_check_end_to_end(capsys, monkeypatch):
+    """``--arch deepseek --check``: passes, nothing compiled while timed; and exit status 1 when the
+    served model's absorption is broken."""
+    status = main(["--arch", "deepseek", "--check", "--quiet", "--num-requests", "3", "--gen-len", "2-3"])
+    text = capsys.readouterr().out
+    assert status == 0, text
+    assert "MLA kv_lora_rank 32 + rope 16" in text and "BatchMLAPagedAttentionWrapper" in text
+    assert "check (bf16 KV)" in text and ": OK" in text
+    assert _row(text, "new kernel variants while timed") == ["0"]
+
+    from tritoninfer.demo import deepseek
+
+    init = deepseek.DeepseekModel.__init__
+
+    def broken_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.w_uk = [w.roll(1, 0) for w in self.w_uk]
+
+    monkeypatch.setattr(deepseek.DeepseekModel, "__init__", broken_init)
+    assert main(["--arch", "deepseek", "--check", "--quiet", "--num-requests", "1", "--gen-len", "2",
+                 "--no-warmup"]) == 1
+    assert "FAILED" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("sampling", [
+    None, SamplingConfig(SamplingParams(temperature=1.5, top_k=20, top_p=0.95), seed=3)], ids=["greedy", "joint"])
+def test_deepseek_overlap_and_sampling(sampling):
+    """The overlapped decode loop gives the synchronous path's tokens with the MLA model too (greedy
+    and sampled with a fixed seed); with --check, sampled tokens lie in the reference's allowed set."""
+    runs = {}
+    for overlap in (False, True):
+        engine, reqs, stats = _deepseek_run(sampling=sampling, overlap=overlap, max_batch=4)
+        assert engine.overlap == overlap and stats.decode_discarded == 0
+        runs[overlap] = [r.output for r in reqs]
+    assert runs[True] == runs[False]
+    if sampling is not None:
+        _, _, stats = _deepseek_run(sampling=sampling, max_batch=4)
+        assert stats.sampled_outside == 0 and stats.max_rel_diff <= 0.08
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cuda_graph", [True, False], ids=["graph", "eager"])
+def test_gpu_deepseek_matches_dense_reference(cuda_graph):
+    """On the GPU, the gpu preset's MLA shape (16 heads, DeepSeek's 512/64 latent, q_lora 1536,
+    bf16; 2 layers): warm-up, per-bucket CUDA graphs re-planned every step (or eager decode), every
+    step's logits against the float32 non-absorbed reference, nothing compiled while timed."""
+    from tritoninfer.demo.cli import default_tolerance
+    from tritoninfer.demo.deepseek import DeepseekModel, MLAConfig, random_mla_weights
+    from tritoninfer.demo.reference import MLADenseReference
+
+    cfg = MLAConfig(vocab_size=4096, hidden_size=2048, intermediate_size=5632, num_layers=2, num_heads=16,
+                    q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    weights = random_mla_weights(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
+    model = DeepseekModel(cfg, weights, torch.bfloat16)
+    reference = MLADenseReference(cfg, weights, "cuda")
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(1, 400, (24,), generator=g).tolist()
+    gens = torch.randint(1, 24, (24,), generator=g).tolist()
+    reqs = [Request(i, torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist(), m)
+            for i, (n, m) in enumerate(zip(lens, gens))]
+    ecfg = EngineConfig(page_size=16, max_batch=12, max_prefill_tokens=2048, cuda_graph=cuda_graph,
+                        attn_sample_every=4)
+    torch.set_float32_matmul_precision("highest")
+    engine = Engine(model, torch.bfloat16, ecfg, reference, num_pages=12 * 27)
+    with KernelVariants() as variants:
+        engine.warmup([(r.prompt, r.max_new_tokens) for r in reqs])
+        compiled = len(variants)
+        stats = engine.run(reqs)
+    assert len(variants) == compiled
+    assert all(r.done for r in reqs) and stats.generated_tokens == sum(gens)
+    assert stats.max_rel_diff <= default_tolerance("bf16", "bf16"), stats.max_rel_diff
+    assert engine.cache.allocator.num_free == engine.cache.num_pages
+    if cuda_graph:
+        assert stats.graphs_captured == len(engine.buckets)
+        assert 0 < stats.decode_attn_share < 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["gpu", "h200"])
+def test_gpu_main_deepseek_presets(preset, tmp_path):
+    """``--arch deepseek`` with the gpu (16 heads) and h200 (128 heads) presets' model, a short
+    workload: --check passes; then overlapped (the default without --check) and sampled, the
+    synchronous path's tokens."""
+    out = tmp_path / "ds.md"
+    base = ["--arch", "deepseek", "--preset", preset, "--num-requests", "8", "--max-batch", "4",
+            "--prompt-len", "64-512", "--gen-len", "8", "--quiet"]
+    assert main(base + ["--check", "--out", str(out)]) == 0
+    assert "check (bf16 KV)" in out.read_text()
+    sampled = ["--sampling", "--temperature", "0.8", "--top-k", "50", "--out", str(out)]
+    generated = []
+    for extra in ([], ["--no-overlap"]):
+        assert main(base + sampled + extra) == 0
+        generated.append(re.search(r"request 0 .* generated (.*)", out.read_text()).group(1))
+    assert generated[0] == generated[1]

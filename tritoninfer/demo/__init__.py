@@ -1,7 +1,8 @@
 """``tritoninfer demo``: continuous-batching generation (greedy or sampled) over a paged KV cache.
 
-A Llama-architecture decoder (``model``) on tritoninfer's kernels, a paged KV cache with a page
-allocator (``kv_cache``), a continuous-batching scheduler (``scheduler``), the serving loop with
+A Llama-architecture decoder (``model``) or a DeepSeek-style MLA decoder (``deepseek``, with
+``--arch deepseek``) on tritoninfer's kernels, the attention of each (``attention``), a paged KV
+cache with a page allocator (``kv_cache``), a continuous-batching scheduler (``scheduler``), the serving loop with
 prefill / decode steps and CUDA graphs (``engine``), sampling with tritoninfer's sampling kernels
 (``sampler``), a dense float32 reference for ``--check`` (``reference``), local Hugging Face
 checkpoints (``hf``) and the command line (``cli``).

@@ -12,7 +12,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 import torch
 
-__all__ = ["build_parser", "parse_args", "run", "PRESETS", "default_tolerance"]
+__all__ = ["build_parser", "parse_args", "run", "PRESETS", "DEEPSEEK_PRESETS", "default_tolerance"]
 
 # Model shape and workload of each preset; explicit options override them.
 _REALISTIC = dict(layers=8, hidden=4096, intermediate=14336, heads="32/8", head_dim=128, vocab=32000)
@@ -28,6 +28,21 @@ PRESETS = {
     "h200": dict(**_REALISTIC, num_requests=128, prompt_len="512-4096", gen_len="128", max_batch=64,
                  page_size=16, kv_dtype="bf16,fp8", max_prefill_tokens=32768),
 }
+# --arch deepseek: the same workloads with an MLA model (DeepSeek-V3's attention: 512/64 latent,
+# q_lora 1536; dense SwiGLU MLP, plain RoPE); the tiny one has small latent dims for the interpreter
+_MLA_REALISTIC = dict(kv_lora_rank=512, rope_dim=64, q_lora_rank=1536, head_dim=128, vocab=32000)
+_WORKLOAD_KEYS = ("num_requests", "prompt_len", "gen_len", "max_batch", "page_size", "max_prefill_tokens")
+DEEPSEEK_PRESETS = {
+    "tiny": dict(layers=2, hidden=64, intermediate=128, heads="4", head_dim=16, rope_dim=16, kv_lora_rank=32,
+                 q_lora_rank=32, vocab=128, kv_dtype="bf16", **{k: PRESETS["tiny"][k] for k in _WORKLOAD_KEYS}),
+    # 16 heads: DeepSeek-V3's attention sharded over 8 GPUs (tensor parallel), hidden 2048
+    "gpu": dict(layers=4, hidden=2048, intermediate=5632, heads="16", **_MLA_REALISTIC, kv_dtype="bf16",
+                **{k: PRESETS["gpu"][k] for k in _WORKLOAD_KEYS}),
+    # 128 heads: DeepSeek-V3's attention layer on one GPU (hidden 7168), 4 layers with dense MLPs
+    "h200": dict(layers=4, hidden=7168, intermediate=18432, heads="128", **_MLA_REALISTIC, kv_dtype="bf16",
+                 **{k: PRESETS["h200"][k] for k in _WORKLOAD_KEYS}),
+}
+_MLA_ONLY = ("kv_lora_rank", "rope_dim", "q_lora_rank")
 _KV_CHOICES = ("bf16", "fp16", "fp8")
 
 
@@ -78,6 +93,16 @@ def _kv_dtypes(text: str) -> List[str]:
     return out
 
 
+def _non_negative(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative int, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative int, got {text!r}")
+    return v
+
+
 def _positive(text: str) -> int:
     try:
         v = int(text)
@@ -99,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model shape and workload: 'tiny' (the default without a GPU), 'gpu' (the default with "
                         "one), 'h200' (8 layers of a 32/8-head, hidden-4096 model, 128 requests, 64 at a time, "
                         "prompts 512-4096, bf16 and fp8 KV); options below override it")
+    p.add_argument("--arch", choices=("llama", "deepseek"), default="llama",
+                   help="the random model: 'llama' (GQA, the default) or 'deepseek' (multi-head latent attention "
+                        "served by BatchMLAPagedAttentionWrapper; per preset tiny: small latent dims, gpu: 16 heads, "
+                        "h200: 128 heads, both with DeepSeek's 512/64 latent and q_lora 1536)")
     g = p.add_argument_group("workload")
     g.add_argument("--num-requests", type=_positive, metavar="N", help="requests to serve")
     g.add_argument("--prompt-len", type=_range, metavar="N|LO-HI", help="prompt length in tokens: N or LO-HI (uniform, seeded)")
@@ -128,8 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--layers", type=_positive, metavar="N", help="decoder layers")
     g.add_argument("--hidden", type=_positive, metavar="N", help="hidden size")
     g.add_argument("--intermediate", type=_positive, metavar="N", help="MLP size (default: the preset's, or 3.5 x hidden)")
-    g.add_argument("--heads", type=_heads, metavar="Q/KV", help="query/KV heads, e.g. 32/8 (GQA)")
-    g.add_argument("--head-dim", type=_positive, metavar="N", help="a multiple of 8 up to 256")
+    g.add_argument("--heads", type=_heads, metavar="Q/KV", help="query/KV heads, e.g. 32/8 (GQA); deepseek: Q")
+    g.add_argument("--head-dim", type=_positive, metavar="N",
+                   help="a multiple of 8 up to 256; deepseek: qk_nope_head_dim and v_head_dim")
+    g.add_argument("--kv-lora-rank", type=_positive, metavar="N", help="deepseek: latent width (head_dim_ckv)")
+    g.add_argument("--rope-dim", type=_positive, metavar="N", help="deepseek: qk_rope_head_dim (head_dim_kpe), even")
+    g.add_argument("--q-lora-rank", type=_non_negative, metavar="N", help="deepseek: query LoRA rank (0: none)")
     g.add_argument("--vocab", type=_positive, metavar="N", help="vocabulary size")
     g.add_argument("--model", metavar="PATH",
                    help="a local Hugging Face Llama/Qwen2/Mistral checkpoint folder (config.json + *.safetensors); "
@@ -168,8 +201,23 @@ def parse_args(argv: List[str], on_gpu: Optional[bool] = None) -> argparse.Names
     args.interpreter = not on_gpu
     if args.preset is None:
         args.preset = "gpu" if on_gpu else "tiny"
-    preset = PRESETS[args.preset]
-    shape_opts = ("layers", "hidden", "intermediate", "heads", "head_dim", "vocab")
+    deepseek = args.arch == "deepseek"
+    preset = (DEEPSEEK_PRESETS if deepseek else PRESETS)[args.preset]
+    shape_opts = ("layers", "hidden", "intermediate", "heads", "head_dim", "vocab") + _MLA_ONLY
+    if not deepseek:
+        given = [o for o in _MLA_ONLY if getattr(args, o) is not None]
+        if given:
+            parser.error(f"--{given[0].replace('_', '-')}: an MLA option; add --arch deepseek")
+    else:
+        if args.model is not None:
+            parser.error("--model: only Llama/Qwen2/Mistral checkpoints are loaded; --arch deepseek is a random model")
+        if args.heads is not None and args.heads[0] != args.heads[1]:
+            parser.error("--heads: MLA has no KV heads (one latent row per token serves every head); give Q alone")
+        if args.kv_dtype is not None and "fp8" in args.kv_dtype:
+            parser.error("--kv-dtype fp8: the MLA latent cache is bf16 or fp16 (BatchMLAPagedAttentionWrapper, as "
+                         "FlashInfer 0.5.3)")
+        if args.use_tensor_cores:
+            parser.error("--use-tensor-cores: a decode-wrapper option; --arch deepseek uses the MLA wrapper")
     if args.model is not None:
         given = [o for o in shape_opts if getattr(args, o) is not None]
         if given:
@@ -186,8 +234,10 @@ def parse_args(argv: List[str], on_gpu: Optional[bool] = None) -> argparse.Names
     args.argv = list(argv)
     if args.tolerance is not None and not args.tolerance > 0:
         parser.error("--tolerance: expected a positive number")
-    if args.head_dim % 8 or args.head_dim > 256:
+    if not deepseek and (args.head_dim % 8 or args.head_dim > 256):
         parser.error(f"--head-dim: expected a multiple of 8 up to 256, got {args.head_dim}")
+    if deepseek and args.rope_dim % 2:
+        parser.error(f"--rope-dim: expected an even number (rotary pairs), got {args.rope_dim}")
     args.sampling_config = _sampling_config(parser, args)
     return args
 
@@ -265,7 +315,7 @@ def make_workload(args, vocab: int) -> List[Tuple[List[int], int]]:
 def run(args) -> int:
     from .hf import load_checkpoint
     from .model import DTYPES, LlamaModel, ModelConfig, random_weights
-    from .reference import DenseReference
+    from .reference import DenseReference, MLADenseReference
     from .scheduler import pages_for
     from .variants import KernelVariants
 
@@ -279,7 +329,20 @@ def run(args) -> int:
             out.append("NOTE: a large shape under the interpreter runs for a very long time; the tiny preset takes "
                        "seconds.")
     t0 = time.perf_counter()
-    if args.model:
+    if args.arch == "deepseek":
+        from .deepseek import DeepseekModel, MLAConfig, random_mla_weights
+
+        try:
+            mcfg = MLAConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                             num_layers=args.layers, num_heads=args.heads[0], q_lora_rank=args.q_lora_rank or None,
+                             kv_lora_rank=args.kv_lora_rank, qk_nope_head_dim=args.head_dim,
+                             qk_rope_head_dim=args.rope_dim, v_head_dim=args.head_dim)
+        except ValueError as exc:
+            print(f"tritoninfer demo: error: {exc}", file=sys.stderr)
+            return 2
+        weights = random_mla_weights(mcfg, args.seed, dtype, device)
+        source = f"random DeepSeek-style MLA weights (seed {args.seed})"
+    elif args.model:
         try:
             mcfg, weights = load_checkpoint(args.model, dtype, device)
         except (OSError, ValueError, KeyError, NotImplementedError) as exc:
@@ -296,7 +359,7 @@ def run(args) -> int:
             return 2
         weights = random_weights(mcfg, args.seed, dtype, device)
         source = f"random Llama-architecture weights (seed {args.seed})"
-    model = LlamaModel(mcfg, weights, dtype)
+    model = DeepseekModel(mcfg, weights, dtype) if args.arch == "deepseek" else LlamaModel(mcfg, weights, dtype)
     load_time = time.perf_counter() - t0
     workload = make_workload(args, mcfg.vocab_size)
     max_kv = max(len(p) + g - 1 for p, g in workload)
@@ -308,7 +371,10 @@ def run(args) -> int:
     reference = None
     if args.check:
         torch.set_float32_matmul_precision("highest")  # a float32 reference: no TF32 on the GPU
-        reference = DenseReference(mcfg, weights, device)
+        if args.arch == "deepseek":
+            reference = MLADenseReference(mcfg, weights, device)
+        else:
+            reference = DenseReference(mcfg, weights, device)
     from tritoninfer import _device
 
     out.append(f"device    : {_device.device_name()} | torch {torch.__version__} | triton {_triton_version()}")
@@ -335,8 +401,13 @@ def run(args) -> int:
             graph += f", tokens read after each step ({why})"
         else:
             graph += ", the next step prepared while the device runs one (tokens read one step late)"
-    out.append(f"KV cache  : {num_pages} pages x {args.page_size} tokens, [layers, pages, 2, page, H_kv, D]; "
-               f"decode: {graph}, use_tensor_cores={args.use_tensor_cores}")
+    if args.arch == "deepseek":
+        out.append(f"KV cache  : {num_pages} pages x {args.page_size} tokens, latent [layers, pages, page, "
+                   f"{mcfg.kv_lora_rank} + {mcfg.qk_rope_head_dim}] (ckv and kpe slices, one row per token for "
+                   f"all heads); BatchMLAPagedAttentionWrapper: prefill causal, decode: {graph}")
+    else:
+        out.append(f"KV cache  : {num_pages} pages x {args.page_size} tokens, [layers, pages, 2, page, H_kv, D]; "
+                   f"decode: {graph}, use_tensor_cores={args.use_tensor_cores}")
     print("tritoninfer demo: continuous batching over a paged KV cache")
     for line in out:
         print("  " + line)

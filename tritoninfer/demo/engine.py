@@ -28,6 +28,10 @@
   synchronous path). The device work is the same in both paths, so are the tokens (with stop
   tokens the late step shifts the later batches, which changes sampled tokens: ``docs/demo.md``).
 
+Architectures: the cache, the wrappers and each layer's append + attention come from
+``attention.py`` (GQA for Llama-style models; for ``--arch deepseek`` a paged latent cache and
+``BatchMLAPagedAttentionWrapper`` for prefill and decode); everything above is shared.
+
 fp8 KV: K/V are divided by the layer's static scale and rounded to e4m3 in torch, then appended
 (``append_paged_kv_cache`` can convert fp16/bf16 to fp8 itself, but under the Triton interpreter
 fp32->fp8 casts are wrong, so the demo converts before the append everywhere).
@@ -42,14 +46,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from tritoninfer.decode import BatchDecodeWithPagedKVCacheWrapper
-from tritoninfer.page import append_paged_kv_cache, get_batch_indices_positions
-from tritoninfer.prefill import BatchPrefillWithPagedKVCacheWrapper
+from tritoninfer.page import get_batch_indices_positions
 
 from tritoninfer import _device
 
-from .kv_cache import PagedKVCache
-from .model import LlamaModel
+from .attention import attention_for
 from .reference import DenseReference
 from .sampler import Sampler, SamplingConfig, allowed_rows
 from .scheduler import Request, Scheduler
@@ -215,10 +216,7 @@ class _DecodeRunner:
         self.indices = self.inputs[3 * s:]
         self.indptr = torch.zeros(bucket + 1, dtype=torch.int32, device=dev)
         self.lpl = torch.zeros(bucket, dtype=torch.int32, device=dev)
-        self.wrapper = BatchDecodeWithPagedKVCacheWrapper(
-            e.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=e.cfg.use_tensor_cores,
-            paged_kv_indptr_buffer=self.indptr, paged_kv_indices_buffer=self.indices,
-            paged_kv_last_page_len_buffer=self.lpl)
+        self.wrapper = e.attn.graph_wrapper(e.workspace, bucket, self.indptr, self.indices, self.lpl)
         self.sbufs = e.sampler.buffers(bucket) if e.sampler is not None else None
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.logits: Optional[torch.Tensor] = None
@@ -228,18 +226,8 @@ class _DecodeRunner:
     def _forward(self, timer: Optional[_Timer]) -> Tuple[torch.Tensor, torch.Tensor]:
         """(logits, tokens) of the whole bucket; the tokens are also written to the token table."""
         e = self.e
-
-        def attention(layer, q, k, v):
-            kq, vq = e.cache.quantize(layer, k, v)
-            append_paged_kv_cache(kq, vq, self.bidx, self.pos, e.cache.layer(layer), self.indices, self.indptr, self.lpl)
-            ks, vs = e.cache.scales(layer)
-            if timer is not None:
-                timer.start()
-            o = self.wrapper.run(q, e.cache.layer(layer), k_scale=ks, v_scale=vs)
-            if timer is not None:
-                timer.stop()
-            return o
-
+        attention = e.attn.layer_fn(self.wrapper, e.cache, self.bidx, self.pos, self.indices, self.indptr, self.lpl,
+                                    timer)
         slots = self.slots.long()
         logits = e.model.forward(e.tok_table.index_select(0, slots), self.pos, attention)
         tokens = e.sampler.sample(logits, self.sbufs) if e.sampler is not None else logits.argmax(-1)
@@ -286,10 +274,7 @@ class _DecodeRunner:
             np.concatenate([r.page_array() for r in reqs], out=buf[3 * s:size])
         self.inputs[:size].copy_(host[:size], non_blocking=True)
         e.stage.record(i)
-        self.wrapper.plan(torch.from_numpy(indptr), self.indices, torch.from_numpy(lpl),
-                          e.cfg_model.num_heads, e.cfg_model.num_kv_heads, e.cfg_model.head_dim, ps,
-                          window_left=e.cfg_model.window_left, q_data_type=e.model.attn_dtype,
-                          kv_data_type=e.cache.dtype)
+        e.attn.plan_decode(self.wrapper, e.cache, indptr, self.indices, lpl)
         if self.sbufs is not None:
             e.sampler.fill(self.sbufs, reqs)
         return indptr, lpl
@@ -336,16 +321,9 @@ class _DecodeRunner:
         """Seconds the current plan's attention takes over all layers (a graph of the wrapper's
         runs alone, on dummy queries; the cache is only read)."""
         e = self.e
-        cfg = e.cfg_model
         if self.attn_graph is None:
-            self._q = torch.randn(self.bucket, cfg.num_heads, cfg.head_dim, device=e.device).to(e.model.attn_dtype)
-            self._o = torch.empty_like(self._q)
-
-            def body():
-                for layer in range(cfg.num_layers):
-                    ks, vs = e.cache.scales(layer)
-                    self.wrapper.run(self._q, e.cache.layer(layer), k_scale=ks, v_scale=vs, out=self._o)
-
+            # kept on the runner: its dummy queries and output must outlive the graph that reads them
+            self._attn_body = body = e.attn.timing_body(self.wrapper, e.cache, self.bucket, e.device)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -424,20 +402,20 @@ class _Launched:
 
 class Engine:
     """Continuous batching over a paged KV cache. ``run(requests)`` serves them all and returns
-    :class:`Stats`; with a ``reference``, every step's logits are compared with it."""
+    :class:`Stats`; with a ``reference`` (``DenseReference``, or ``MLADenseReference`` for an MLA model),
+    every step's logits are compared with it."""
 
-    def __init__(self, model: LlamaModel, kv_dtype: torch.dtype, cfg: EngineConfig,
+    def __init__(self, model, kv_dtype: torch.dtype, cfg: EngineConfig,
                  reference: Optional[DenseReference] = None, num_pages: Optional[int] = None) -> None:
         self.model, self.cfg, self.reference = model, cfg, reference
         self.cfg_model = model.cfg
         self.device = model.device
-        mc = model.cfg
-        self.cache = PagedKVCache(mc.num_layers, num_pages or cfg.num_pages, cfg.page_size, mc.num_kv_heads,
-                                  mc.head_dim, kv_dtype, self.device)
+        # the architecture's cache, wrappers and per-layer append + attention (GQA or MLA)
+        self.attn = attention_for(model, cfg.use_tensor_cores)
+        self.cache = self.attn.make_cache(num_pages or cfg.num_pages, cfg.page_size, kv_dtype, self.device)
         self.workspace = torch.zeros(cfg.workspace_bytes, dtype=torch.uint8, device=self.device)
-        self.prefill_wrapper = BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        self.decode_wrapper = BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
-                                                                 use_tensor_cores=cfg.use_tensor_cores)
+        self.prefill_wrapper = self.attn.prefill_wrapper(self.workspace)
+        self.decode_wrapper = self.attn.decode_wrapper(self.workspace)
         self.buckets = batch_buckets(cfg.max_batch)
         self._runners: Dict[int, _DecodeRunner] = {}
         self.graph_pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" and cfg.cuda_graph else None
@@ -496,7 +474,7 @@ class Engine:
 
     # ------------------------------------------------------------------ steps
     def _prefill(self, reqs: List[Request], timer: _Timer) -> torch.Tensor:
-        mc, ps, cache = self.cfg_model, self.cache.page_size, self.cache
+        ps, cache = self.cache.page_size, self.cache
         lens = np.array([len(r.prompt) for r in reqs], dtype=np.int64)
         n = int(lens.sum())
         qo_indptr = np.zeros(len(reqs) + 1, dtype=np.int32)
@@ -508,23 +486,10 @@ class Engine:
         ids = torch.tensor([t for r in reqs for t in r.prompt], dtype=torch.long).to(self.device)
         qo_d, kvi_d, kvx_d, lpl_d, seq_d = self._to_device([qo_indptr, kv_indptr, kv_indices, lpl, lens])
         batch_indices, positions = get_batch_indices_positions(qo_d, seq_d, n)
-        self.prefill_wrapper.plan(torch.from_numpy(qo_indptr), torch.from_numpy(kv_indptr), kvx_d,
-                                  torch.from_numpy(lpl), mc.num_heads, mc.num_kv_heads, mc.head_dim, ps,
-                                  causal=True, window_left=mc.window_left, q_data_type=self.model.attn_dtype,
-                                  kv_data_type=cache.dtype)
+        self.attn.plan_prefill(self.prefill_wrapper, cache, qo_indptr, kv_indptr, kvx_d, lpl)
         calibrate = cache.is_fp8 and cache.k_scale is None
-
-        def attention(layer, q, k, v):
-            if calibrate:
-                cache.calibrate(layer, k, v)
-            kq, vq = cache.quantize(layer, k, v)
-            append_paged_kv_cache(kq, vq, batch_indices, positions, cache.layer(layer), kvx_d, kvi_d, lpl_d)
-            ks, vs = cache.scales(layer)
-            timer.start()
-            o = self.prefill_wrapper.run(q, cache.layer(layer), k_scale=ks, v_scale=vs)
-            timer.stop()
-            return o
-
+        attention = self.attn.layer_fn(self.prefill_wrapper, cache, batch_indices, positions, kvx_d, kvi_d, lpl_d,
+                                       timer, calibrate=calibrate)
         last_rows = (qo_d[1:] - 1).long()
         logits = self.model.forward(ids, positions, attention, logits_rows=last_rows)
         if calibrate and self.reference is not None:
@@ -658,16 +623,13 @@ class Engine:
         in flight, so that the measurement neither stalls nor lengthens the overlapped steps: each
         runner is re-planned with the sampled step's page table and its attention graph replayed
         (the pages may hold other tokens by now, which does not change the time; only read)."""
-        mc = self.cfg_model
         for runner, indptr, lpl, ids in self._attn_samples:
-            runner.wrapper.plan(torch.from_numpy(indptr), torch.from_numpy(ids), torch.from_numpy(lpl), mc.num_heads,
-                                mc.num_kv_heads, mc.head_dim, self.cache.page_size, window_left=mc.window_left,
-                                q_data_type=self.model.attn_dtype, kv_data_type=self.cache.dtype)
+            self.attn.plan_decode(runner.wrapper, self.cache, indptr, torch.from_numpy(ids), lpl)
             self.stats.decode_attn_time += runner.time_attention()
         self._attn_samples.clear()
 
     def _decode_eager(self, reqs: List[Request], timer: _Timer) -> torch.Tensor:
-        mc, ps, cache = self.cfg_model, self.cache.page_size, self.cache
+        ps, cache = self.cache.page_size, self.cache
         b = len(reqs)
         indptr = np.zeros(b + 1, dtype=np.int32)
         np.cumsum([len(r.pages) for r in reqs], out=indptr[1:])
@@ -676,19 +638,8 @@ class Engine:
         pos = np.array([r.kv_len for r in reqs], dtype=np.int32)
         ind_d, idx_d, lpl_d, pos_d, bidx_d = self._to_device([indptr, indices, lpl, pos, np.arange(b)])
         ids = torch.tensor([r.last_token for r in reqs], dtype=torch.long).to(self.device)
-        self.decode_wrapper.plan(torch.from_numpy(indptr), idx_d, torch.from_numpy(lpl), mc.num_heads,
-                                 mc.num_kv_heads, mc.head_dim, ps, window_left=mc.window_left,
-                                 q_data_type=self.model.attn_dtype, kv_data_type=cache.dtype)
-
-        def attention(layer, q, k, v):
-            kq, vq = cache.quantize(layer, k, v)
-            append_paged_kv_cache(kq, vq, bidx_d, pos_d, cache.layer(layer), idx_d, ind_d, lpl_d)
-            ks, vs = cache.scales(layer)
-            timer.start()
-            o = self.decode_wrapper.run(q, cache.layer(layer), k_scale=ks, v_scale=vs)
-            timer.stop()
-            return o
-
+        self.attn.plan_decode(self.decode_wrapper, cache, indptr, idx_d, lpl)
+        attention = self.attn.layer_fn(self.decode_wrapper, cache, bidx_d, pos_d, idx_d, ind_d, lpl_d, timer)
         return self.model.forward(ids, pos_d, attention)
 
     def warmup(self, workload: Sequence[Tuple[Sequence[int], int]]) -> float:
@@ -735,10 +686,7 @@ class Engine:
 
     def _rehearse(self, workload: Sequence[Tuple[Sequence[int], int]]) -> None:
         """Serve ``workload`` through a one-layer copy of the model (see :meth:`warmup`)."""
-        mc, w = self.cfg_model, self.model.w
-        one_layer = LlamaModel(dataclasses.replace(mc, num_layers=1), dataclasses.replace(w, layers=w.layers[:1]),
-                               self.model.dtype, self.model.attn_dtype)
-        engine = Engine(one_layer, self.cache.dtype, dataclasses.replace(self.cfg, record_logits=False),
+        engine = Engine(self.model.one_layer(), self.cache.dtype, dataclasses.replace(self.cfg, record_logits=False),
                         num_pages=self.cache.num_pages)
         engine.run([Request(i, list(prompt), n) for i, (prompt, n) in enumerate(workload)])
         self._sync()

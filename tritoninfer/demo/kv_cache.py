@@ -14,7 +14,7 @@ from typing import List, Optional
 
 import torch
 
-__all__ = ["KV_DTYPES", "PageAllocator", "PagedKVCache", "OutOfPages"]
+__all__ = ["KV_DTYPES", "PageAllocator", "PagedKVCache", "PagedMLACache", "OutOfPages"]
 
 KV_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
 
@@ -109,3 +109,41 @@ class PagedKVCache:
         kq = (k.float() * (1.0 / self.k_scale[i])).clamp_(-fmax, fmax).to(self.dtype)
         vq = (v.float() * (1.0 / self.v_scale[i])).clamp_(-fmax, fmax).to(self.dtype)
         return kq, vq
+
+
+class PagedMLACache:
+    """The latent cache of an MLA model: ``[layers, pages, page_size, kv_lora_rank + rope]`` in one
+    buffer, as SGLang keeps it; ``ckv(i)`` / ``kpe(i)`` are layer ``i``'s strided slices
+    ``[pages, page_size, kv_lora_rank]`` / ``[pages, page_size, rope]`` that the MLA wrapper and
+    ``append_paged_mla_kv_cache`` take. One row per token, shared by every head. fp16/bf16 only
+    (``BatchMLAPagedAttentionWrapper`` takes those, as FlashInfer 0.5.3)."""
+
+    is_fp8 = False
+    k_scale = v_scale = None
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_lora_rank: int, rope_dim: int,
+                 dtype: torch.dtype, device) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size: expected a positive int, got {page_size}")
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"kv_dtype: the MLA latent cache is fp16 or bf16, got {dtype}")
+        self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
+        self.kv_lora_rank, self.rope_dim, self.dtype = kv_lora_rank, rope_dim, dtype
+        self.data = torch.zeros(num_layers, num_pages, page_size, kv_lora_rank + rope_dim, dtype=dtype, device=device)
+        self.allocator = PageAllocator(num_pages)
+
+    def ckv(self, i: int) -> torch.Tensor:
+        return self.data[i, :, :, : self.kv_lora_rank]
+
+    def kpe(self, i: int) -> torch.Tensor:
+        return self.data[i, :, :, self.kv_lora_rank:]
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.num_layers * (self.kv_lora_rank + self.rope_dim) * self.data.element_size()
+
+    def scales(self, i: int):
+        return None, None
+
+    def calibrate(self, i: int, *latents) -> None:
+        """No scales to calibrate (no fp8 form)."""

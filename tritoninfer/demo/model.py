@@ -172,6 +172,8 @@ class LlamaModel:
     is converted back.
     """
 
+    arch = "llama"  # the engine's attention backend (attention.py); DeepseekModel's is "deepseek"
+
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, dtype: torch.dtype = torch.bfloat16,
                  attn_dtype: Optional[torch.dtype] = None) -> None:
         self.cfg = cfg
@@ -179,6 +181,11 @@ class LlamaModel:
         self.attn_dtype = attn_dtype or (dtype if dtype in (torch.float16, torch.bfloat16) else torch.float16)
         self.w = weights
         self.device = weights.embed.device
+
+    def one_layer(self) -> "LlamaModel":
+        """A copy with only the first layer (the engine's warm-up rehearses with it)."""
+        return LlamaModel(dataclasses.replace(self.cfg, num_layers=1),
+                          dataclasses.replace(self.w, layers=self.w.layers[:1]), self.dtype, self.attn_dtype)
 
     def rope_(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> None:
         """Rotate q and k in place (rotate-half, as Hugging Face's Llama)."""

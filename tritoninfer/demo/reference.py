@@ -18,7 +18,7 @@ import torch
 
 from .model import ModelConfig, ModelWeights
 
-__all__ = ["DenseReference", "rope_inv_freq"]
+__all__ = ["DenseReference", "MLADenseReference", "rope_inv_freq"]
 
 
 def rope_inv_freq(cfg: ModelConfig, device) -> torch.Tensor:
@@ -163,3 +163,100 @@ class DenseReference:
             last = torch.tensor(list(itertools.accumulate(len(t) for _, t in segments)), device=self.device) - 1
             h = h[last]
         return _rmsnorm(h, w.final_norm, cfg.rms_norm_eps) @ w.lm_head.T
+
+
+class MLADenseReference:
+    """float32 forward of a :class:`~tritoninfer.demo.deepseek.DeepseekModel`'s weights, from the
+    definition (not absorbed): per request a contiguous store of the latent rows (``ckv`` after
+    ``kv_a_layernorm``, rotated ``k_pe``), expanded by ``kv_b_proj`` into per-head ``k_nope`` and ``v``
+    at every step; scores ``q_nope·k_nope + q_pe·k_pe`` over ``sqrt(qk_nope + qk_rope)``. The served
+    model multiplies by ``W_UK``/``W_UV`` instead, so this also checks the absorption. Same interface
+    as :class:`DenseReference`; the MLA cache has no fp8 form, so no ``kv_quant``."""
+
+    def __init__(self, cfg, weights, device=None, query_chunk: int = 1024) -> None:
+        self.cfg = cfg
+        self.device = torch.device(device) if device is not None else weights.embed.device
+        self.w = weights.to(torch.float32, self.device)
+        d = cfg.qk_rope_head_dim
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        self.inv_freq = inv.to(device=self.device, dtype=torch.float32)
+        self.query_chunk = query_chunk
+        self._kv: Dict[int, torch.Tensor] = {}  # rid -> [layers, capacity, kv_lora_rank + rope]
+        self._len: Dict[int, int] = {}
+
+    def reset(self) -> None:
+        self._kv.clear()
+        self._len.clear()
+
+    def set_kv_quant(self, kv_quant) -> None:
+        if kv_quant is not None:
+            raise ValueError("kv_quant: the MLA reference has no quantised latent cache")
+
+    def release(self, rid: int) -> None:
+        self._kv.pop(rid, None)
+        self._len.pop(rid, None)
+
+    def reserve(self, rid: int, num_tokens: int) -> None:
+        buf = self._kv.get(rid)
+        if buf is not None and buf.shape[1] >= num_tokens:
+            return
+        cfg = self.cfg
+        new = torch.zeros(cfg.num_layers, num_tokens, cfg.kv_lora_rank + cfg.qk_rope_head_dim, device=self.device)
+        if buf is not None:
+            new[:, : buf.shape[1]] = buf
+        self._kv[rid] = new
+
+    @torch.no_grad()
+    def forward(self, segments: List[Tuple[int, List[int]]], all_rows: bool = False) -> torch.Tensor:
+        """As :meth:`DenseReference.forward`."""
+        cfg, w = self.cfg, self.w
+        hq, nope, rope, r, dv = (cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank,
+                                 cfg.v_head_dim)
+        eps = cfg.rms_norm_eps
+        ids = torch.tensor([t for _, toks in segments for t in toks], dtype=torch.long, device=self.device)
+        starts = [self._len.get(rid, 0) for rid, _ in segments]
+        pos = torch.cat([torch.arange(s, s + len(toks), device=self.device) for s, (_, toks) in zip(starts, segments)])
+        ang = pos.float()[:, None] * self.inv_freq[None, :]
+        cos = torch.cat((ang.cos(), ang.cos()), -1)  # [n, P]
+        sin = torch.cat((ang.sin(), ang.sin()), -1)
+        n = ids.shape[0]
+        h = w.embed[ids]
+        for li, lw in enumerate(w.layers):
+            x = _rmsnorm(h, lw.input_norm, eps)
+            q_in = x if lw.q_a is None else _rmsnorm(x @ lw.q_a.T, lw.q_a_norm, eps)
+            q = (q_in @ lw.q_b.T).view(n, hq, nope + rope)
+            q_nope = q[..., :nope]
+            q_pe = _rotate(q[..., nope:], cos[:, None], sin[:, None])
+            kv = x @ lw.kv_a.T
+            latent = torch.cat((_rmsnorm(kv[:, :r], lw.kv_a_norm, eps), _rotate(kv[:, r:], cos, sin)), -1)
+            out = torch.empty(n, hq, dv, device=self.device)
+            row = 0
+            for (rid, toks), start in zip(segments, starts):
+                m = len(toks)
+                self.reserve(rid, start + m)
+                self._kv[rid][li, start: start + m] = latent[row: row + m]
+                lat = self._kv[rid][li, : start + m]  # [T, R + P]
+                kvb = (lat[:, :r] @ lw.kv_b.T).view(-1, hq, nope + dv)  # kv_b_proj: per head [k_nope; v]
+                k_nope, v = kvb[..., :nope], kvb[..., nope:]
+                k_pe = lat[:, r:]  # shared by every head
+                for c in range(0, m, self.query_chunk):
+                    sl = slice(row + c, row + min(m, c + self.query_chunk))
+                    nc = sl.stop - sl.start
+                    s = (torch.einsum("qhd,khd->hqk", q_nope[sl], k_nope)
+                         + torch.einsum("qhd,kd->hqk", q_pe[sl], k_pe)) * cfg.sm_scale
+                    qpos = torch.arange(start + c, start + c + nc, device=self.device)[:, None]
+                    kpos = torch.arange(start + m, device=self.device)[None, :]
+                    s = s.masked_fill(kpos > qpos, float("-inf"))
+                    out[sl] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+                row += m
+            h = h + out.reshape(n, hq * dv) @ lw.o.T
+            x = _rmsnorm(h, lw.post_norm, eps)
+            gu = x @ lw.gate_up.T
+            gate, up = gu[:, : cfg.intermediate_size], gu[:, cfg.intermediate_size:]
+            h = h + (torch.nn.functional.silu(gate) * up) @ lw.down.T
+        for (rid, toks), start in zip(segments, starts):
+            self._len[rid] = start + len(toks)
+        if not all_rows:
+            last = torch.tensor(list(itertools.accumulate(len(t) for _, t in segments)), device=self.device) - 1
+            h = h[last]
+        return _rmsnorm(h, w.final_norm, eps) @ w.lm_head.T
