@@ -16,6 +16,7 @@ from tritoninfer.quantization import segment_packbits
 from tritoninfer.testing import FP8_VS_UNQUANTIZED, assert_close, assert_lse_close, make_workspace, randn
 
 from conftest import DEVICE
+from test_fp8_query import _quant_per_head
 
 
 def _bsr(mb: int, nb: int, density: float, gen: torch.Generator, empty_rows=()):
@@ -40,15 +41,6 @@ def _shuffle_within_rows(indptr, indices, gen):
 
 def _wrapper(cls=sparse.BlockSparseAttentionWrapper):
     return cls(make_workspace(4 << 20, DEVICE))
-
-
-def _quant_per_head(x: torch.Tensor, dtype, head_dim: int = 1):
-    """Per-head symmetric fp8 quantisation (FlashInfer's test helper): x ~ x_fp8 * scale[head]."""
-    amax = x.float().abs().amax(dim=tuple(d for d in range(x.dim()) if d != head_dim))
-    scale = torch.clamp(amax / torch.finfo(dtype).max, min=1e-6)
-    shape = [1] * x.dim()
-    shape[head_dim] = -1
-    return (x.float() / scale.view(shape)).to(dtype), scale.float()
 
 
 # id, M, N, R, C, H_qo, H_kv, D, dtype, options

@@ -373,7 +373,35 @@ for _name, _field, _convert in (
     setattr(_CompatAttributes, _name, _setting(_name, _field, _convert))
 
 
-class _DecodeModule:
+class _CachedModule:
+    """FlashInfer's ``wrapper._cached_module``, the compiled module engines call to re-plan without the
+    wrapper's ``plan()``: subclasses give its ``plan``. Holds the wrapper weakly (the wrapper keeps it)."""
+
+    def __init__(self, wrapper) -> None:
+        self._wrapper = weakref.ref(wrapper)
+
+    def _target(self):
+        w = self._wrapper()
+        if w is None:
+            raise ReferenceError("the wrapper of this _cached_module no longer exists")
+        return w
+
+    def run(self, *args, **kwargs):
+        raise NotImplementedError(_message("_cached_module.run", "FlashInfer's compiled-module entry point") +
+                                  " Call the wrapper's run() instead.")
+
+    @classmethod
+    def of(cls, wrapper) -> "_CachedModule":
+        """The wrapper's module, made at the first use after a plan (FlashInfer creates it in plan())."""
+        if wrapper.__dict__.get("_step") is None:
+            raise AttributeError("_cached_module: FlashInfer creates it in plan(); call plan() first")
+        module = wrapper.__dict__.get("_compat_cached_module")
+        if module is None:
+            module = wrapper.__dict__["_compat_cached_module"] = cls(wrapper)
+        return module
+
+
+class _DecodeModule(_CachedModule):
     """What ``BatchDecodeWithPagedKVCacheWrapper._cached_module`` stands for in FlashInfer: the
     compiled module whose ``plan`` engines call directly to re-plan without copying the page table
     (vLLM's ``fast_plan_decode``, SGLang's former in-tree ``fast_decode_plan``).
@@ -395,13 +423,8 @@ class _DecodeModule:
     engines store as ``_plan_info``.
     """
 
-    def __init__(self, wrapper) -> None:
-        self._wrapper = weakref.ref(wrapper)
-
     def plan(self, *args):
-        w = self._wrapper()
-        if w is None:
-            raise ReferenceError("the wrapper of this _cached_module no longer exists")
+        w = self._target()
         if w.use_tensor_cores:
             if len(args) < 15:
                 raise TypeError(f"_cached_module.plan (tensor-core decode): expected at least 15 arguments, got {len(args)}")
@@ -454,20 +477,7 @@ class _DecodeModule:
         )
         return w._step.device_plan
 
-    def run(self, *args, **kwargs):
-        raise NotImplementedError(_message("_cached_module.run", "FlashInfer's compiled-module entry point") +
-                                  " Call the wrapper's run() instead.")
-
-    paged_run = ragged_run = run
-
-
-def _cached_module(self) -> _DecodeModule:
-    if self.__dict__.get("_step") is None:
-        raise AttributeError("_cached_module: FlashInfer creates it in plan(); call plan() first")
-    module = self.__dict__.get("_compat_cached_module")
-    if module is None:
-        module = self.__dict__["_compat_cached_module"] = _DecodeModule(self)
-    return module
+    paged_run = ragged_run = _CachedModule.run
 
 
 def _subclass(core: type, module: str, extra: Optional[Dict[str, Any]] = None, bases: tuple = ()) -> type:
@@ -482,7 +492,7 @@ def _subclass(core: type, module: str, extra: Optional[Dict[str, Any]] = None, b
 
 
 BatchDecodeWithPagedKVCacheWrapper = _subclass(_decode.BatchDecodeWithPagedKVCacheWrapper, "flashinfer.decode",
-                                               {"_cached_module": property(_cached_module)})
+                                               {"_cached_module": property(_DecodeModule.of)})
 # a subclass of the compat BatchDecodeWithPagedKVCacheWrapper, as in FlashInfer
 CUDAGraphBatchDecodeWithPagedKVCacheWrapper = _subclass(_decode.CUDAGraphBatchDecodeWithPagedKVCacheWrapper,
                                                         "flashinfer.decode", bases=(BatchDecodeWithPagedKVCacheWrapper,))

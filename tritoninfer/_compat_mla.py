@@ -12,15 +12,14 @@ into ``_kv_indices_buf``; it reads ``_float_workspace_buffer``, ``_int_workspace
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from typing import Any, Dict
 
 from . import mla as _mla
-from ._compat import _CompatAttributes, _message
+from ._compat import _CachedModule, _CompatAttributes
 from ._options import host_index
 
 
-class _MLAModule:
+class _MLAModule(_CachedModule):
     """What ``BatchMLAPagedAttentionWrapper._cached_module`` stands for in FlashInfer: the compiled
     module whose ``plan`` engines call to re-plan without the wrapper's ``plan()``. ``plan`` takes
     FlashInfer's arguments ``(float_ws, int_ws, pinned_ws, qo_indptr_host, kv_indptr_host,
@@ -29,13 +28,8 @@ class _MLAModule:
     dtypes, ``_page_size``, ``_sm_scale``) are the wrapper's current ones. Returns the plan, which
     engines may store as ``_plan_info``."""
 
-    def __init__(self, wrapper) -> None:
-        self._wrapper = weakref.ref(wrapper)
-
     def plan(self, *args):
-        w = self._wrapper()
-        if w is None:
-            raise ReferenceError("the wrapper of this _cached_module no longer exists")
+        w = self._target()
         if len(args) < 9:
             raise TypeError(f"_cached_module.plan (MLA): expected at least 9 arguments, got {len(args)}")
         qo, kvp, kv_len, num_heads, head_dim_ckv, causal = args[3:9]
@@ -49,19 +43,6 @@ class _MLAModule:
                      w._page_size, bool(causal), w._sm_scale, step.q_dtype, step.kv_dtype, sources=None)
         w.__dict__.pop("_compat_page_size", None)
         return w._step.device_plan
-
-    def run(self, *args, **kwargs):
-        raise NotImplementedError(_message("_cached_module.run", "FlashInfer's compiled-module entry point") +
-                                  " Call the wrapper's run() instead.")
-
-
-def _cached_module(self) -> _MLAModule:
-    if self.__dict__.get("_step") is None:
-        raise AttributeError("_cached_module: FlashInfer creates it in plan(); call plan() first")
-    module = self.__dict__.get("_compat_cached_module")
-    if module is None:
-        module = self.__dict__["_compat_cached_module"] = _MLAModule(self)
-    return module
 
 
 def _planned_field(field: str) -> property:
@@ -120,7 +101,7 @@ def _subclass(core: type, module: str, extra: Dict[str, Any]) -> type:
 
 
 BatchMLAPagedAttentionWrapper = _subclass(_mla.BatchMLAPagedAttentionWrapper, "flashinfer.mla", {
-    "_cached_module": property(_cached_module),
+    "_cached_module": property(_MLAModule.of),
     "_causal": _planned_field("_causal"),
     "_sm_scale": _planned_field("_sm_scale"),
     "_page_size": property(_page_size_get, _page_size_set),

@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from ._options import TensorLayout, check_int_index_tensor, check_tensor, host_index
+from ._options import TensorLayout, check_graph_buffers, check_int_index_tensor, check_tensor, copy_into, host_index
 
 PagedKVCache = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 
@@ -295,3 +295,44 @@ def host_page_table(indptr_host: torch.Tensor, last_page_len_host: torch.Tensor,
             raise _page_id_error(table, int(np.argmax(ids < 0)), None)
         table.max_page_id = largest
     return table
+
+
+# CUDA-graph mode of the wrappers with FlashInfer's ``paged_kv_*_buffer`` arguments (decode, POD's
+# decode half, MLA decode): the page table the kernels read lives in fixed buffers, kept as the
+# wrapper attributes FlashInfer has (engines read and replace them).
+
+def init_graph_page_table(wrapper, use_cuda_graph: bool, indptr_buf: Optional[torch.Tensor],
+                          indices_buf: Optional[torch.Tensor], last_page_len_buf: Optional[torch.Tensor]) -> None:
+    """Checks the buffers (required with ``use_cuda_graph``) and sets ``_paged_kv_*_buf`` and
+    ``_fixed_batch_size`` (0 without CUDA graphs)."""
+    wrapper._fixed_batch_size = 0
+    if use_cuda_graph:
+        check_graph_buffers(wrapper.device, (("paged_kv_indptr_buffer", indptr_buf),
+                                             ("paged_kv_indices_buffer", indices_buf),
+                                             ("paged_kv_last_page_len_buffer", last_page_len_buf)))
+        wrapper._fixed_batch_size = len(last_page_len_buf)
+        if len(indptr_buf) != wrapper._fixed_batch_size + 1:
+            raise ValueError("The size of paged_kv_indptr_buffer should be batch_size + 1")
+    wrapper._paged_kv_indptr_buf = indptr_buf
+    wrapper._paged_kv_indices_buf = indices_buf
+    wrapper._paged_kv_last_page_len_buf = last_page_len_buf
+
+
+def check_graph_plan(batch: int, fixed_batch: int, num_pages: int = 0, indices_buf: Optional[torch.Tensor] = None,
+                     names: Tuple[str, str] = ("indices", "paged_kv_indices_buffer")) -> None:
+    """A plan in CUDA-graph mode: the batch size of the constructor's buffers, and ``num_pages`` page
+    ids that fit in ``indices_buf`` (``names``: the argument's and the buffer's)."""
+    if batch != fixed_batch:
+        raise ValueError(
+            f"The batch size should be fixed in cudagraph mode, the runtime batch size {batch} "
+            f" mismatches the batch size set during initialization {fixed_batch}")
+    if indices_buf is not None and num_pages > len(indices_buf):
+        raise ValueError(f"{names[0]}: the plan uses {num_pages} pages but {names[1]} holds {len(indices_buf)}")
+
+
+def copy_graph_page_table(wrapper, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor,
+                          num_pages: int, non_blocking: bool) -> None:
+    """A plan's page table into the fixed buffers (the first ``num_pages`` ids)."""
+    copy_into(wrapper._paged_kv_indptr_buf, indptr, non_blocking)
+    copy_into(wrapper._paged_kv_indices_buf[:num_pages], indices[:num_pages], non_blocking)
+    copy_into(wrapper._paged_kv_last_page_len_buf, last_page_len, non_blocking)

@@ -188,6 +188,28 @@ def check_tensor(t, name: str, *, ndim: Optional[int] = None, dtype=None, device
     return t
 
 
+def check_graph_buffers(device, buffers, mode: str = "cudagraph mode") -> None:
+    """CUDA-graph mode's fixed index buffers, ``(name, tensor)`` pairs: each a 1-D int32 tensor on
+    ``device`` (FlashInfer's message for a missing one)."""
+    for name, buf in buffers:
+        if not torch.is_tensor(buf):
+            raise ValueError(f"{name} should be a torch.Tensor in {mode}")
+        check_tensor(buf, name, ndim=1, dtype=torch.int32, device=device)
+
+
+def plan_dtypes(q_data_type, kv_data_type, data_type, q_default=None) -> Tuple[torch.dtype, torch.dtype]:
+    """A plan's query and K/V dtypes from FlashInfer's arguments: the deprecated ``data_type`` fills
+    whichever is None, else a None ``q_data_type`` is ``q_default``; K/V defaults to the query's."""
+    if data_type is not None:
+        q_data_type = data_type if q_data_type is None else q_data_type
+        kv_data_type = data_type if kv_data_type is None else kv_data_type
+    elif q_data_type is None:
+        q_data_type = q_default
+    q_dtype = check_dtype_in(canonicalize_dtype(q_data_type, "q_data_type"), Q_DTYPES, "q_data_type")
+    kv_dtype = q_dtype if kv_data_type is None else canonicalize_dtype(kv_data_type, "kv_data_type")
+    return q_dtype, check_dtype_in(kv_dtype, KV_DTYPES, "kv_data_type")
+
+
 def check_query(q, dtype: torch.dtype, shape: tuple, shape_doc: str, name: str = "q") -> None:
     """A query tensor of the planned dtype and shape whose last dimension is contiguous (one
     comparison per fact on the path every ``run()`` takes; the messages name what differs)."""

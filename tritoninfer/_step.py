@@ -23,7 +23,7 @@ from typing import Any, List, Optional, Tuple
 import numpy as np
 import torch
 
-from . import _device, _hopper, _plan
+from . import _device, _errors, _hopper, _ops, _plan
 from ._attention import (
     DevicePlan,
     KVSource,
@@ -34,6 +34,7 @@ from ._attention import (
     scratch_workspace,
 )
 from ._kvcache import HostPageTable
+from ._options import check_tensor
 from ._plan import WORK_FIELDS, Tiles, WorkPlan, cdiv, kv_split_chunk
 from ._route import PREFILL, Route, core
 
@@ -119,6 +120,22 @@ class GraphBuffers:
         self.capacity = q_tiles * self.max_splits
         self.max_rows = rows
         self.tiles = tiles
+
+
+def init_planned_wrapper(wrapper, float_workspace_buffer: torch.Tensor, use_cuda_graph: bool) -> None:
+    """The state every wrapper planned by ``plan_work``/``upload_plan`` into one ``_step`` keeps: its
+    workspace and device, CUDA-graph mode, its plan uploader, the fault watch and its handle for
+    ``run()`` under torch.compile (``_ops.wrapper_run``). No step yet."""
+    check_tensor(float_workspace_buffer, "float_workspace_buffer")
+    wrapper._float_workspace_buffer = float_workspace_buffer
+    wrapper.device = device = float_workspace_buffer.device
+    wrapper._use_cuda_graph = bool(use_cuda_graph)
+    wrapper._graph = GraphBuffers(device) if use_cuda_graph else None
+    wrapper._uploader = PlanUploader(device)
+    wrapper._num_sms = _device.num_sms(device)
+    wrapper._step = None  # what the last plan() fixed; all run() reads
+    wrapper._faults = _errors.FaultWatch(device)
+    wrapper._handle = _ops.register_wrapper(wrapper)
 
 
 def plan_work(*, qo_lens: np.ndarray, kv_lens: np.ndarray, tiles: Tiles, num_qo_heads: int, num_kv_heads: int,

@@ -16,9 +16,10 @@ from typing import Optional, Tuple, Union
 import numpy as np
 import torch
 
-from ._options import PosEncodingMode, canonicalize_dtype, host_index, parse_layout, parse_pos_encoding_mode
+from ._options import (PosEncodingMode, canonicalize_dtype, check_positive_int, host_index, parse_layout,
+                       parse_pos_encoding_mode)
 from ._variants import SinkVariant
-from .prefill import BatchPrefillWithPagedKVCacheWrapper
+from .prefill import BatchPrefillWithPagedKVCacheWrapper, _reject_unsupported
 
 __all__ = ["BatchAttention", "BatchAttentionWithAttentionSinkWrapper"]
 
@@ -96,8 +97,7 @@ class BatchAttention:
             raise NotImplementedError("use_profiler=True: FlashInfer's in-kernel profiler has no tritoninfer equivalent")
         kv_lens = host_index(kv_len_arr, "kv_len_arr").numpy().astype(np.int64)
         pages = np.diff(host_index(kv_indptr, "kv_indptr").numpy().astype(np.int64))
-        if not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"page_size: expected a positive int, got {page_size!r}")
+        check_positive_int(page_size, "page_size")
         if kv_lens.size != pages.size or (kv_lens < 0).any() or ((kv_lens + page_size - 1) // page_size != pages).any():
             raise ValueError(f"kv_len_arr: expected {pages.size} KV lengths with ceil(kv_len / page_size) equal to "
                              "each request's pages in kv_indptr")
@@ -210,8 +210,7 @@ class BatchAttentionWithAttentionSinkWrapper(BatchPrefillWithPagedKVCacheWrapper
     ) -> None:
         if backend not in ("fa2", "fa3", "auto"):
             raise ValueError(f"backend: expected 'fa2', 'fa3' or 'auto', got {backend!r}")
-        if use_fp16_qk_reduction:
-            raise NotImplementedError("use_fp16_qk_reduction=True: tritoninfer always accumulates q.k in fp32")
+        _reject_unsupported(use_fp16_qk_reduction)
         mode = parse_pos_encoding_mode(pos_encoding_mode)
         if mode == PosEncodingMode.ALIBI:
             raise NotImplementedError("pos_encoding_mode='ALIBI': the AttentionSink variant applies no ALiBi")

@@ -16,28 +16,35 @@ from typing import Any, List, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from . import _device, _errors, _ops
+from . import _device, _ops
 from ._attention import KVSource, PlanUploader, score_params, scratch_workspace
-from ._kvcache import CacheViews, PagedKVCache, host_page_table, page_table_from_block_tables
+from ._kvcache import (
+    CacheViews,
+    HostPageTable,
+    PagedKVCache,
+    check_graph_plan,
+    copy_graph_page_table,
+    host_page_table,
+    init_graph_page_table,
+    page_table_from_block_tables,
+)
 from ._options import (
     KV_DTYPES,
     Q_DTYPES,
     TensorLayout,
-    canonicalize_dtype,
-    check_dtype_in,
     check_head_dim,
     check_heads,
     check_out,
     check_query,
     check_sinks,
-    copy_into,
     host_index,
     check_positive_int,
     check_tensor,
     parse_layout,
+    plan_dtypes,
 )
 from . import _plan
-from ._step import GraphBuffers, PlannedStep, Settings, plan_single, plan_work, run_step, upload_plan
+from ._step import PlannedStep, Settings, init_planned_wrapper, plan_single, plan_work, run_step, upload_plan
 
 __all__ = [
     "single_decode_with_kv_cache",
@@ -167,6 +174,48 @@ def _single_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
 _single_decode_eager = single_decode_with_kv_cache
 
 
+def plan_paged_decode(wrapper, uploader: PlanUploader, workspace_bytes: int, table: HostPageTable,
+                      kv_lens: np.ndarray, indices: torch.Tensor, *, tiles, settings: Settings, params, q_dtype,
+                      kv_dtype, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+                      fixed_split_size: Optional[int] = None, disable_split_kv: bool = False,
+                      qo: Optional[np.ndarray] = None, heaviest_first: Optional[bool] = None, non_blocking: bool = True,
+                      copy_page_table: bool = True) -> PlannedStep:
+    """The step of a paged decode batch (one query token per request) from its checked host page
+    table: the work list, one upload and, in CUDA-graph mode (``wrapper._graph``), the checks against
+    and copies into the wrapper's fixed page-table buffers. The decode wrapper's ``plan()`` and POD's
+    decode half both plan here; they differ in ``tiles``, ``qo`` (the query indptr to upload; None:
+    one token per request, read by position) and ``heaviest_first`` (``plan_work``)."""
+    batch = int(kv_lens.size)
+    graph = wrapper._graph
+    num_sms = _device.num_sms(wrapper.device)
+    if graph is not None:
+        check_graph_plan(batch, wrapper._fixed_batch_size, table.num_pages_used, wrapper._paged_kv_indices_buf)
+        if not graph.sized:
+            # depends on the batch only, so the buffers (and captured graphs) survive any re-plan
+            graph.size(rows=batch, q_tiles=batch, batch=batch, tiles=tiles, num_sms=num_sms, workspace_bytes=workspace_bytes,
+                       num_qo_heads=num_qo_heads, head_dim_vo=head_dim)
+    work = plan_work(qo_lens=np.ones(batch, np.int64), kv_lens=kv_lens, tiles=tiles, num_qo_heads=num_qo_heads,
+                     num_kv_heads=num_kv_heads, head_dim_vo=head_dim, page_size=page_size,
+                     fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
+                     workspace_bytes=workspace_bytes, num_sms=num_sms, graph=graph,
+                     heaviest_first=heaviest_first)
+    # the kernels read the plan's own indptr (checked on the host); in CUDA-graph mode the fixed buffers
+    extra = [table.indptr, table.last_page_len] if graph is not None else [table.indptr]
+    plan, (indptr_d, *rest) = upload_plan(uploader, graph, work, kv_lens, qo, extra, non_blocking)
+    if graph is not None:
+        if copy_page_table:
+            copy_graph_page_table(wrapper, indptr_d, indices, rest[0], table.num_pages_used, non_blocking)
+        kv_indptr_d, kv_indices_d = wrapper._paged_kv_indptr_buf, wrapper._paged_kv_indices_buf
+    else:
+        kv_indptr_d = indptr_d
+        kv_indices_d = indices.to(wrapper.device, non_blocking=non_blocking).to(torch.int32)
+    return PlannedStep(
+        settings=settings, params=params, q_dtype=q_dtype, kv_dtype=kv_dtype, num_qo_heads=num_qo_heads,
+        num_kv_heads=num_kv_heads, head_dim_qk=head_dim, head_dim_vo=head_dim, page_size=page_size, batch=batch,
+        total_rows=batch, total_kv=0, min_kv_len=int(kv_lens.min()) if batch else 0, tiles=tiles, device_plan=plan,
+        kv_indptr=kv_indptr_d, kv_indices=kv_indices_d, page_table=table)
+
+
 class BatchDecodeWithPagedKVCacheWrapper:
     """Batch decode attention over a paged KV cache, planned once per step and run per layer.
 
@@ -218,39 +267,17 @@ class BatchDecodeWithPagedKVCacheWrapper:
         backend: str = "auto",
         jit_args: Optional[List[Any]] = None,
     ) -> None:
-        check_tensor(float_workspace_buffer, "float_workspace_buffer")
+        init_planned_wrapper(self, float_workspace_buffer, use_cuda_graph)
         self._kv_layout = parse_layout(kv_layout)
         self._caches = CacheViews(self._kv_layout)
         if backend not in DECODE_BACKENDS:
             raise ValueError(f"backend: expected one of {DECODE_BACKENDS}, got {backend!r}")
         if jit_args is not None:
             raise NotImplementedError("jit_args: custom CUDA attention variants cannot run on tritoninfer's Triton kernels")
-        self._float_workspace_buffer = float_workspace_buffer
-        self.device = float_workspace_buffer.device
         self._backend = backend
         self._use_tensor_cores = bool(use_tensor_cores)
-        self._use_cuda_graph = bool(use_cuda_graph)
-        if use_cuda_graph:
-            for name, buf in (("paged_kv_indptr_buffer", paged_kv_indptr_buffer),
-                              ("paged_kv_indices_buffer", paged_kv_indices_buffer),
-                              ("paged_kv_last_page_len_buffer", paged_kv_last_page_len_buffer)):
-                if not torch.is_tensor(buf):
-                    raise ValueError(f"{name} should be a torch.Tensor in cudagraph mode")
-                check_tensor(buf, name, ndim=1, dtype=torch.int32, device=self.device)
-            self._fixed_batch_size = len(paged_kv_last_page_len_buffer)
-            if len(paged_kv_indptr_buffer) != self._fixed_batch_size + 1:
-                raise ValueError("The size of paged_kv_indptr_buffer should be batch_size + 1")
-        else:
-            self._fixed_batch_size = 0
-        self._paged_kv_indptr_buf = paged_kv_indptr_buffer
-        self._paged_kv_indices_buf = paged_kv_indices_buffer
-        self._paged_kv_last_page_len_buf = paged_kv_last_page_len_buffer
-        self._graph = GraphBuffers(self.device) if use_cuda_graph else None
-        self._uploader = PlanUploader(self.device)
-        self._num_sms = _device.num_sms(self.device)
-        self._step: Optional[PlannedStep] = None  # what the last plan() fixed; all run() reads
-        self._faults = _errors.FaultWatch(self.device)
-        self._handle = _ops.register_wrapper(self)  # for run() under torch.compile (_ops.wrapper_run)
+        init_graph_page_table(self, use_cuda_graph, paged_kv_indptr_buffer, paged_kv_indices_buffer,
+                              paged_kv_last_page_len_buffer)
 
     @property
     def use_tensor_cores(self) -> bool:
@@ -355,74 +382,27 @@ class BatchDecodeWithPagedKVCacheWrapper:
     ) -> None:
         _device.check_launchable(self.device, "plan()")
         self._faults.raise_pending()
-        if data_type is not None:
-            q_data_type = data_type if q_data_type is None else q_data_type
-            kv_data_type = data_type if kv_data_type is None else kv_data_type
-        elif q_data_type is None:
-            q_data_type = "float16"
-        q_dtype = check_dtype_in(canonicalize_dtype(q_data_type, "q_data_type"), Q_DTYPES, "q_data_type")
-        kv_dtype = canonicalize_dtype(kv_data_type, "kv_data_type") if kv_data_type is not None else q_dtype
-        check_dtype_in(kv_dtype, KV_DTYPES, "kv_data_type")
+        q_dtype, kv_dtype = plan_dtypes(q_data_type, kv_data_type, data_type, q_default="float16")
         group = check_heads(num_qo_heads, num_kv_heads)
         check_head_dim(head_dim)
         check_positive_int(page_size, "page_size")
         params = score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta, head_dim)
 
         table = host_page_table(indptr_host, last_page_len_host, indices, page_size)
-        ind, lpl, num_pages_used = table.indptr, table.last_page_len, table.num_pages_used
-        batch = ind.size - 1
-        pages = ind[1:] - ind[:-1]
         if seq_lens is not None:
+            pages = table.indptr[1:] - table.indptr[:-1]
             kv_lens = host_index(seq_lens, "seq_lens").numpy().astype(np.int64)
-            if kv_lens.size != batch or (kv_lens > pages * page_size).any():
+            if kv_lens.size != pages.size or (kv_lens > pages * page_size).any():
                 raise ValueError("seq_lens: expected one length per request, each within its pages")
         else:
             kv_lens = table.kv_lens
-
-        if self._use_cuda_graph:
-            if batch != self._fixed_batch_size:
-                raise ValueError(
-                    f"The batch size should be fixed in cudagraph mode, the runtime batch size {batch} "
-                    f" mismatches the batch size set during initialization {self._fixed_batch_size}"
-                )
-            if num_pages_used > len(self._paged_kv_indices_buf):
-                raise ValueError(
-                    f"indices: the plan uses {num_pages_used} pages but paged_kv_indices_buffer holds "
-                    f"{len(self._paged_kv_indices_buf)}"
-                )
-
-        tiles = _decode_tiles(group, 1, head_dim, kv_dtype.itemsize, _lanes_ok(params))
-        ones = np.ones(batch, np.int64)
-        workspace_bytes = self._float_workspace_buffer.numel()
-        graph = self._graph
-        if graph is not None and not graph.sized:
-            # depends on the batch only, so the buffers (and captured graphs) survive any re-plan
-            graph.size(rows=batch, q_tiles=batch, batch=batch, tiles=tiles, num_sms=self._num_sms,
-                       workspace_bytes=workspace_bytes, num_qo_heads=num_qo_heads, head_dim_vo=head_dim)
-        work = plan_work(qo_lens=ones, kv_lens=kv_lens, tiles=tiles, num_qo_heads=num_qo_heads,
-                         num_kv_heads=num_kv_heads, head_dim_vo=head_dim, page_size=page_size,
-                         fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
-                         workspace_bytes=workspace_bytes, num_sms=self._num_sms, graph=graph)
-        # the kernels read the plan's own indptr (checked above); in CUDA-graph mode the fixed buffers
-        extra = [ind, lpl] if graph is not None else [ind]
-        plan, (indptr_d, *rest) = upload_plan(self._uploader, graph, work, kv_lens, None, extra, non_blocking)
-        if graph is not None:
-            if copy_page_table:
-                copy_into(self._paged_kv_indptr_buf, indptr_d, non_blocking)
-                copy_into(self._paged_kv_indices_buf[:num_pages_used], indices[:num_pages_used], non_blocking)
-                copy_into(self._paged_kv_last_page_len_buf, rest[0], non_blocking)
-            kv_indptr_d, kv_indices_d = self._paged_kv_indptr_buf, self._paged_kv_indices_buf
-        else:
-            kv_indptr_d = indptr_d
-            kv_indices_d = indices if indices.device == self.device else indices.to(self.device, non_blocking=non_blocking)
-            kv_indices_d = kv_indices_d.to(torch.int32)
-        self._step = PlannedStep(
+        self._step = plan_paged_decode(
+            self, self._uploader, self._float_workspace_buffer.numel(), table, kv_lens, indices,
+            tiles=_decode_tiles(group, 1, head_dim, kv_dtype.itemsize, _lanes_ok(params)),
             settings=Settings(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta),
             params=params, q_dtype=q_dtype, kv_dtype=kv_dtype, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-            head_dim_qk=head_dim, head_dim_vo=head_dim, page_size=page_size, batch=batch, total_rows=batch,
-            total_kv=0, min_kv_len=int(kv_lens.min()) if batch else 0, tiles=tiles, device_plan=plan,
-            kv_indptr=kv_indptr_d, kv_indices=kv_indices_d, page_table=table,
-        )
+            head_dim=head_dim, page_size=page_size, fixed_split_size=fixed_split_size,
+            disable_split_kv=disable_split_kv, non_blocking=non_blocking, copy_page_table=copy_page_table)
 
     def run(
         self,

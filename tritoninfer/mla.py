@@ -26,12 +26,14 @@ import numpy as np
 import torch
 import triton.language as tl
 
-from . import _device, _errors, _ops
-from ._attention import DevicePlan, PlanUploader
+from . import _device, _ops
+from ._attention import DevicePlan
 from ._errors import fault_record
 from ._launch import CachedLauncher
+from ._kvcache import check_graph_plan, copy_graph_page_table, init_graph_page_table
 from ._options import (
     check_dtype_in,
+    check_graph_buffers,
     check_indptr_host,
     check_out,
     check_positive_int,
@@ -41,7 +43,7 @@ from ._options import (
     host_index,
 )
 from ._plan import Tiles, cdiv, next_pow2
-from ._step import GraphBuffers, plan_work, upload_plan
+from ._step import init_planned_wrapper, plan_work, upload_plan
 from .kernels.mla import mla_fwd_kernel
 from .page import append_paged_kv_cache
 
@@ -183,18 +185,6 @@ def _check_index_dtype(t, name: str) -> None:
 class _MLAPlanner:
     """The plan and run machinery shared by the two MLA wrappers: host checks, the work list, the
     upload (into fixed buffers in CUDA-graph mode) and the launch."""
-
-    def _init_planner(self, float_workspace_buffer: torch.Tensor, use_cuda_graph: bool) -> None:
-        check_tensor(float_workspace_buffer, "float_workspace_buffer")
-        self._float_workspace_buffer = float_workspace_buffer
-        self.device = float_workspace_buffer.device
-        self._use_cuda_graph = bool(use_cuda_graph)
-        self._graph = GraphBuffers(self.device) if use_cuda_graph else None
-        self._uploader = PlanUploader(self.device)
-        self._num_sms = _device.num_sms(self.device)
-        self._step: Optional[MLAStep] = None
-        self._faults = _errors.FaultWatch(self.device)
-        self._handle = _ops.register_wrapper(self)  # for run() under torch.compile (_ops.wrapper_run)
 
     def _plan_step(self, *, qo_host: torch.Tensor, kv_indptr_host: torch.Tensor, kv_lens_host: torch.Tensor,
                    kv_indices: torch.Tensor, kv_indices_name: str, num_heads: int, head_dim_ckv: int,
@@ -383,14 +373,11 @@ class BatchMLAPagedAttentionWrapper(_MLAPlanner):
             raise NotImplementedError(
                 "backend='cutlass': FlashInfer's CUTLASS MLA kernel (SM100, block-table run() without plan()) "
                 "is not implemented by tritoninfer; use backend='auto' with plan()/run()")
-        self._init_planner(float_workspace_buffer, use_cuda_graph)
+        init_planned_wrapper(self, float_workspace_buffer, use_cuda_graph)
         self._backend = backend
         if use_cuda_graph:
-            for name, buf in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices),
-                              ("kv_len_arr", kv_len_arr)):
-                if not torch.is_tensor(buf):
-                    raise ValueError(f"{name} should be a torch.Tensor in cudagraph mode")
-                check_tensor(buf, name, ndim=1, dtype=torch.int32, device=self.device)
+            check_graph_buffers(self.device, (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr),
+                                              ("kv_indices", kv_indices), ("kv_len_arr", kv_len_arr)))
             self._fixed_batch_size = kv_len_arr.numel()
             for name, buf in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr)):
                 if buf.numel() < self._fixed_batch_size + 1:
@@ -468,17 +455,11 @@ class BatchMLAPagedAttentionWrapper(_MLAPlanner):
         kv_dtype = check_dtype_in(canonicalize_dtype(kv_data_type, "kv_data_type"), MLA_DTYPES, "kv_data_type")
         indices_dev = None
         if self._use_cuda_graph:
-            batch = kv_len_host.numel()
-            if batch != self._fixed_batch_size:
-                raise ValueError(
-                    f"The batch size should be fixed in cudagraph mode, the runtime batch size {batch} "
-                    f"mismatches the batch size set during initialization {self._fixed_batch_size}")
             indices_dev = self._kv_indices_buf
             if sources is not None:
                 qo_src, kvp_src, idx_src, len_src = sources
-                if idx_src.numel() > indices_dev.numel():
-                    raise ValueError(f"kv_indices: {idx_src.numel()} page ids, the CUDA-graph buffer holds "
-                                     f"{indices_dev.numel()}")
+            check_graph_plan(kv_len_host.numel(), self._fixed_batch_size, idx_src.numel() if sources else 0,
+                             indices_dev, ("kv_indices", "the CUDA-graph kv_indices buffer"))
         step = self._plan_step(qo_host=qo_host, kv_indptr_host=kv_indptr_host, kv_lens_host=kv_len_host,
                                kv_indices=kv_indices, kv_indices_name="kv_indices", num_heads=num_heads,
                                head_dim_ckv=head_dim_ckv, head_dim_kpe=head_dim_kpe, page_size=page_size,
@@ -617,23 +598,10 @@ class BatchDecodeMlaWithPagedKVCacheWrapper(_MLAPlanner):
         paged_kv_indices_buffer: Optional[torch.Tensor] = None,
         paged_kv_last_page_len_buffer: Optional[torch.Tensor] = None,
     ) -> None:
-        self._init_planner(float_workspace_buffer, use_cuda_graph)
-        if use_cuda_graph:
-            for name, buf in (("paged_kv_indptr_buffer", paged_kv_indptr_buffer),
-                              ("paged_kv_indices_buffer", paged_kv_indices_buffer),
-                              ("paged_kv_last_page_len_buffer", paged_kv_last_page_len_buffer)):
-                if not torch.is_tensor(buf):
-                    raise ValueError(f"{name} should be a torch.Tensor in cudagraph mode")
-                check_tensor(buf, name, ndim=1, dtype=torch.int32, device=self.device)
-            self._fixed_batch_size = len(paged_kv_last_page_len_buffer)
-            if len(paged_kv_indptr_buffer) != self._fixed_batch_size + 1:
-                raise ValueError("The size of paged_kv_indptr_buffer should be batch_size + 1")
-        else:
-            self._fixed_batch_size = 0
+        init_planned_wrapper(self, float_workspace_buffer, use_cuda_graph)
         self._use_tensor_cores = bool(use_tensor_cores)
-        self._paged_kv_indptr_buf = paged_kv_indptr_buffer
-        self._paged_kv_indices_buf = paged_kv_indices_buffer
-        self._paged_kv_last_page_len_buf = paged_kv_last_page_len_buffer
+        init_graph_page_table(self, use_cuda_graph, paged_kv_indptr_buffer, paged_kv_indices_buffer,
+                              paged_kv_last_page_len_buffer)
         self._settings = None  # (sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta) as planned
 
     @property
@@ -712,12 +680,7 @@ class BatchDecodeMlaWithPagedKVCacheWrapper(_MLAPlanner):
         kv_lens = torch.where(pages > 0, (pages - 1) * page_size + lpl, torch.zeros_like(pages)).to(torch.int32)
         indices_dev = None
         if self._use_cuda_graph:
-            if batch != self._fixed_batch_size:
-                raise ValueError(
-                    f"The batch size should be fixed in cudagraph mode, the runtime batch size {batch} "
-                    f"mismatches the batch size set during initialization {self._fixed_batch_size}")
-            if len(indices) > len(self._paged_kv_indices_buf):
-                raise ValueError("The size of indices should be less than or equal to the allocated buffer")
+            check_graph_plan(batch, self._fixed_batch_size, len(indices), self._paged_kv_indices_buf)
             indices_dev = self._paged_kv_indices_buf
         self._head_dim_ckv = int(head_dim_compressed_kv)
         self._plan_args = dict(
@@ -730,9 +693,7 @@ class BatchDecodeMlaWithPagedKVCacheWrapper(_MLAPlanner):
         kpe = self._step.head_dim_kpe if self._step is not None else 64
         self._step = self._plan_step(head_dim_kpe=kpe, **self._plan_args)
         if self._use_cuda_graph:
-            copy_into(self._paged_kv_indptr_buf, indptr.to(self.device, non_blocking=True), True)
-            copy_into(self._paged_kv_indices_buf[: len(indices)], indices.to(self.device, non_blocking=True), True)
-            copy_into(self._paged_kv_last_page_len_buf, last_page_len.to(self.device, non_blocking=True), True)
+            copy_graph_page_table(self, indptr, indices, last_page_len, len(indices), True)
         self._settings = (float(sm_scale), window_left, logits_soft_cap, rope_scale, rope_theta)
 
     def run(

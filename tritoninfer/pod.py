@@ -25,13 +25,9 @@ import torch
 
 from . import _device, _errors, _ops, _plan
 from ._attention import AttentionLaunch, KVSource, PlanUploader, ScoreParams, dot_dtype, score_params
-from ._kvcache import CacheViews, PagedKVCache, host_page_table
+from ._kvcache import CacheViews, PagedKVCache, host_page_table, init_graph_page_table
 from ._options import (
-    KV_DTYPES,
-    Q_DTYPES,
     TensorLayout,
-    canonicalize_dtype,
-    check_dtype_in,
     check_head_dim,
     check_heads,
     check_indptr_host,
@@ -39,26 +35,17 @@ from ._options import (
     check_positive_int,
     check_query,
     check_tensor,
-    copy_into,
     host_index,
     parse_layout,
     parse_pos_encoding_mode,
+    plan_dtypes,
 )
 from ._pair import PairLaunch
 from ._step import GraphBuffers, PlannedStep, Settings, plan_work, upload_plan
+from .decode import plan_paged_decode
 from .prefill import _mask_layout, _pack_mask, _ragged_kv
 
 __all__ = ["PODWithPagedKVCacheWrapper", "BatchPODWithPagedKVCacheWrapper"]
-
-
-def _plan_dtypes(q_data_type, kv_data_type, data_type) -> Tuple[torch.dtype, torch.dtype]:
-    """FlashInfer's dtype arguments: the deprecated ``data_type`` fills whichever is None."""
-    if data_type is not None:
-        q_data_type = data_type if q_data_type is None else q_data_type
-        kv_data_type = data_type if kv_data_type is None else kv_data_type
-    q_dtype = check_dtype_in(canonicalize_dtype(q_data_type, "q_data_type"), Q_DTYPES, "q_data_type")
-    kv_dtype = q_dtype if kv_data_type is None else canonicalize_dtype(kv_data_type, "kv_data_type")
-    return q_dtype, check_dtype_in(kv_dtype, KV_DTYPES, "kv_data_type")
 
 
 def _reject_qk_reduction(use_fp16_qk_reduction: bool) -> None:
@@ -66,37 +53,26 @@ def _reject_qk_reduction(use_fp16_qk_reduction: bool) -> None:
         raise NotImplementedError("use_fp16_qk_reduction=True: tritoninfer always accumulates q.k in fp32")
 
 
-def _plan_half(uploader: PlanUploader, graph: Optional[GraphBuffers], device: torch.device, workspace_bytes: int, *,
-               settings: Settings, params: ScoreParams, q_dtype, kv_dtype, num_qo_heads: int, num_kv_heads: int,
-               head_dim: int, page_size: int, qo_lens: np.ndarray, kv_lens: np.ndarray, kv_host: list,
-               non_blocking: bool, heaviest_first: bool) -> Tuple[dict, list, Optional[torch.Tensor]]:
-    """One half's plan, as the prefill wrappers plan: tiles from the packed query rows (decode-like
-    tiles for a decode half), its work list, one upload with ``kv_host`` (the K/V page table's or
-    ragged indptr's host arrays) and the byte offsets of each request's custom-mask segment (a mask
-    may come with ``run()``). Returns the ``PlannedStep`` fields but its K/V tensors, the views of
-    ``kv_host`` and the mask offsets' view."""
+def _plan_half(uploader: PlanUploader, device: torch.device, workspace_bytes: int, *, settings: Settings,
+               params: ScoreParams, q_dtype, kv_dtype, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+               page_size: int, qo_lens: np.ndarray, kv_lens: np.ndarray, kv_host: list, non_blocking: bool,
+               heaviest_first: bool) -> Tuple[dict, list, Optional[torch.Tensor]]:
+    """One prefill-like half's plan, as the prefill wrappers plan: tiles from the packed query rows
+    (decode-like tiles for few rows), its work list, one upload with ``kv_host`` (the K/V page
+    table's or ragged indptr's host arrays) and the byte offsets of each request's custom-mask segment
+    (a mask may come with ``run()``). Returns the ``PlannedStep`` fields but its K/V tensors, the views
+    of ``kv_host`` and the mask offsets' view."""
     group = num_qo_heads // num_kv_heads
     batch = int(kv_lens.size)
     qo = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int64)
     total_rows = int(qo[-1])
-    num_sms = _device.num_sms(device)
-    if graph is not None:
-        if not graph.sized:
-            tiles = _plan.prefill_tiles(group, head_dim, total_rows * group / max(batch, 1), kv_dtype.itemsize)
-            graph.size(rows=total_rows, q_tiles=-(-total_rows // tiles.tile_tokens) + batch, batch=batch,
-                       tiles=tiles, num_sms=num_sms, workspace_bytes=workspace_bytes, num_qo_heads=num_qo_heads,
-                       head_dim_vo=head_dim)
-        if total_rows > graph.max_rows:
-            raise ValueError(f"{total_rows} query rows exceed the {graph.max_rows} of the first plan in cuda graph mode")
-        tiles = graph.tiles
-    else:
-        tiles = _plan.prefill_tiles(group, head_dim, total_rows * group / max(batch, 1), kv_dtype.itemsize)
+    tiles = _plan.prefill_tiles(group, head_dim, total_rows * group / max(batch, 1), kv_dtype.itemsize)
     work = plan_work(qo_lens=qo_lens, kv_lens=kv_lens, tiles=tiles, num_qo_heads=num_qo_heads,
                      num_kv_heads=num_kv_heads, head_dim_vo=head_dim, page_size=page_size, fixed_split_size=None,
-                     disable_split_kv=False, workspace_bytes=workspace_bytes, num_sms=num_sms, graph=graph,
-                     heaviest_first=heaviest_first)
+                     disable_split_kv=False, workspace_bytes=workspace_bytes, num_sms=_device.num_sms(device),
+                     graph=None, heaviest_first=heaviest_first)
     _, byte_indptr = _mask_layout(qo_lens, kv_lens)
-    plan, views = upload_plan(uploader, graph, work, kv_lens, qo, kv_host + [byte_indptr], non_blocking)
+    plan, views = upload_plan(uploader, None, work, kv_lens, qo, kv_host + [byte_indptr], non_blocking)
     fields = dict(settings=settings, params=params, q_dtype=q_dtype, kv_dtype=kv_dtype, num_qo_heads=num_qo_heads,
                   num_kv_heads=num_kv_heads, head_dim_qk=head_dim, head_dim_vo=head_dim, page_size=page_size,
                   batch=batch, total_rows=total_rows, min_kv_len=int(kv_lens.min()) if batch else 0, tiles=tiles,
@@ -138,6 +114,20 @@ class _PODBase:
         self._faults = _errors.FaultWatch(self.device)
         self._launches: dict = {}
         self._step_d: Optional[PlannedStep] = None
+
+    def _plan_settings(self, num_qo_heads, num_kv_heads, head_dim, page_size, q_data_type, kv_data_type, data_type,
+                       pos_encoding_mode, window_left, sm_scale, rope_scale, rope_theta):
+        """Both POD plans' checks of their shared arguments: ``(group, q_dtype, kv_dtype, params,
+        settings)``, the scores without a soft cap (POD has none) and non-causal."""
+        _device.check_launchable(self.device, "plan()")
+        self._faults.raise_pending()
+        check_positive_int(page_size, "page_size")
+        group = check_heads(num_qo_heads, num_kv_heads)
+        check_head_dim(head_dim, "head_dim")
+        q_dtype, kv_dtype = plan_dtypes(q_data_type, kv_data_type, data_type)
+        params = score_params(pos_encoding_mode, window_left, None, sm_scale, rope_scale, rope_theta, head_dim)
+        settings = Settings(pos_encoding_mode, window_left, None, sm_scale, rope_scale, rope_theta, False)
+        return group, q_dtype, kv_dtype, params, settings
 
     def _set_workspace(self, float_workspace_buffer: torch.Tensor) -> None:
         # each half's split-KV partial states in its own half of the buffer (FlashInfer's BatchPOD
@@ -233,21 +223,8 @@ class PODWithPagedKVCacheWrapper(_PODBase):
             raise NotImplementedError("jit_args: custom CUDA attention variants cannot run on tritoninfer's Triton kernels")
         self._init_base(float_workspace_buffer, kv_layout)
         self._use_cuda_graph = bool(use_cuda_graph)
-        if use_cuda_graph:
-            for name, buf in (("paged_kv_indptr_buffer", paged_kv_indptr_buffer),
-                              ("paged_kv_indices_buffer", paged_kv_indices_buffer),
-                              ("paged_kv_last_page_len_buffer", paged_kv_last_page_len_buffer)):
-                if not torch.is_tensor(buf):
-                    raise ValueError(f"{name} should be a torch.Tensor in cudagraph mode")
-                check_tensor(buf, name, ndim=1, dtype=torch.int32, device=self.device)
-            self._fixed_batch_size = len(paged_kv_last_page_len_buffer)
-            if len(paged_kv_indptr_buffer) != self._fixed_batch_size + 1:
-                raise ValueError("The size of paged_kv_indptr_buffer should be batch_size + 1")
-        else:
-            self._fixed_batch_size = 0
-        self._paged_kv_indptr_buf = paged_kv_indptr_buffer
-        self._paged_kv_indices_buf = paged_kv_indices_buffer
-        self._paged_kv_last_page_len_buf = paged_kv_last_page_len_buffer
+        init_graph_page_table(self, use_cuda_graph, paged_kv_indptr_buffer, paged_kv_indices_buffer,
+                              paged_kv_last_page_len_buffer)
         self._graph = GraphBuffers(self.device) if use_cuda_graph else None
         self._caches = CacheViews(self._kv_layout)
         self._prefill_steps: dict = {}  # the prefill half's plans, by shape and options
@@ -291,40 +268,22 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         non_blocking : bool
             Asynchronous host-to-device copies of the plan.
         """
-        _device.check_launchable(self.device, "plan()")
-        self._faults.raise_pending()
-        check_positive_int(page_size, "page_size")
-        check_heads(num_qo_heads, num_kv_heads)
-        check_head_dim(head_dim, "head_dim")
-        q_dtype, kv_dtype = _plan_dtypes(q_data_type, kv_data_type, data_type)
-        indptr_host = host_index(indptr, "indptr")
-        table = host_page_table(indptr_host, host_index(last_page_len, "last_page_len"), indices, page_size)
+        group, q_dtype, kv_dtype, params, settings = self._plan_settings(
+            num_qo_heads, num_kv_heads, head_dim, page_size, q_data_type, kv_data_type, data_type,
+            pos_encoding_mode, window_left, sm_scale, rope_scale, rope_theta)
+        table = host_page_table(host_index(indptr, "indptr"), host_index(last_page_len, "last_page_len"), indices,
+                                page_size)
         batch = table.kv_lens.size
         graph = self._graph
-        if graph is not None:
-            if batch != self._fixed_batch_size:
-                raise ValueError(
-                    f"The batch size should be fixed in cudagraph mode, the runtime batch size {batch} "
-                    f"mismatches the batch size set during initialization {self._fixed_batch_size}")
-            if table.num_pages_used > len(self._paged_kv_indices_buf):
-                raise ValueError("The size of indices should be less than or equal to the allocated buffer")
-        params = score_params(pos_encoding_mode, window_left, None, sm_scale, rope_scale, rope_theta, head_dim)
-        settings = Settings(pos_encoding_mode, window_left, None, sm_scale, rope_scale, rope_theta, False)
-        kv_host = [table.indptr, table.last_page_len] if graph is not None else [table.indptr]
-        fields, views, _ = _plan_half(
-            self._uploader_d, graph, self.device, self._ws_d.numel(), settings=settings, params=params,
-            q_dtype=q_dtype, kv_dtype=kv_dtype, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-            head_dim=head_dim, page_size=page_size, qo_lens=np.ones(batch, np.int64), kv_lens=table.kv_lens,
-            kv_host=kv_host, non_blocking=non_blocking, heaviest_first=False)
-        if graph is not None:
-            copy_into(self._paged_kv_indptr_buf, views[0], non_blocking)
-            copy_into(self._paged_kv_last_page_len_buf, views[1], non_blocking)
-            copy_into(self._paged_kv_indices_buf[:table.num_pages_used], indices[:table.num_pages_used], non_blocking)
-            kv_indptr, kv_indices = self._paged_kv_indptr_buf, self._paged_kv_indices_buf
-        else:
-            kv_indptr = views[0]
-            kv_indices = indices.to(self.device, non_blocking=non_blocking).to(torch.int32)
-        self._step_d = PlannedStep(**fields, total_kv=0, kv_indptr=kv_indptr, kv_indices=kv_indices, page_table=table)
+        # the decode plan of BatchDecodeWithPagedKVCacheWrapper with the prefill path's tiles and query
+        # indptr: the pair kernel runs both halves as prefill items (no dot-free lanes)
+        tiles = graph.tiles if graph is not None and graph.sized else \
+            _plan.prefill_tiles(group, head_dim, batch * group / max(batch, 1), kv_dtype.itemsize)
+        self._step_d = plan_paged_decode(
+            self, self._uploader_d, self._ws_d.numel(), table, table.kv_lens, indices, tiles=tiles,
+            settings=settings, params=params, q_dtype=q_dtype, kv_dtype=kv_dtype, num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
+            qo=np.arange(batch + 1, dtype=np.int64), heaviest_first=False, non_blocking=non_blocking)
         if not self._use_cuda_graph:
             self._launches.clear()
 
@@ -342,7 +301,7 @@ class PODWithPagedKVCacheWrapper(_PODBase):
                 self._launches.clear()
             kv_lens = np.array([kv_len], np.int64)
             fields, views, mask_indptr = _plan_half(
-                self._uploader_p, None, self.device, self._ws_p.numel(), settings=settings, params=params,
+                self._uploader_p, self.device, self._ws_p.numel(), settings=settings, params=params,
                 q_dtype=step_d.q_dtype, kv_dtype=kv_dtype, num_qo_heads=step_d.num_qo_heads,
                 num_kv_heads=step_d.num_kv_heads, head_dim=step_d.head_dim_qk, page_size=0,
                 qo_lens=np.array([qo_len], np.int64), kv_lens=kv_lens, kv_host=[np.array([0, kv_len], np.int64)],
@@ -573,14 +532,9 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
         q_data_type, kv_data_type, data_type, non_blocking
             As for ``PODWithPagedKVCacheWrapper.plan``.
         """
-        _device.check_launchable(self.device, "plan()")
-        self._faults.raise_pending()
-        check_positive_int(page_size, "page_size")
-        check_heads(num_qo_heads, num_kv_heads)
-        check_head_dim(head_dim, "head_dim")
-        q_dtype, kv_dtype = _plan_dtypes(q_data_type, kv_data_type, data_type)
-        params = score_params(pos_encoding_mode, window_left, None, sm_scale, rope_scale, rope_theta, head_dim)
-        settings = Settings(pos_encoding_mode, window_left, None, sm_scale, rope_scale, rope_theta, False)
+        _, q_dtype, kv_dtype, params, settings = self._plan_settings(
+            num_qo_heads, num_kv_heads, head_dim, page_size, q_data_type, kv_data_type, data_type,
+            pos_encoding_mode, window_left, sm_scale, rope_scale, rope_theta)
         steps = []
         for sfx, qo_indptr, kv_indptr, kv_indices, last_page_len, uploader, ws in (
                 ("_p", qo_indptr_p, kv_indptr_p, kv_indices_p, last_page_len_p, self._uploader_p, self._ws_p),
@@ -599,7 +553,7 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
                                  f"({qo_host.numel() - 1} vs {table.kv_lens.size})")
             qo = qo_host.numpy().astype(np.int64)
             fields, views, mask_indptr = _plan_half(
-                uploader, None, self.device, ws.numel(), settings=settings, params=params, q_dtype=q_dtype,
+                uploader, self.device, ws.numel(), settings=settings, params=params, q_dtype=q_dtype,
                 kv_dtype=kv_dtype, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                 page_size=page_size, qo_lens=qo[1:] - qo[:-1], kv_lens=table.kv_lens, kv_host=[table.indptr],
                 non_blocking=non_blocking, heaviest_first=False)

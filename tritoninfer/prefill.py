@@ -22,7 +22,7 @@ import torch
 
 from . import _device, _errors, _ops, _variants
 from ._attention import KVSource, PlanUploader, score_params, scratch_workspace
-from ._route import PREFILL, PlanFacts
+from ._route import PREFILL, PlanFacts, core
 from ._step import GraphBuffers, PlannedStep, Settings, plan_single, plan_work, run_step, upload_plan
 from ._kvcache import CacheViews, PagedKVCache, host_page_table, page_table_from_block_tables
 from ._options import (
@@ -65,6 +65,51 @@ def _check_backend(backend: str) -> None:
 def _reject_unsupported(use_fp16_qk_reduction: bool) -> None:
     if use_fp16_qk_reduction:
         raise NotImplementedError("use_fp16_qk_reduction=True: tritoninfer always accumulates q.k in fp32")
+
+
+def _plan_dtypes(q_data_type, kv_data_type, q_allowed=Q_DTYPES) -> Tuple[torch.dtype, torch.dtype]:
+    """A plan's query and K/V dtypes (K/V defaults to the query's); also the block-sparse wrappers'."""
+    q_dtype = check_dtype_in(canonicalize_dtype(q_data_type, "q_data_type"), q_allowed, "q_data_type")
+    kv_dtype = q_dtype if kv_data_type is None else canonicalize_dtype(kv_data_type, "kv_data_type")
+    check_dtype_in(kv_dtype, KV_DTYPES, "kv_data_type")
+    return q_dtype, kv_dtype
+
+
+def _scores(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta, head_dim, causal,
+            masked: bool):
+    """The settings a plan keeps (as given) and the scores its kernel computes: a custom mask replaces
+    the causal mask (FlashInfer 0.5.3's MaskMode.CUSTOM)."""
+    params = score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta, head_dim,
+                          causal=bool(causal) and not masked)
+    settings = Settings(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta, bool(causal))
+    return settings, params
+
+
+def _route_and_work(facts: PlanFacts, tiles, num_qo_heads: int, num_kv_heads: int, *, workspace_bytes: int,
+                    num_sms: int, graph=None, fixed_split_size=None, disable_split_kv=False, core_reason=None):
+    """The route and the work list of a prefill-shaped plan (the paged and ragged wrappers, the
+    block-sparse ones); ``core_reason`` keeps the attention core without asking the route."""
+    route = core(core_reason) if core_reason else PREFILL.at_plan(facts)
+    work = plan_work(qo_lens=facts.qo_lens, kv_lens=facts.kv_lens, tiles=tiles, num_qo_heads=num_qo_heads,
+                     num_kv_heads=num_kv_heads, head_dim_vo=facts.head_dim_vo, page_size=facts.page_size,
+                     fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
+                     workspace_bytes=workspace_bytes, num_sms=num_sms, graph=graph, heaviest_first=facts.params.causal)
+    return route, work
+
+
+def _step_fields(facts: PlanFacts, settings: Settings, tiles, num_qo_heads: int, num_kv_heads: int, total_rows: int,
+                 device_plan, packed_mask, mask_indptr, route, route_view) -> dict:
+    """The fields of a prefill-shaped ``PlannedStep`` but its K/V page table (``route_view``: the
+    uploaded ``route.work``, unused on the core)."""
+    batch = facts.kv_lens.size
+    return dict(
+        settings=settings, params=facts.params, q_dtype=facts.q_dtype, kv_dtype=facts.kv_dtype,
+        num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=facts.head_dim_qk,
+        head_dim_vo=facts.head_dim_vo, page_size=facts.page_size, batch=batch, total_rows=total_rows,
+        min_kv_len=int(facts.kv_lens.min()) if batch else 0, tiles=tiles, device_plan=device_plan,
+        packed_mask=packed_mask, mask_indptr=mask_indptr if packed_mask is not None else None, route=route,
+        route_work=None if route.is_core else route_view.view(2, -1),
+    )
 
 
 _INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.uint32, torch.int64)
@@ -154,6 +199,14 @@ def _mask_layout(qo_lens: np.ndarray, kv_lens: np.ndarray) -> Tuple[np.ndarray, 
     return bit_indptr, byte_indptr
 
 
+def _check_packed_mask(packed: torch.Tensor, byte_indptr: np.ndarray, name: str, bits_doc: str) -> torch.Tensor:
+    """A caller's packed mask, checked against the bytes of the layout (``_mask_layout``)."""
+    check_tensor(packed, name, ndim=1, dtype=torch.uint8)
+    if packed.numel() != int(byte_indptr[-1]):
+        raise ValueError(f"{name}: expected {int(byte_indptr[-1])} bytes ({bits_doc}), got {packed.numel()}")
+    return packed
+
+
 def _pack_mask(custom_mask: torch.Tensor, bit_indptr: np.ndarray) -> torch.Tensor:
     from .quantization import segment_packbits
 
@@ -227,9 +280,7 @@ class _BatchPrefillBase:
         group = check_heads(num_qo_heads, num_kv_heads)
         check_head_dim(head_dim_qk, "head_dim_qk")
         head_dim_vo = head_dim_qk if head_dim_vo is None else check_head_dim(head_dim_vo, "head_dim_vo")
-        q_dtype = check_dtype_in(canonicalize_dtype(q_data_type, "q_data_type"), Q_DTYPES, "q_data_type")
-        kv_dtype = q_dtype if kv_data_type is None else canonicalize_dtype(kv_data_type, "kv_data_type")
-        check_dtype_in(kv_dtype, KV_DTYPES, "kv_data_type")
+        q_dtype, kv_dtype = _plan_dtypes(q_data_type, kv_data_type)
         has_mask = custom_mask is not None or packed_custom_mask is not None
         if self._use_cuda_graph and self._custom_mask_buf is not None and not has_mask:
             raise ValueError(
@@ -242,10 +293,9 @@ class _BatchPrefillBase:
                 raise ValueError("custom_mask: multi-item scoring (prefix_len_ptr) and a custom mask exclude each other")
             if self._use_cuda_graph:
                 raise NotImplementedError("multi-item scoring (prefix_len_ptr) in cuda graph mode")
-        # a custom mask replaces the causal mask (FlashInfer 0.5.3's MaskMode.CUSTOM)
-        params = _multi_item_scores(score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
-                                                 rope_theta, head_dim_qk, causal=bool(causal) and not has_mask),
-                                    multi_item is not None)
+        settings, params = _scores(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
+                                   head_dim_qk, causal, has_mask)
+        params = _multi_item_scores(params, multi_item is not None)
         check_indptr_host(qo_indptr_host, "qo_indptr")
         batch = qo_indptr_host.numel() - 1
         if kv_lens.size != batch:
@@ -260,13 +310,8 @@ class _BatchPrefillBase:
         if has_mask:
             bit_indptr, byte_indptr = _mask_layout(qo_lens, kv_lens)
             if packed_custom_mask is not None:
-                check_tensor(packed_custom_mask, "packed_custom_mask", ndim=1, dtype=torch.uint8)
-                if packed_custom_mask.numel() != int(byte_indptr[-1]):
-                    raise ValueError(
-                        f"packed_custom_mask: expected {int(byte_indptr[-1])} bytes (each request's "
-                        f"qo_len*kv_len bits padded to whole bytes), got {packed_custom_mask.numel()}"
-                    )
-                packed = packed_custom_mask
+                packed = _check_packed_mask(packed_custom_mask, byte_indptr, "packed_custom_mask",
+                                            "each request's qo_len*kv_len bits padded to whole bytes")
             else:
                 check_tensor(custom_mask, "custom_mask")
                 if custom_mask.numel() != int(bit_indptr[-1]):
@@ -304,14 +349,13 @@ class _BatchPrefillBase:
         else:
             tiles = prefill_tiles(group, max(head_dim_qk, head_dim_vo), total_rows * group / max(batch, 1),
                                   kv_dtype.itemsize)
-        route = PREFILL.at_plan(PlanFacts(
+        facts = PlanFacts(
             device=self.device, q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
             layout=self._kv_layout, use_cuda_graph=graph is not None, has_mask=has_mask, params=params,
-            qo_lens=qo_lens, kv_lens=kv_lens, page_size=page_size))
-        work = plan_work(qo_lens=qo_lens, kv_lens=kv_lens, tiles=tiles, num_qo_heads=num_qo_heads,
-                         num_kv_heads=num_kv_heads, head_dim_vo=head_dim_vo, page_size=page_size,
-                         fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
-                         workspace_bytes=workspace_bytes, num_sms=num_sms, graph=graph, heaviest_first=params.causal)
+            qo_lens=qo_lens, kv_lens=kv_lens, page_size=page_size)
+        route, work = _route_and_work(facts, tiles, num_qo_heads, num_kv_heads, workspace_bytes=workspace_bytes,
+                                      num_sms=num_sms, graph=graph, fixed_split_size=fixed_split_size,
+                                      disable_split_kv=disable_split_kv)
         mask_arrays = [byte_indptr] if byte_indptr is not None and graph is None else []
         if multi_item is not None:
             mask_arrays = [multi_item_rows.reshape(-1)]
@@ -330,15 +374,8 @@ class _BatchPrefillBase:
                 copy_into(self._custom_mask_buf[:packed.numel()], packed, non_blocking)
                 copy_into(self._mask_indptr_buf[:batch + 1], torch.from_numpy(byte_indptr.astype(np.int32)), non_blocking)
                 packed, mask_indptr_d = self._custom_mask_buf, self._mask_indptr_buf
-        fields = dict(
-            settings=Settings(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
-                              bool(causal)),
-            params=params, q_dtype=q_dtype, kv_dtype=kv_dtype, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-            head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, page_size=page_size, batch=batch, total_rows=total_rows,
-            min_kv_len=int(kv_lens.min()) if batch else 0, tiles=tiles, device_plan=plan, packed_mask=packed,
-            mask_indptr=mask_indptr_d if packed is not None else None, route=route,
-            route_work=None if route.is_core else views[-1].view(2, -1),
-        )
+        fields = _step_fields(facts, settings, tiles, num_qo_heads, num_kv_heads, total_rows, plan, packed,
+                              mask_indptr_d, route, views[-1])
         return fields, views[len(mask_arrays):len(views) - len(route_arrays)]
 
     def _run_into(self, q, kv, out, lse, *, sinks, q_scale, k_scale, v_scale, window_left, q_len_per_req) -> None:
@@ -356,14 +393,9 @@ class _BatchPrefillBase:
         if step is None:
             raise ValueError("forward() was called before plan()")
         _reject_unsupported(use_fp16_qk_reduction)
-        multi_item = step.params.multi_item
-        params = _multi_item_scores(score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
-                                                 rope_theta, step.head_dim_qk,
-                                                 causal=bool(causal) and step.packed_mask is None),
-                                    multi_item)
-        settings = Settings(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
-                            bool(causal))
-        self._step = step.with_scores(settings, params)
+        settings, params = _scores(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
+                                   step.head_dim_qk, causal, step.packed_mask is not None)
+        self._step = step.with_scores(settings, _multi_item_scores(params, step.params.multi_item))
 
     def _run_common(self, q, kv: KVSource, kv_dtype, head_dim_qk, head_dim_vo, out, lse, return_lse, *,
                     route_kv=None, q_scale=None, k_scale=None, v_scale=None, sinks=None, window_left=None):
@@ -1031,35 +1063,25 @@ def single_prefill_with_kv_cache(
     packed = None
     bit_indptr, byte_indptr = _mask_layout(np.array([qo_len]), np.array([kv_len]))
     if packed_custom_mask is not None:
-        check_tensor(packed_custom_mask, "packed_custom_mask", ndim=1, dtype=torch.uint8)
-        if packed_custom_mask.numel() != int(byte_indptr[-1]):
-            raise ValueError(f"packed_custom_mask: expected {int(byte_indptr[-1])} bytes (qo_len*kv_len bits), "
-                             f"got {packed_custom_mask.numel()}")
-        packed = packed_custom_mask.to(device)
+        packed = _check_packed_mask(packed_custom_mask, byte_indptr, "packed_custom_mask", "qo_len*kv_len bits").to(device)
     elif custom_mask is not None:
         check_tensor(custom_mask, "custom_mask", ndim=2)
         if tuple(custom_mask.shape) != (qo_len, kv_len):
             raise ValueError(f"custom_mask: expected shape ({qo_len}, {kv_len}), got {tuple(custom_mask.shape)}")
         packed = _pack_mask(custom_mask.reshape(-1), bit_indptr).to(device)
-    # a custom mask replaces the causal mask (FlashInfer 0.5.3's MaskMode.CUSTOM)
-    params = score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
-                          head_dim_qk, causal=bool(causal) and packed is None)
+    settings, params = _scores(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
+                               head_dim_qk, causal, packed is not None)
     tiles = prefill_tiles(group, max(head_dim_qk, head_dim_vo), qo_len * group, k.element_size())
     route = PREFILL.at_plan(PlanFacts(
         device=device, q_dtype=q.dtype, kv_dtype=k.dtype, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
         layout=layout, use_cuda_graph=False, has_mask=packed is not None, params=params,
         qo_lens=np.array([qo_len]), kv_lens=np.array([kv_len]), page_size=0))
-    settings = Settings(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta, bool(causal))
     step = plan_single(device, settings=settings, params=params, q_dtype=q.dtype, kv_dtype=k.dtype,
                        num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk,
                        head_dim_vo=head_dim_vo, qo_len=qo_len, kv_len=kv_len, tiles=tiles, q_len_per_req=0,
                        packed_mask=packed, route=route)
     source.kv_indptr = step.kv_indptr
-    head_scales = None
-    if scale_q is not None or scale_k is not None or scale_v is not None:
-        head_scales = tuple(_head_scale(s, n, name, device) for s, n, name in
-                            ((scale_q, num_qo_heads, "scale_q"), (scale_k, num_kv_heads, "scale_k"),
-                             (scale_v, num_kv_heads, "scale_v")))
+    head_scales = _head_scales(scale_q, scale_k, scale_v, num_qo_heads, num_kv_heads, device)
     out = torch.empty((qo_len, num_qo_heads, head_dim_vo), dtype=o_dtype, device=device)
     lse = torch.empty((qo_len, num_qo_heads), dtype=torch.float32, device=device) if return_lse else None
     run_step(step, q=q, kv=source, out=out, lse=lse, workspace=scratch_workspace(device), route_kv=(k, v),
@@ -1099,12 +1121,22 @@ def _check_fp8_query(kv_dtype: torch.dtype, o_dtype, pos_encoding_mode) -> None:
         raise NotImplementedError("pos_encoding_mode='ROPE_LLAMA' with fp8 queries")
 
 
+def _head_scales(scale_q, scale_k, scale_v, num_qo_heads: int, num_kv_heads: int, device):
+    """The kernel's per-head scales (ones for those not given), or None when none is given; also the
+    block-sparse wrappers' ``run()``."""
+    if scale_q is None and scale_k is None and scale_v is None:
+        return None
+    return (_head_scale(scale_q, num_qo_heads, "scale_q", device), _head_scale(scale_k, num_kv_heads, "scale_k", device),
+            _head_scale(scale_v, num_kv_heads, "scale_v", device))
+
+
 def _head_scale(s: Optional[torch.Tensor], n: int, name: str, device) -> torch.Tensor:
     if s is None:
         return torch.ones(n, dtype=torch.float32, device=device)
     check_tensor(s, name, dtype=torch.float32)
     if s.numel() != n or s.device != device:
-        raise ValueError(f"{name}: expected a float32 tensor of {n} per-head scales on {device}, got {tuple(s.shape)}")
+        raise ValueError(f"{name}: expected a float32 tensor of {n} per-head scales on {device}, got "
+                         f"{tuple(s.shape)} on {s.device}")
     return s.reshape(-1).contiguous()
 
 

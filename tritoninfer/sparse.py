@@ -29,11 +29,10 @@ import numpy as np
 import torch
 
 from . import _device, _errors, _ops
-from ._attention import KVSource, PlanUploader, score_params
+from ._attention import KVSource, PlanUploader
 from ._kvcache import PagedKV
 from ._options import (
     FP8_DTYPES,
-    KV_DTYPES,
     PosEncodingMode,
     TensorLayout,
     canonicalize_dtype,
@@ -49,8 +48,10 @@ from ._options import (
     parse_pos_encoding_mode,
 )
 from ._plan import prefill_tiles
-from ._route import PREFILL, PlanFacts, core
-from ._step import PlannedStep, Settings, plan_work, run_step, upload_plan
+from ._route import PlanFacts
+from ._step import PlannedStep, Settings, run_step, upload_plan
+from .prefill import (_check_packed_mask, _head_scales, _mask_layout, _pack_mask, _plan_dtypes, _reject_unsupported,
+                      _route_and_work, _scores, _step_fields)
 
 __all__ = ["BlockSparseAttentionWrapper", "VariableBlockSparseAttentionWrapper", "convert_bsr_mask_layout"]
 
@@ -150,12 +151,12 @@ class _SparseBase:
     def _begin_plan(self, use_fp16_qk_reduction: bool) -> None:
         _device.check_launchable(self.device, "plan()")
         self._faults.raise_pending()
-        if use_fp16_qk_reduction:
-            raise NotImplementedError("use_fp16_qk_reduction=True: tritoninfer always accumulates q.k in fp32")
+        _reject_unsupported(use_fp16_qk_reduction)
 
-    def _scores(self, pos_encoding_mode, logits_soft_cap, sm_scale, rope_scale, rope_theta, head_dim, causal,
-                q_dtype):
-        """The score parameters, with what this wrapper cannot compute rejected."""
+    def _checked_scores(self, pos_encoding_mode, logits_soft_cap, sm_scale, rope_scale, rope_theta, head_dim, causal,
+                        masked: bool, q_dtype):
+        """The prefill wrappers' settings and scores (no window), with what this wrapper cannot compute
+        rejected."""
         mode = parse_pos_encoding_mode(pos_encoding_mode)
         if q_dtype in FP8_DTYPES and mode == PosEncodingMode.ROPE_LLAMA:
             raise NotImplementedError("pos_encoding_mode='ROPE_LLAMA' with fp8 queries: the rotated q would be "
@@ -163,9 +164,8 @@ class _SparseBase:
         if mode == PosEncodingMode.ALIBI and isinstance(self, VariableBlockSparseAttentionWrapper):
             raise NotImplementedError("pos_encoding_mode='ALIBI' in VariableBlockSparseAttentionWrapper "
                                       "(FlashInfer 0.5.3 passes it no ALiBi slopes)")
-        settings = Settings(pos_encoding_mode, -1, logits_soft_cap, sm_scale, rope_scale, rope_theta, bool(causal))
-        return settings, score_params(pos_encoding_mode, -1, logits_soft_cap, sm_scale, rope_scale, rope_theta,
-                                      head_dim, causal=bool(causal))
+        return _scores(pos_encoding_mode, -1, logits_soft_cap, sm_scale, rope_scale, rope_theta, head_dim, causal,
+                       masked)
 
     def _plan_step(self, *, qo: np.ndarray, kv_lens: np.ndarray, kv_starts: np.ndarray, kv_indices: np.ndarray,
                    page_size: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, settings: Settings, params,
@@ -176,34 +176,24 @@ class _SparseBase:
         ids already checked against the K/V view)."""
         group = num_qo_heads // num_kv_heads
         batch = qo.size - 1
-        qo_lens = qo[1:] - qo[:-1]
         total_rows = int(qo[-1])
         tiles = prefill_tiles(group, head_dim, total_rows * group / max(batch, 1), kv_dtype.itemsize)
-        if o_dtype != q_dtype:
-            route = core("the output dtype is not q's")
-        else:
-            route = PREFILL.at_plan(PlanFacts(
-                device=self.device, q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim_qk=head_dim, head_dim_vo=head_dim,
-                layout=TensorLayout.NHD, use_cuda_graph=False, has_mask=packed_mask is not None, params=params,
-                qo_lens=qo_lens, kv_lens=kv_lens, page_size=page_size))
-        work = plan_work(qo_lens=qo_lens, kv_lens=kv_lens, tiles=tiles, num_qo_heads=num_qo_heads,
-                         num_kv_heads=num_kv_heads, head_dim_vo=head_dim, page_size=page_size, fixed_split_size=None,
-                         disable_split_kv=False,
-                         workspace_bytes=self._workspace.numel() * self._workspace.element_size(),
-                         num_sms=_device.num_sms(self.device), graph=None, heaviest_first=params.causal)
+        facts = PlanFacts(
+            device=self.device, q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim_qk=head_dim, head_dim_vo=head_dim,
+            layout=TensorLayout.NHD, use_cuda_graph=False, has_mask=packed_mask is not None, params=params,
+            qo_lens=qo[1:] - qo[:-1], kv_lens=kv_lens, page_size=page_size)
+        route, work = _route_and_work(facts, tiles, num_qo_heads, num_kv_heads,
+                                      workspace_bytes=self._workspace.numel() * self._workspace.element_size(),
+                                      num_sms=_device.num_sms(self.device),
+                                      core_reason=None if o_dtype == q_dtype else "the output dtype is not q's")
         # an empty page list still gets one (unread) entry: the kernel is handed a real allocation
         indices = kv_indices if kv_indices.size else np.zeros(1, np.int64)
         extra = [kv_starts, indices] + ([mask_byte_indptr] if packed_mask is not None else []) + (
             [] if route.is_core else [route.work])
         plan, views = upload_plan(self._uploader, None, work, kv_lens, qo, extra, non_blocking)
-        return PlannedStep(
-            settings=settings, params=params, q_dtype=q_dtype, kv_dtype=kv_dtype, num_qo_heads=num_qo_heads,
-            num_kv_heads=num_kv_heads, head_dim_qk=head_dim, head_dim_vo=head_dim, page_size=page_size, batch=batch,
-            total_rows=total_rows, total_kv=0, min_kv_len=int(kv_lens.min()) if batch else 0, tiles=tiles,
-            device_plan=plan, kv_indptr=views[0], kv_indices=views[1], packed_mask=packed_mask,
-            mask_indptr=views[2] if packed_mask is not None else None, route=route,
-            route_work=None if route.is_core else views[-1].view(2, -1),
-        )
+        return PlannedStep(**_step_fields(facts, settings, tiles, num_qo_heads, num_kv_heads, total_rows, plan,
+                                          packed_mask, views[2] if packed_mask is not None else None, route, views[-1]),
+                           total_kv=0, kv_indptr=views[0], kv_indices=views[1])
 
     def _override(self, pos_encoding_mode, use_fp16_qk_reduction, logits_soft_cap, sm_scale, rope_scale,
                   rope_theta) -> None:
@@ -211,14 +201,28 @@ class _SparseBase:
         plan = self._plan
         if plan is None:
             raise ValueError("forward() was called before plan()")
-        if use_fp16_qk_reduction:
-            raise NotImplementedError("use_fp16_qk_reduction=True: tritoninfer always accumulates q.k in fp32")
+        _reject_unsupported(use_fp16_qk_reduction)
         step = plan.step
-        settings, params = self._scores(pos_encoding_mode, logits_soft_cap, sm_scale, rope_scale, rope_theta,
-                                        step.head_dim_qk, step.settings.causal, step.q_dtype)
         # the planned mask stays: a custom mask replaces causal
-        params = dataclasses.replace(params, causal=step.params.causal)
+        settings, params = self._checked_scores(pos_encoding_mode, logits_soft_cap, sm_scale, rope_scale, rope_theta,
+                                                step.head_dim_qk, step.settings.causal, step.packed_mask is not None,
+                                                step.q_dtype)
         self._plan = dataclasses.replace(plan, step=step.with_scores(settings, params))
+
+    def _run_args(self, q, k, v, out, lse, return_lse, q_doc: str, kv_doc: str):
+        """``run()``'s checks of its tensors against the plan: the plan, ``out`` (allocated when None)
+        and ``lse`` (None unless given or returned)."""
+        plan = self._plan
+        if plan is None:
+            raise ValueError("run() was called before plan()")
+        check_query(q, plan.step.q_dtype, plan.q_shape, q_doc)
+        self._check_kv(k, "k", plan, q, kv_doc)
+        self._check_kv(v, "v", plan, q, kv_doc)
+        out = check_out(out, plan.q_shape, plan.o_dtype, q.device, "out")
+        # a caller's lse buffer is written whether or not it is returned, as in the prefill wrappers
+        if lse is not None or return_lse:
+            lse = check_out(lse, plan.q_shape[:2], torch.float32, q.device, "lse")
+        return plan, out, lse
 
     def _check_kv(self, t: torch.Tensor, name: str, plan: _SparsePlan, q: torch.Tensor, shape_doc: str) -> None:
         check_tensor(t, name, ndim=3)
@@ -232,28 +236,12 @@ class _SparseBase:
         if t.device != q.device:
             raise ValueError(f"{name}: expected a tensor on {q.device} (q's device), got one on {t.device}")
 
-    def _lse(self, lse, return_lse, shape, q) -> Optional[torch.Tensor]:
-        # a caller's lse buffer is written whether or not it is returned, as in the prefill wrappers
-        return check_out(lse, shape, torch.float32, q.device, "lse") if lse is not None or return_lse else None
-
 
 def _dtypes(q_data_type, kv_data_type, q_allowed) -> Tuple[torch.dtype, torch.dtype]:
-    q_dtype = check_dtype_in(canonicalize_dtype(q_data_type, "q_data_type"), q_allowed, "q_data_type")
-    kv_dtype = q_dtype if kv_data_type is None else canonicalize_dtype(kv_data_type, "kv_data_type")
-    check_dtype_in(kv_dtype, KV_DTYPES, "kv_data_type")
+    q_dtype, kv_dtype = _plan_dtypes(q_data_type, kv_data_type, q_allowed)
     if q_dtype in FP8_DTYPES and kv_dtype not in FP8_DTYPES:
         raise ValueError(f"kv_data_type: fp8 queries need fp8 K/V (as FlashInfer's fp8 path), got {kv_dtype}")
     return q_dtype, kv_dtype
-
-
-def _head_scale(s: Optional[torch.Tensor], n: int, name: str, device) -> torch.Tensor:
-    if s is None:
-        return torch.ones(n, dtype=torch.float32, device=device)
-    check_tensor(s, name, dtype=torch.float32)
-    if s.numel() != n or s.device != device:
-        raise ValueError(f"{name}: expected a float32 tensor of {n} per-head scales on {device}, got "
-                         f"{tuple(s.shape)} on {s.device}")
-    return s.reshape(-1).contiguous()
 
 
 class BlockSparseAttentionWrapper(_SparseBase):
@@ -371,28 +359,19 @@ class BlockSparseAttentionWrapper(_SparseBase):
 
         packed = byte_indptr = None
         if mask is not None or packed_mask is not None:
-            bits = (qo[1:] - qo[:-1]) * kv_lens
-            bit_indptr = np.concatenate([[0], np.cumsum(bits)])
-            byte_indptr = np.concatenate([[0], np.cumsum((bits + 7) // 8)])
+            bit_indptr, byte_indptr = _mask_layout(qo[1:] - qo[:-1], kv_lens)
             if packed_mask is not None:
-                check_tensor(packed_mask, "packed_mask", ndim=1, dtype=torch.uint8)
-                if packed_mask.numel() != int(byte_indptr[-1]):
-                    raise ValueError(f"packed_mask: expected {int(byte_indptr[-1])} bytes (each block row's "
-                                     f"rows*blocks*C bits padded to whole bytes), got {packed_mask.numel()}")
-                packed = packed_mask.to(self.device)
+                packed = _check_packed_mask(packed_mask, byte_indptr, "packed_mask",
+                                            "each block row's rows*blocks*C bits padded to whole bytes").to(self.device)
             else:
                 check_tensor(mask, "mask", ndim=3)
                 if tuple(mask.shape) != (nnz, R, C):
                     raise ValueError(f"mask: expected shape (nnz, R, C) = {(nnz, R, C)}, got {tuple(mask.shape)}")
-                from .quantization import segment_packbits
-
                 # the rows of a short last block row past M are dropped: its segment ends first
                 flat = convert_bsr_mask_layout(mask, ptr_host)[:int(bit_indptr[-1])]
-                packed, _ = segment_packbits(flat, torch.from_numpy(bit_indptr).to(flat.device), bitorder="little")
-                packed = packed.to(self.device)
-        settings, params = self._scores(pos_encoding_mode, logits_soft_cap, sm_scale, rope_scale, rope_theta,
-                                        head_dim, bool(causal) and packed is None, q_dtype)
-        settings = dataclasses.replace(settings, causal=bool(causal))
+                packed = _pack_mask(flat, bit_indptr).to(self.device)
+        settings, params = self._checked_scores(pos_encoding_mode, logits_soft_cap, sm_scale, rope_scale, rope_theta,
+                                                head_dim, causal, packed is not None, q_dtype)
         step = self._plan_step(qo=qo, kv_lens=kv_lens, kv_starts=ptr, kv_indices=ids, page_size=C,
                                num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                settings=settings, params=params, q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype,
@@ -446,13 +425,9 @@ class BlockSparseAttentionWrapper(_SparseBase):
     def _run(self, q, k, v, scale_q, scale_k, scale_v, out, lse, return_lse):
         """``run()``'s work (the torch.compile op calls this, never ``run``, which a caller may have
         wrapped in ``torch.compile``)."""
-        plan = self._plan
-        if plan is None:
-            raise ValueError("run() was called before plan()")
+        plan, out, lse = self._run_args(q, k, v, out, lse, return_lse, "(M, num_qo_heads, head_dim)",
+                                        "(N, num_kv_heads, head_dim)")
         step = plan.step
-        check_query(q, step.q_dtype, plan.q_shape, "(M, num_qo_heads, head_dim)")
-        self._check_kv(k, "k", plan, q, "(N, num_kv_heads, head_dim)")
-        self._check_kv(v, "v", plan, q, "(N, num_kv_heads, head_dim)")
         C = step.page_size
         # [N, H, D] as N / C pages of C tokens: strides over (page, slot, head)
         k_strides = (k.stride(0) * C, k.stride(0), k.stride(1))
@@ -462,15 +437,8 @@ class BlockSparseAttentionWrapper(_SparseBase):
         if not step.route.is_core:
             n, h, d = plan.kv_shape
             route_kv = PagedKV(k.view(n // C, C, h, d), v.view(n // C, C, h, d), C, h, d, d, k_strides, v_strides)
-        out = check_out(out, plan.q_shape, plan.o_dtype, q.device, "out")
-        lse = self._lse(lse, return_lse, plan.q_shape[:2], q)
-        head_scales = None
-        if scale_q is not None or scale_k is not None or scale_v is not None:
-            head_scales = (_head_scale(scale_q, step.num_qo_heads, "scale_q", q.device),
-                           _head_scale(scale_k, step.num_kv_heads, "scale_k", q.device),
-                           _head_scale(scale_v, step.num_kv_heads, "scale_v", q.device))
         run_step(step, q=q, kv=source, out=out, lse=lse, workspace=self._workspace, route_kv=route_kv,
-                 head_scales=head_scales)
+                 head_scales=_head_scales(scale_q, scale_k, scale_v, step.num_qo_heads, step.num_kv_heads, q.device))
         return (out, lse) if return_lse else out
 
     def forward(
@@ -599,8 +567,8 @@ class VariableBlockSparseAttentionWrapper(_SparseBase):
         kv_starts = np.append(np.repeat(starts, group, axis=0).reshape(-1), kv_indices.size)
         qo = np.concatenate([[0], np.cumsum(np.repeat(rows, group, axis=0).reshape(-1))]).astype(np.int64)
 
-        settings, params = self._scores(pos_encoding_mode, logits_soft_cap, sm_scale, rope_scale, rope_theta,
-                                        head_dim, causal, q_dtype)
+        settings, params = self._checked_scores(pos_encoding_mode, logits_soft_cap, sm_scale, rope_scale, rope_theta,
+                                                head_dim, causal, False, q_dtype)
         step = self._plan_step(qo=qo, kv_lens=kv_lens, kv_starts=kv_starts, kv_indices=kv_indices, page_size=1,
                                num_qo_heads=1, num_kv_heads=1, head_dim=head_dim, settings=settings, params=params,
                                q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=q_dtype, packed_mask=None,
@@ -646,22 +614,16 @@ class VariableBlockSparseAttentionWrapper(_SparseBase):
 
     def _run(self, q, k, v, scale_q, scale_k, scale_v, out, lse, return_lse):
         """``run()``'s work (see :meth:`BlockSparseAttentionWrapper._run`)."""
-        plan = self._plan
-        if plan is None:
-            raise ValueError("run() was called before plan()")
+        plan, out, lse = self._run_args(q, k, v, out, lse, return_lse, "(num_qo_heads, qo_len, head_dim)",
+                                        "(num_kv_heads, kv_len, head_dim)")
         step = plan.step
         hq, qo_len, d = plan.q_shape
-        check_query(q, step.q_dtype, plan.q_shape, "(num_qo_heads, qo_len, head_dim)")
-        self._check_kv(k, "k", plan, q, "(num_kv_heads, kv_len, head_dim)")
-        self._check_kv(v, "v", plan, q, "(num_kv_heads, kv_len, head_dim)")
         # every (head, token) is a row of its own: q [H_qo * qo_len, 1, D], k/v one-token pages
         q_rows = q.reshape(hq * qo_len, 1, d)
         k_rows = k.reshape(plan.num_pages, d)
         v_rows = v.reshape(plan.num_pages, d)
         source = KVSource(k_rows, v_rows, (k_rows.stride(0), k_rows.stride(0), 0),
                           (v_rows.stride(0), v_rows.stride(0), 0), 1, step.kv_indptr, step.kv_indices, plan.num_pages)
-        out = check_out(out, plan.q_shape, plan.o_dtype, q.device, "out")
-        lse = self._lse(lse, return_lse, plan.q_shape[:2], q)
         out_rows = out.view(hq * qo_len, 1, d) if out.is_contiguous() else torch.empty(
             (hq * qo_len, 1, d), dtype=out.dtype, device=out.device)
         lse_rows = None
