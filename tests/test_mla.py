@@ -2,7 +2,7 @@
 and ``append_paged_mla_kv_cache`` against ``tritoninfer.reference.mla``.
 
 CPU cases use small latent dims (ckv 32, kpe 16) through the interpreter; the ``gpu`` cases use
-DeepSeek's (512 / 64, 128 and 16 heads, pages of 1 and 64, bf16).
+DeepSeek's (512 / 64, 128 and 16 heads, pages of 1 and 64, bf16, and an fp8 e4m3 cache).
 """
 
 import math
@@ -19,22 +19,23 @@ from tritoninfer.mla import (
 )
 from tritoninfer.testing import assert_close, assert_lse_close, make_workspace
 
-from conftest import DEVICE
+from conftest import DEVICE, ON_GPU
 
 WS = 8 << 20
 
 
 def make_case(qo_lens, kv_lens, heads, d_ckv, d_kpe, page_size, dtype, strided=False, device=DEVICE, seed=0,
-              extra_pages=3):
+              extra_pages=3, kv_dtype=None):
     """Queries, a paged latent cache with shuffled page ids and the page table. With ``strided``, q and
-    the cache are slices of one wider buffer each (as SGLang passes them)."""
+    the cache are slices of one wider buffer each (as SGLang passes them). ``kv_dtype``: the cache's
+    dtype when it differs from q's (an fp8 cache: the random data cast, unscaled)."""
     g = torch.Generator().manual_seed(seed)
     rows = sum(qo_lens)
     pages_per = [math.ceil(n / page_size) for n in kv_lens]
     num_pages = sum(pages_per) + extra_pages
     width = d_ckv + d_kpe + (8 if strided else 0)
     q_full = torch.randn(rows, heads, width, generator=g).to(dtype).to(device)
-    cache_full = torch.randn(num_pages, page_size, width, generator=g).to(dtype).to(device)
+    cache_full = torch.randn(num_pages, page_size, width, generator=g).to(kv_dtype or dtype).to(device)
     if strided:
         q_nope, q_pe = q_full[..., :d_ckv], q_full[..., d_ckv:d_ckv + d_kpe]
         ckv, kpe = cache_full[..., :d_ckv], cache_full[..., d_ckv:d_ckv + d_kpe]
@@ -49,14 +50,14 @@ def make_case(qo_lens, kv_lens, heads, d_ckv, d_kpe, page_size, dtype, strided=F
                 kv_indptr=kv_indptr.to(device), kv_indices=perm.to(device), kv_len=kv_len.to(device))
 
 
-def ref_of(c, sm_scale, causal):
+def ref_of(c, sm_scale, causal, ckv_scale=1.0, kpe_scale=1.0):
     return reference.mla_paged_attention(c["q_nope"], c["q_pe"], c["ckv"], c["kpe"], c["qo_indptr"], c["kv_indptr"],
-                                         c["kv_indices"], c["kv_len"], sm_scale, causal)
+                                         c["kv_indices"], c["kv_len"], sm_scale, causal, ckv_scale, kpe_scale)
 
 
-def plan(wrapper, c, heads, page_size, causal, sm_scale, dtype):
+def plan(wrapper, c, heads, page_size, causal, sm_scale, dtype, kv_dtype=None):
     wrapper.plan(c["qo_indptr"], c["kv_indptr"], c["kv_indices"], c["kv_len"], heads, c["ckv"].shape[-1],
-                 c["kpe"].shape[-1], page_size, causal, sm_scale, dtype, dtype)
+                 c["kpe"].shape[-1], page_size, causal, sm_scale, dtype, kv_dtype or dtype)
 
 
 # (qo_lens, kv_lens, heads, page_size, causal, dtype, strided): sizes covered pairwise
@@ -87,7 +88,7 @@ def test_mla_kv_as_m_tiles(monkeypatch):
     """The GPU's 16-row tiles put KV positions as the dots' M (transposed dots): same numbers."""
     from tritoninfer import _plan, mla
 
-    monkeypatch.setattr(mla, "mla_tiles", lambda heads, q: _plan.Tiles(16, 16, 1, 1, 2, 1, prefetch_pages=False,
+    monkeypatch.setattr(mla, "mla_tiles", lambda heads, q, *_: _plan.Tiles(16, 16, 1, 1, 2, 1, prefetch_pages=False,
                                                                        kv_as_m=True, programs_per_sm=1,
                                                                        mask_free_tiles=True))
     c = make_case([2, 1], [19, 40], 8, 32, 16, 4, torch.float16, strided=True)
@@ -106,7 +107,7 @@ def test_mla_one_masked_loop(monkeypatch, causal):
     numbers, with KV lengths that end inside a tile and a causal diagonal across tiles."""
     from tritoninfer import _plan, mla
 
-    monkeypatch.setattr(mla, "mla_tiles", lambda heads, q: _plan.Tiles(16, 16, 1, 1, 4, 1, prefetch_pages=False,
+    monkeypatch.setattr(mla, "mla_tiles", lambda heads, q, *_: _plan.Tiles(16, 16, 1, 1, 4, 1, prefetch_pages=False,
                                                                        programs_per_sm=1, mask_free_tiles=False))
     c = make_case([4, 1, 3], [37, 16, 5], 4, 32, 16, 4, torch.bfloat16, strided=True)
     w = BatchMLAPagedAttentionWrapper(make_workspace(WS, DEVICE))
@@ -227,6 +228,129 @@ def test_mla_bad_inputs_name_the_argument():
         w.run(q_nope, q_pe, ckv, kpe, out=torch.empty(1, 4, 32, dtype=torch.float16))
 
 
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+# fp8 caches (beyond FlashInfer 0.5.3): (qo_lens, kv_lens, heads, page_size, causal, q dtype, kv dtype,
+# strided, ckv_scale, kpe_scale); the reference reads the same fp8 values times their scales
+FP8_CASES = [
+    pytest.param([1, 1, 1], [5, 17, 0], 4, 1, False, torch.bfloat16, E4M3, True, 0.5, 2.0, id="e4m3-bf16-strided"),
+    pytest.param([3, 1, 2], [9, 6, 20], 4, 4, True, torch.float16, E4M3, False, None, None, id="e4m3-fp16-causal"),
+    pytest.param([1, 2], [150, 90], 4, 4, True, torch.bfloat16, E4M3, True, 1.5, 1.5, id="e4m3-split-kv"),
+    pytest.param([2, 1], [19, 40], 8, 4, True, E4M3, E4M3, True, 0.25, 3.0, id="e4m3-q-e4m3"),
+    pytest.param([1, 1], [20, 3], 32, 4, False, torch.float16, E5M2, True, 2.0, 0.5, id="e5m2-two-row-programs"),
+]
+
+
+@pytest.mark.parametrize("qo_lens,kv_lens,heads,page_size,causal,q_dtype,kv_dtype,strided,ckv_scale,kpe_scale",
+                         FP8_CASES)
+def test_mla_fp8_cache_matches_reference(qo_lens, kv_lens, heads, page_size, causal, q_dtype, kv_dtype, strided,
+                                         ckv_scale, kpe_scale):
+    """An fp8 latent cache (ckv and kpe slices of one fp8 buffer with ``strided``, as SGLang's) with
+    per-tensor scales: the dequantised reference within the output dtype's tolerance (fp8 queries
+    give bfloat16); split-KV partial states are merged before the output scale."""
+    c = make_case(qo_lens, kv_lens, heads, 32, 16, page_size, q_dtype, strided, kv_dtype=kv_dtype)
+    assert c["ckv"].dtype == kv_dtype and c["q_nope"].dtype == q_dtype
+    sm_scale = 1 / math.sqrt(24)
+    w = BatchMLAPagedAttentionWrapper(make_workspace(WS, DEVICE))
+    plan(w, c, heads, page_size, causal, sm_scale, q_dtype, kv_dtype)
+    scales = {k: v for k, v in (("ckv_scale", ckv_scale), ("kpe_scale", kpe_scale)) if v is not None}
+    out, lse = w.run(c["q_nope"], c["q_pe"], c["ckv"], c["kpe"], return_lse=True, **scales)
+    o_dtype = torch.bfloat16 if q_dtype == E4M3 else q_dtype
+    assert out.dtype == o_dtype
+    ref_o, ref_lse = ref_of(c, sm_scale, causal, ckv_scale or 1.0, kpe_scale or 1.0)
+    assert_close(out, ref_o, o_dtype)
+    assert_lse_close(lse, ref_lse, dtype=o_dtype)
+    if kv_lens[0] == 150:
+        assert w._step.device_plan.has_splits
+
+
+def test_mla_fp8_decode_wrapper_k_scale_v_scale():
+    """The deprecated decode wrapper keeps FlashInfer's ``k_scale``/``v_scale`` for an fp8 cache:
+    ``k_scale`` multiplies the scores (ckv and kpe parts), ``v_scale`` the output."""
+    heads, ps = 4, 4
+    c = make_case([1, 1], [6, 13], heads, 32, 16, ps, torch.bfloat16, strided=True, kv_dtype=E4M3)
+    kv_lens = c["kv_len"].cpu()
+    last = torch.where(kv_lens > 0, (kv_lens - 1) % ps + 1, torch.zeros_like(kv_lens)).to(torch.int32)
+    w = BatchDecodeMlaWithPagedKVCacheWrapper(make_workspace(WS, DEVICE))
+    w.plan(c["kv_indptr"], c["kv_indices"], last.to(DEVICE), heads, 32, ps, 0.25, data_type=E4M3,
+           q_data_type=torch.bfloat16)
+    out = w.run(c["q_nope"], c["q_pe"], c["ckv"], c["kpe"], k_scale=0.75, v_scale=0.75)
+    assert_close(out, ref_of(c, 0.25, False, 0.75, 0.75)[0], torch.bfloat16)
+
+
+def test_mla_fp8_bad_inputs_name_the_argument():
+    """A cache whose dtype differs from the plan's, scales with a 16-bit cache or out of range, fp8
+    queries without an fp8 cache and FlashInfer's unimplemented fp8 extras each raise naming the
+    argument."""
+    c = make_case([1, 1], [6, 9], 4, 32, 16, 4, torch.bfloat16, strided=True, kv_dtype=E4M3)
+    q_nope, q_pe, ckv, kpe = c["q_nope"], c["q_pe"], c["ckv"], c["kpe"]
+    w = BatchMLAPagedAttentionWrapper(make_workspace(WS, DEVICE))
+    with pytest.raises(ValueError, match="q_data_type: fp8 queries"):
+        plan(w, c, 4, 4, False, 0.3, E4M3, torch.bfloat16)
+    with pytest.raises(ValueError, match="kv_data_type"):
+        plan(w, c, 4, 4, False, 0.3, torch.bfloat16, torch.int8)
+    plan(w, c, 4, 4, False, 0.3, torch.bfloat16)  # a bf16 plan, an fp8 cache
+    with pytest.raises(ValueError, match="ckv_cache .* does not match the kv_data_type"):
+        w.run(q_nope, q_pe, ckv, kpe)
+    with pytest.raises(ValueError, match="ckv_scale: only valid with an fp8 cache"):
+        w.run(q_nope, q_pe, ckv.to(torch.bfloat16), kpe.to(torch.bfloat16), ckv_scale=1.0)
+    plan(w, c, 4, 4, False, 0.3, torch.bfloat16, E4M3)
+    with pytest.raises(ValueError, match="ckv_cache .* does not match the kv_data_type"):
+        w.run(q_nope, q_pe, ckv.to(torch.bfloat16), kpe.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="kpe_cache .* does not match the kv_data_type"):
+        w.run(q_nope, q_pe, ckv, kpe.to(E5M2))
+    with pytest.raises(ValueError, match="ckv_scale: expected a finite positive"):
+        w.run(q_nope, q_pe, ckv, kpe, ckv_scale=0.0)
+    with pytest.raises(ValueError, match="kpe_scale: expected a finite positive"):
+        w.run(q_nope, q_pe, ckv, kpe, kpe_scale=float("nan"))
+    with pytest.raises(ValueError, match="kpe_scale: expected a float"):
+        w.run(q_nope, q_pe, ckv, kpe, kpe_scale=torch.tensor(1.0))
+    with pytest.raises(NotImplementedError, match="ckv_scale_arr"):
+        w.run(q_nope, q_pe, ckv, kpe, ckv_scale_arr=torch.ones(1))
+    with pytest.raises(ValueError, match="o_scale"):
+        w.run(q_nope, q_pe, ckv, kpe, o_scale=1.0)
+    with pytest.raises(TypeError):
+        w.run(q_nope, q_pe, ckv, kpe, None, None, False, None, None, None, False, None, 1.0)  # keyword-only
+    plan(w, c, 4, 4, False, 0.3, E4M3, E4M3)
+    with pytest.raises(ValueError, match="out"):
+        w.run(q_nope.to(E4M3), q_pe.to(E4M3), ckv, kpe, out=torch.empty(q_nope.shape, dtype=E4M3))
+
+
+def test_append_paged_mla_kv_cache_fp8():
+    """An fp8 cache takes fp8 rows as they are (FlashInfer's only case) and 16/32-bit rows converted on
+    store, unscaled (the caller divides by its scale); mismatched dtypes name the argument. The
+    conversion is checked on the GPU only (the interpreter's fp32 -> fp8 cast is wrong, see test_page)."""
+    page_size, d_ckv, d_kpe = 4, 32, 16
+    kv_indptr = torch.tensor([0, 2, 3], dtype=torch.int32, device=DEVICE)
+    kv_indices = torch.tensor([3, 0, 2], dtype=torch.int32, device=DEVICE)
+    last = torch.tensor([1, 1], dtype=torch.int32, device=DEVICE)
+    batch_indices = torch.tensor([0] * 5 + [1] * 3, dtype=torch.int32, device=DEVICE)
+    positions = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2], dtype=torch.int32, device=DEVICE)
+    g = torch.Generator().manual_seed(3)
+    ckv_app = (torch.randn(8, d_ckv, generator=g) * 4).to(torch.bfloat16)
+    kpe_app = (torch.randn(8, d_kpe, generator=g) * 4).to(torch.bfloat16)
+    for src in (E4M3,) + ((torch.bfloat16, torch.float32) if ON_GPU else ()):
+        full = torch.zeros(4, page_size, d_ckv + d_kpe, dtype=E4M3, device=DEVICE)
+        append_paged_mla_kv_cache(ckv_app.to(src).to(DEVICE), kpe_app.to(src).to(DEVICE), batch_indices, positions,
+                                  full[..., :d_ckv], full[..., d_ckv:], kv_indices, kv_indptr, last)
+        ref = torch.zeros(4, page_size, d_ckv + d_kpe, dtype=E4M3)
+        reference.append_paged_mla_kv_cache(ckv_app.to(src), kpe_app.to(src), batch_indices.cpu(), positions.cpu(),
+                                            ref[..., :d_ckv], ref[..., d_ckv:], kv_indices.cpu(), kv_indptr.cpu(),
+                                            last.cpu())
+        assert torch.equal(full.cpu().view(torch.uint8), ref.view(torch.uint8)), src
+    full = torch.zeros(4, page_size, d_ckv + d_kpe, dtype=E4M3, device=DEVICE)
+    args = (batch_indices, positions, full[..., :d_ckv], full[..., d_ckv:], kv_indices, kv_indptr, last)
+    with pytest.raises(ValueError, match="append_kpe: dtype"):
+        append_paged_mla_kv_cache(ckv_app.to(DEVICE), kpe_app.half().to(DEVICE), *args)
+    with pytest.raises(ValueError, match="kpe_cache: dtype"):
+        append_paged_mla_kv_cache(ckv_app.to(DEVICE), kpe_app.to(DEVICE), batch_indices, positions, full[..., :d_ckv],
+                                  full[..., d_ckv:].to(E5M2), kv_indices, kv_indptr, last)
+    bf16 = torch.zeros(4, page_size, d_ckv + d_kpe, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="append_ckv: dtype"):
+        append_paged_mla_kv_cache(ckv_app.half().to(DEVICE), kpe_app.half().to(DEVICE), batch_indices, positions,
+                                  bf16[..., :d_ckv], bf16[..., d_ckv:], kv_indices, kv_indptr, last)
+
+
 def test_append_paged_mla_kv_cache_matches_reference():
     page_size, d_ckv, d_kpe = 4, 32, 16
     kv_lens = [5, 1, 9]
@@ -325,6 +449,27 @@ def test_mla_deepseek_dims_gpu(heads, page_size, qo_len, causal):
     plan(w, c, heads, page_size, causal, sm_scale, torch.bfloat16)
     out, lse = w.run(c["q_nope"], c["q_pe"], c["ckv"], c["kpe"], return_lse=True)
     ref_o, ref_lse = ref_of(c, sm_scale, causal)
+    assert_close(out, ref_o, torch.bfloat16)
+    assert_lse_close(lse, ref_lse, dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [128, 16])
+@pytest.mark.parametrize("page_size", [1, 64])
+@pytest.mark.parametrize("qo_len,causal", [(1, False), (4, True)])
+def test_mla_fp8_deepseek_dims_gpu(heads, page_size, qo_len, causal):
+    """An e4m3 576-wide cache sliced into ckv/kpe, bf16 queries (SGLang's call), scales != 1: the
+    dequantised reference within bf16's tolerance."""
+    kv_lens = [1, 77, 1000, 4133, 0, 129]
+    if causal:
+        kv_lens = [max(n, qo_len) for n in kv_lens]
+    c = make_case([qo_len] * len(kv_lens), kv_lens, heads, 512, 64, page_size, torch.bfloat16, strided=True,
+                  kv_dtype=E4M3)
+    sm_scale = 1 / math.sqrt(192)
+    w = BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
+    plan(w, c, heads, page_size, causal, sm_scale, torch.bfloat16, E4M3)
+    out, lse = w.run(c["q_nope"], c["q_pe"], c["ckv"], c["kpe"], return_lse=True, ckv_scale=0.05, kpe_scale=0.08)
+    ref_o, ref_lse = ref_of(c, sm_scale, causal, 0.05, 0.08)
     assert_close(out, ref_o, torch.bfloat16)
     assert_lse_close(lse, ref_lse, dtype=torch.bfloat16)
 

@@ -147,7 +147,8 @@ def test_attention_kernel_compiles_for_sm90():
     assert "block_m=128" in report["case-prefill"] or "block_m=64" in report["case-prefill"]
 
 
-# the MLA kernel (kernels/mla.py) at DeepSeek's dims: (heads, mean query tokens, causal, page size, lse)
+# the MLA kernel (kernels/mla.py) at DeepSeek's dims: (heads, mean query tokens, causal, page size, lse
+# [, cache dtype: bf16 unless given; an fp8 cache is converted to fp16 for the dots, q bf16 with it])
 MLA_CASES = {
     "mla-128h-decode": (128, 1, False, 1, False),  # 64 rows, one masked loop
     "mla-128h-decode-p64-lse": (128, 1, False, 64, True),
@@ -155,6 +156,11 @@ MLA_CASES = {
     "mla-32h-decode": (32, 1, False, 1, False),  # 32 rows
     "mla-32h-q2-causal": (32, 2, True, 64, False),  # 64 rows
     "mla-16h-q4-causal": (16, 4, True, 64, True),  # 64 rows
+    "mla-128h-decode-e4m3": (128, 1, False, 64, True, "fp8e4nv"),  # 32 rows (fp8 blocks stop there)
+    "mla-16h-decode-e4m3": (16, 1, False, 64, True, "fp8e4nv"),  # 16 rows
+    "mla-32h-decode-e4m3": (32, 1, False, 1, False, "fp8e4nv"),  # 32 rows
+    "mla-16h-q4-causal-e4m3": (16, 4, True, 64, True, "fp8e4nv"),  # 32 rows, causal
+    "mla-16h-decode-e5m2": (16, 1, False, 1, False, "fp8e5"),
 }
 
 
@@ -164,22 +170,26 @@ def compile_mla_case(name: str):
     from tritoninfer.kernels.mla import mla_fwd_kernel
     from tritoninfer.mla import mla_tiles
 
-    heads, q_len, causal, page_size, write_lse = MLA_CASES[name]
-    tiles = mla_tiles(heads, q_len)
+    heads, q_len, causal, page_size, write_lse, *kv = MLA_CASES[name]
+    kv = kv[0] if kv else "bf16"
+    tiles = mla_tiles(heads, q_len, kv != "bf16")
     merge_dv = min(512, max(16, 4096 // tiles.block_m))
     constexprs = dict(NUM_HEADS=heads, HEAD_DIM_CKV=512, HEAD_DIM_KPE=64, BLOCK_M=tiles.block_m,
                       BLOCK_N=tiles.block_n, BLOCK_CKV=512, BLOCK_KPE=64, PAGE_SIZE=page_size, IS_CAUSAL=causal,
-                      WRITE_LSE=write_lse, DOT_DTYPE=tl.bfloat16, FOLD_SCALE=True, NUM_STAGES=tiles.num_stages,
-                      KV_AS_M=tiles.kv_as_m, MASK_FREE_TILES=tiles.mask_free_tiles, MERGE_DV_CHUNK=merge_dv,
-                      MERGE_SPLIT_BLOCK=max(1, min(8, 8192 // (tiles.block_m * merge_dv))))
+                      WRITE_LSE=write_lse, DOT_DTYPE=tl.bfloat16 if kv == "bf16" else tl.float16, FOLD_SCALE=True,
+                      NUM_STAGES=tiles.num_stages, KV_AS_M=tiles.kv_as_m, MASK_FREE_TILES=tiles.mask_free_tiles,
+                      MERGE_DV_CHUNK=merge_dv, MERGE_SPLIT_BLOCK=max(1, min(8, 8192 // (tiles.block_m * merge_dv))),
+                      SCALE_Q_PE=kv != "bf16")
     sig, attrs = {}, {}
     for i, p in enumerate(mla_fwd_kernel.params):
         n = p.name
         if n in constexprs:
             sig[n] = "constexpr"
             continue
-        if n in ("q_nope_ptr", "q_pe_ptr", "ckv_ptr", "kpe_ptr", "o_ptr"):
+        if n in ("q_nope_ptr", "q_pe_ptr", "o_ptr"):
             sig[n] = "*bf16"
+        elif n in ("ckv_ptr", "kpe_ptr"):
+            sig[n] = f"*{kv}"
         elif n in ("lse_ptr", "part_o_ptr", "part_lse_ptr"):
             sig[n] = "*fp32"
         elif n == "err_ptr":
@@ -187,7 +197,7 @@ def compile_mla_case(name: str):
         elif n.endswith("_ptr"):
             sig[n] = "*i32"
         else:
-            sig[n] = "fp32" if n in ("sm_scale_log2", "lse_scale") else "i32"
+            sig[n] = "fp32" if n in ("sm_scale_log2", "lse_scale", "q_pe_scale", "v_scale") else "i32"
         if n.endswith("_ptr") or (n.startswith("stride_") and n != "stride_lse_head"):
             attrs[(i,)] = [["tt.divisibility", 16]]
     compiled = triton.compile(ASTSource(mla_fwd_kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
@@ -227,6 +237,8 @@ def test_mla_kernel_compiles_for_sm90():
         assert int(facts["shared"]) <= 227 * 1024, f"{case}: {line}"
     for case in ("mla-128h-decode", "mla-32h-q2-causal", "mla-16h-q4-causal"):
         assert "block_m=64" in report[f"case-{case}"], report
+    for case in ("mla-128h-decode-e4m3", "mla-16h-q4-causal-e4m3"):
+        assert "block_m=32" in report[f"case-{case}"], report
 
 
 # the sampling kernels (kernels/sampling.py) with the GPU tiles of sampling._Split / _tiles

@@ -13,6 +13,12 @@ and row block, not once per head. ``plan()`` does the host work (page-table chec
 decision and work list of ``_step.plan_work``, one upload); ``run()`` checks its tensors against the
 plan and launches once (the splits' partial states are merged inside the launch). ``run()`` never
 synchronises with the host.
+
+Beyond FlashInfer 0.5.3 (whose MLA refuses fp8): an fp8 latent cache, ``kv_data_type`` e4m3 (or
+e5m2), with per-tensor dequantisation scales given to ``run(ckv_scale=, kpe_scale=)``, the names and
+semantics of later FlashInfer releases (``real = stored * scale``; SGLang's ``flashinfer_mla``
+backend plans ``q_data_type=bfloat16, kv_data_type=float8_e4m3fn`` and runs with
+``ckv_scale=kpe_scale=k_scale``). It halves the bytes the memory-bound (few-head) shapes read.
 """
 
 from __future__ import annotations
@@ -24,14 +30,13 @@ from typing import Literal, Optional, Tuple, Union, overload
 
 import numpy as np
 import torch
-import triton.language as tl
-
 from . import _device, _ops
-from ._attention import DevicePlan
+from ._attention import DevicePlan, dot_dtype
 from ._errors import fault_record
 from ._launch import CachedLauncher
 from ._kvcache import check_graph_plan, copy_graph_page_table, init_graph_page_table
 from ._options import (
+    FP8_DTYPES,
     check_dtype_in,
     check_graph_buffers,
     check_indptr_host,
@@ -54,11 +59,13 @@ _MLA = CachedLauncher(mla_fwd_kernel)
 # FlashInfer's backend names for this wrapper; every one but "cutlass" runs tritoninfer's kernel
 MLA_BACKENDS = ("auto", "fa2", "fa3", "cutlass")
 MLA_DTYPES = (torch.float16, torch.bfloat16)
-_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+# an fp8 cache (beyond FlashInfer 0.5.3); fp8 queries only with one (their output is bfloat16)
+MLA_KV_DTYPES = MLA_DTYPES + FP8_DTYPES
+MLA_Q_DTYPES = MLA_DTYPES + FP8_DTYPES
 _LN2 = math.log(2.0)
 
 
-def mla_tiles(num_heads: int, avg_q_len: float) -> Tiles:
+def mla_tiles(num_heads: int, avg_q_len: float, kv_fp8: bool = False) -> Tiles:
     """Tiles of the MLA kernel: ``block_m`` rows per program (query tokens x heads of one request,
     at most 64: a 64 x 512 fp32 accumulator alone takes 128 registers per thread over 8 warps),
     ``tile_tokens`` query tokens per work item and ``row_tiles`` programs per item.
@@ -79,24 +86,31 @@ def mla_tiles(num_heads: int, avg_q_len: float) -> Tiles:
       pair keeps all 8 warps on M (Triton), so both warpgroups compute the same 64 x 32 scores:
       1.5x the useful tensor work at 128 heads.
 
+    An fp8 cache (``kv_fp8``) is converted to fp16 in registers on its way to the dots, which at 64
+    rows spills 256-320 bytes (16- or 32-position tiles, 1 or 2 stages; 16 warps spill more): its
+    blocks stop at 32 rows, one masked loop (186-188 registers; with the mask-free loop too, 255
+    and 8 bytes of spills). 128 heads then take 4 row programs per KV tile (their reads of it meet
+    in L2); 16 rows keep their tiles (200 registers).
+
     One program per SM for the split policy (the tiles take most of an SM's registers).
     """
-    if num_heads >= 64:
+    max_rows = 32 if kv_fp8 else 64
+    if num_heads >= max_rows:
         tokens = 1
     else:
-        tokens = max(1, min(next_pow2(max(1, math.ceil(avg_q_len))), 64 // num_heads))
+        tokens = max(1, min(next_pow2(max(1, math.ceil(avg_q_len))), max_rows // num_heads))
     rows = num_heads * tokens
     if _device.is_interpreter():
         # 16 x 16 blocks: each tl op costs time there, not registers
         tokens = max(1, min(tokens, 16 // num_heads)) if num_heads < 16 else 1
         return Tiles(16, 16, 1, 1, tokens, cdiv(num_heads * tokens, 16), prefetch_pages=False, programs_per_sm=1,
                      mask_free_tiles=True)
-    block_m = min(64, max(16, next_pow2(rows)))
+    block_m = min(max_rows, max(16, next_pow2(rows)))
     if block_m == 16:
         return Tiles(16, 32, 8, 3, tokens, cdiv(rows, 16), prefetch_pages=False, kv_as_m=True, programs_per_sm=1,
                      mask_free_tiles=True)
     return Tiles(block_m, 32, 8, 2, tokens, cdiv(rows, block_m), prefetch_pages=False, programs_per_sm=1,
-                 mask_free_tiles=block_m < 64)
+                 mask_free_tiles=block_m < 64 and not kv_fp8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +163,7 @@ class MLALaunch:
             BLOCK_N=tiles.block_n, BLOCK_CKV=block_ckv, BLOCK_KPE=max(16, next_pow2(step.head_dim_kpe)),
             PAGE_SIZE=step.page_size, IS_CAUSAL=step.causal, WRITE_LSE=write_lse, DOT_DTYPE=dot,
             FOLD_SCALE=step.sm_scale > 0, NUM_STAGES=tiles.num_stages, KV_AS_M=tiles.kv_as_m,
-            MASK_FREE_TILES=tiles.mask_free_tiles,
+            MASK_FREE_TILES=tiles.mask_free_tiles, SCALE_Q_PE=step.kv_dtype in FP8_DTYPES,
             MERGE_DV_CHUNK=merge_dv,
             MERGE_SPLIT_BLOCK=max(1, min(8, 8192 // (tiles.block_m * merge_dv))),
             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
@@ -161,19 +175,52 @@ class MLALaunch:
         self.launch = _MLA.bind((tiles.row_tiles, plan.capacity), tail, kwargs)
         self.sm_scale_log2 = step.sm_scale / _LN2
 
-    def __call__(self, q_nope, q_pe, ckv, kpe, out, lse, sm_scale_log2: float, lse_scale: float) -> None:
+    def __call__(self, q_nope, q_pe, ckv, kpe, out, lse, sm_scale_log2: float, lse_scale: float,
+                 q_pe_scale: float = 1.0, v_scale: float = 1.0) -> None:
         if self.needs_pages and ckv.shape[0] == 0:
             raise ValueError("ckv_cache: the cache has no pages, but the plan reads KV from it")
         lse_args = (lse, lse.stride(0), lse.stride(1)) if lse is not None else (self.dummy, 0, 0)
         self.launch(q_nope, q_nope.stride(0), q_nope.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1),
                     ckv, ckv.stride(0), ckv.stride(1), kpe, kpe.stride(0), kpe.stride(1), ckv.shape[0],
-                    out, out.stride(0), out.stride(1), *lse_args, sm_scale_log2, lse_scale)
+                    out, out.stride(0), out.stride(1), *lse_args, sm_scale_log2, lse_scale, q_pe_scale, v_scale)
 
 
-def _dot_dtype(q_dtype: torch.dtype):
-    """Operand dtype of the kernel's dots: the query dtype; fp32 under the interpreter (its bf16
-    ``tl.dot`` is wrong)."""
-    return tl.float32 if _device.is_interpreter() else _TL_DTYPES[q_dtype]
+def out_dtype(q_dtype: torch.dtype) -> torch.dtype:
+    """The output dtype: the query's; bfloat16 for fp8 queries (the kernel writes no fp8)."""
+    return torch.bfloat16 if q_dtype in FP8_DTYPES else q_dtype
+
+
+def check_mla_dtypes(q_data_type, kv_data_type, q_name: str = "q_data_type",
+                     kv_name: str = "kv_data_type") -> Tuple[torch.dtype, torch.dtype]:
+    """A plan's query and cache dtypes: fp16/bf16, an fp8 cache with either, fp8 queries only with
+    an fp8 cache (as the attention core: its dots take fp16 operands converted from both)."""
+    q_dtype = check_dtype_in(canonicalize_dtype(q_data_type, q_name), MLA_Q_DTYPES, q_name)
+    kv_dtype = check_dtype_in(canonicalize_dtype(kv_data_type, kv_name), MLA_KV_DTYPES, kv_name)
+    if q_dtype in FP8_DTYPES and kv_dtype not in FP8_DTYPES:
+        raise ValueError(f"{q_name}: fp8 queries ({q_dtype}) need an fp8 cache, {kv_name} is {kv_dtype}")
+    return q_dtype, kv_dtype
+
+
+def _check_kv_scales(kv_dtype: torch.dtype, ckv_scale, kpe_scale, ckv_scale_arr) -> Tuple[float, float]:
+    """``run()``'s fp8 dequantisation scales as floats (1 when not given). As later FlashInfer
+    releases: only with an fp8 cache, finite and positive."""
+    if ckv_scale_arr is not None:
+        raise NotImplementedError("ckv_scale_arr: per-token, per-128-channel ckv scales are not implemented; "
+                                  "use the per-tensor ckv_scale")
+    if kv_dtype not in FP8_DTYPES:
+        for value, name in ((ckv_scale, "ckv_scale"), (kpe_scale, "kpe_scale")):
+            if value is not None:
+                raise ValueError(f"{name}: only valid with an fp8 cache (the plan's kv_data_type is {kv_dtype})")
+        return 1.0, 1.0
+    scales = []
+    for value, name in ((ckv_scale, "ckv_scale"), (kpe_scale, "kpe_scale")):
+        if isinstance(value, torch.Tensor):
+            raise ValueError(f"{name}: expected a float, got a tensor")
+        f = 1.0 if value is None else float(value)
+        if not (math.isfinite(f) and f > 0):
+            raise ValueError(f"{name}: expected a finite positive float, got {value}")
+        scales.append(f)
+    return scales[0], scales[1]
 
 
 def _check_index_dtype(t, name: str) -> None:
@@ -241,7 +288,7 @@ class _MLAPlanner:
         if graph is not None and graph.sized:
             tiles = graph.tiles
         else:
-            tiles = mla_tiles(num_heads, float(qo_lens.mean()) if batch else 1.0)
+            tiles = mla_tiles(num_heads, float(qo_lens.mean()) if batch else 1.0, kv_dtype in FP8_DTYPES)
         workspace_bytes = self._float_workspace_buffer.numel() * self._float_workspace_buffer.element_size()
         total_rows = int(qo[-1]) if batch else 0
         if graph is not None:
@@ -270,7 +317,10 @@ class _MLAPlanner:
         )
 
     def _run_step(self, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse, *, lse_base_e: bool = False,
-                  scale: float = 1.0, names=("ckv_cache", "kpe_cache")):
+                  scale: float = 1.0, names=("ckv_cache", "kpe_cache"), q_pe_scale: float = 1.0,
+                  v_scale: float = 1.0):
+        """The launch; ``scale`` multiplies ``sm_scale``, ``q_pe_scale`` q_pe (read with an fp8 cache
+        only), ``v_scale`` the output (all checked by the caller)."""
         step = self._step
         if step is None:
             raise ValueError("run() was called before plan()")
@@ -310,7 +360,7 @@ class _MLAPlanner:
         if step.max_page_id is not None and step.max_page_id >= ckv_cache.shape[0]:
             raise ValueError(f"kv_indices: page id {step.max_page_id} is outside the cache's "
                              f"[0, {ckv_cache.shape[0]}) pages")
-        out = check_out(out, tuple(q_nope.shape), q_nope.dtype, dev, "out")
+        out = check_out(out, tuple(q_nope.shape), out_dtype(step.q_dtype), dev, "out")
         if lse is not None or return_lse:
             # a caller's lse buffer is written whether or not it is returned, as in FlashInfer
             lse = check_out(lse, tuple(q_nope.shape[:2]), torch.float32, dev, "lse")
@@ -318,9 +368,9 @@ class _MLAPlanner:
         launch = step.launches.get(key)
         if launch is None:
             launch = step.launches[key] = MLALaunch(step, self._float_workspace_buffer, lse is not None,
-                                                    _dot_dtype(step.q_dtype))
+                                                    dot_dtype(step.q_dtype, step.kv_dtype))
         launch(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, launch.sm_scale_log2 * scale,
-               _LN2 if lse_base_e else 1.0)
+               _LN2 if lse_base_e else 1.0, q_pe_scale, v_scale)
         return (out, lse) if return_lse else out
 
 
@@ -430,7 +480,11 @@ class BatchMLAPagedAttentionWrapper(_MLAPlanner):
         sm_scale : float
             Softmax scale (DeepSeek: ``1/sqrt(qk_nope_head_dim + qk_rope_head_dim)`` = ``1/sqrt(192)``).
         q_data_type, kv_data_type : torch.dtype
-            ``float16`` or ``bfloat16`` (names accepted).
+            ``float16`` or ``bfloat16`` (names accepted). Beyond FlashInfer 0.5.3: ``kv_data_type``
+            ``float8_e4m3fn`` (or ``float8_e5m2``), an fp8 latent cache read at half the bytes, with
+            ``run(ckv_scale=, kpe_scale=)``; its tiles are converted to fp16 for the dots (bf16 q
+            too: exact for ``|q| < 65504``). fp8 ``q_data_type`` is accepted with an fp8 cache
+            (converted on load; the output is then bfloat16).
         use_profiler : bool
             FlashInfer's intra-kernel profiler; tritoninfer has none: ``True`` raises
             ``NotImplementedError``.
@@ -451,8 +505,7 @@ class BatchMLAPagedAttentionWrapper(_MLAPlanner):
                    page_size, causal, sm_scale, q_data_type, kv_data_type, sources=None) -> None:
         """``plan()`` from host copies of the indptrs and lengths. ``sources``: the caller's tensors,
         copied into the CUDA-graph buffers (None: the engine wrote the buffers itself)."""
-        q_dtype = check_dtype_in(canonicalize_dtype(q_data_type, "q_data_type"), MLA_DTYPES, "q_data_type")
-        kv_dtype = check_dtype_in(canonicalize_dtype(kv_data_type, "kv_data_type"), MLA_DTYPES, "kv_data_type")
+        q_dtype, kv_dtype = check_mla_dtypes(q_data_type, kv_data_type)
         indices_dev = None
         if self._use_cuda_graph:
             indices_dev = self._kv_indices_buf
@@ -484,14 +537,18 @@ class BatchMLAPagedAttentionWrapper(_MLAPlanner):
             out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
             return_lse: Literal[False] = False, profiler_buffer: Optional[torch.Tensor] = None,
             kv_len: Optional[torch.Tensor] = None, page_table: Optional[torch.Tensor] = None,
-            return_lse_base_on_e: bool = False) -> torch.Tensor: ...
+            return_lse_base_on_e: bool = False, o_scale: Optional[float] = None, *,
+            ckv_scale: Optional[float] = None, ckv_scale_arr: Optional[torch.Tensor] = None,
+            kpe_scale: Optional[float] = None) -> torch.Tensor: ...
 
     @overload
     def run(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor, kpe_cache: torch.Tensor,
             out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
             return_lse: Literal[True] = True, profiler_buffer: Optional[torch.Tensor] = None,
             kv_len: Optional[torch.Tensor] = None, page_table: Optional[torch.Tensor] = None,
-            return_lse_base_on_e: bool = False) -> Tuple[torch.Tensor, torch.Tensor]: ...
+            return_lse_base_on_e: bool = False, o_scale: Optional[float] = None, *,
+            ckv_scale: Optional[float] = None, ckv_scale_arr: Optional[torch.Tensor] = None,
+            kpe_scale: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]: ...
 
     def run(
         self,
@@ -506,6 +563,11 @@ class BatchMLAPagedAttentionWrapper(_MLAPlanner):
         kv_len: Optional[torch.Tensor] = None,
         page_table: Optional[torch.Tensor] = None,
         return_lse_base_on_e: bool = False,
+        o_scale: Optional[float] = None,
+        *,
+        ckv_scale: Optional[float] = None,
+        ckv_scale_arr: Optional[torch.Tensor] = None,
+        kpe_scale: Optional[float] = None,
     ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
         """MLA for the planned batch.
 
@@ -518,11 +580,11 @@ class BatchMLAPagedAttentionWrapper(_MLAPlanner):
             ``[rows, num_heads, head_dim_kpe]``.
         ckv_cache : torch.Tensor
             ``[num_pages, page_size, head_dim_ckv]`` in ``kv_data_type``; may be a strided slice of a
-            wider buffer (SGLang passes ``[..., :512]`` of a 576-wide cache), read in place.
+            wider buffer (SGLang passes ``[..., :512]`` of a 576-wide cache, fp8 ones too), read in place.
         kpe_cache : torch.Tensor
             ``[num_pages, page_size, head_dim_kpe]``, the same number of pages.
         out : Optional[torch.Tensor]
-            Preallocated output, q_nope's shape and dtype.
+            Preallocated output, q_nope's shape and dtype (bfloat16 for fp8 queries).
         lse : Optional[torch.Tensor]
             Preallocated float32 ``[rows, num_heads]``; written when given, even without ``return_lse``.
         return_lse : bool
@@ -533,43 +595,72 @@ class BatchMLAPagedAttentionWrapper(_MLAPlanner):
             Ignored, as in FlashInfer outside its ``cutlass`` backend.
         return_lse_base_on_e : bool
             LSE in natural-log units (base-2 value times ln 2), as FlashInfer.
+        o_scale : Optional[float]
+            Later FlashInfer's fp8-output scale of its ``cutlass`` backend: must be None (``ValueError``).
+        ckv_scale, kpe_scale : Optional[float]
+            Keyword-only, an fp8 cache's per-tensor dequantisation scales (``real = stored * scale``;
+            None: 1), as later FlashInfer releases name them; ``ValueError`` with a 16-bit cache.
+            ``ckv_scale`` multiplies the scores' ckv part and the output (ckv is also the value),
+            ``kpe_scale`` the scores' kpe part. The LSE is that of the dequantised scores.
+        ckv_scale_arr : Optional[torch.Tensor]
+            Later FlashInfer's per-token, per-128-channel ckv scales: ``NotImplementedError``.
 
         Returns
         -------
         ``out`` (and ``lse``). Rows that see no key (``kv_len`` 0) give 0 and LSE ``-inf``
         (FlashInfer leaves a finite value there).
         """
+        if o_scale is not None:
+            raise ValueError("o_scale: FlashInfer's fp8 output of its cutlass backend; tritoninfer writes "
+                             "16-bit outputs (use None)")
         if _ops.compiling():
             return _traced_mla_run(self, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse,
-                                   return_lse_base_on_e)
+                                   return_lse_base_on_e, ckv_scale, kpe_scale, ckv_scale_arr)
         return self._run_step(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse,
-                              lse_base_e=bool(return_lse_base_on_e))
+                              lse_base_e=bool(return_lse_base_on_e),
+                              **self._scale_args(ckv_scale, kpe_scale, ckv_scale_arr))
 
-    def _run_mla_into(self, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, lse_base_e: bool) -> None:
+    def _scale_args(self, ckv_scale, kpe_scale, ckv_scale_arr) -> dict:
+        """``_run_step``'s factors for an fp8 cache's scales: ckv is both the keys' first part and the
+        values, so its scale multiplies the scores and the output; kpe's enters through q_pe,
+        relative to ckv's."""
+        if self._step is None:
+            return {}  # _run_step says run() came before plan()
+        c, p = _check_kv_scales(self._step.kv_dtype, ckv_scale, kpe_scale, ckv_scale_arr)
+        return dict(scale=c, q_pe_scale=p / c, v_scale=c)
+
+    def _run_mla_into(self, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, lse_base_e: bool,
+                      ckv_scale: Optional[float] = None, kpe_scale: Optional[float] = None) -> None:
         """``run()`` into ``out``/``lse``, eagerly: the implementation of the ``mla_run`` custom op."""
-        self._run_step(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, False, lse_base_e=lse_base_e)
+        self._run_step(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, False, lse_base_e=lse_base_e,
+                       **self._scale_args(ckv_scale, kpe_scale, None))
 
 
-def _traced_mla_run(wrapper, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse, lse_base_e):
+def _traced_mla_run(wrapper, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse, lse_base_e,
+                    ckv_scale=None, kpe_scale=None, ckv_scale_arr=None):
     """What an MLA wrapper's ``run()`` does while Dynamo traces it: allocate the outputs from the
     tensors' shapes (the graph holds no plan) and call the ``mla_run`` custom op."""
+    if ckv_scale_arr is not None:
+        _check_kv_scales(ckv_cache.dtype, ckv_scale, kpe_scale, ckv_scale_arr)
     if out is None:
-        out = torch.empty(q_nope.shape, dtype=q_nope.dtype, device=q_nope.device)
+        out = torch.empty(q_nope.shape, dtype=out_dtype(q_nope.dtype), device=q_nope.device)
     if lse is None and return_lse:
         lse = torch.empty(q_nope.shape[:2], dtype=torch.float32, device=q_nope.device)
-    _mla_run_op(wrapper._handle, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, bool(lse_base_e))
+    _mla_run_op(wrapper._handle, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, bool(lse_base_e),
+                None if ckv_scale is None else float(ckv_scale), None if kpe_scale is None else float(kpe_scale))
     return (out, lse) if return_lse else out
 
 
 @_ops.custom_op("mla_run", mutates_args=("out", "lse"))
 def _mla_run_op(handle: int, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor,
-                kpe_cache: torch.Tensor, out: torch.Tensor, lse: Optional[torch.Tensor], lse_base_e: bool) -> None:
+                kpe_cache: torch.Tensor, out: torch.Tensor, lse: Optional[torch.Tensor], lse_base_e: bool,
+                ckv_scale: Optional[float] = None, kpe_scale: Optional[float] = None) -> None:
     """An MLA wrapper's ``run()`` into ``out`` (and ``lse``), for torch.compile (``_ops.py``): the
     wrapper is found by its handle and runs its current plan."""
     wrapper = _ops._WRAPPERS.get(handle)
     if wrapper is None:
         raise ValueError(f"tritoninfer::mla_run: the wrapper of handle {handle} no longer exists")
-    wrapper._run_mla_into(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, lse_base_e)
+    wrapper._run_mla_into(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, lse_base_e, ckv_scale, kpe_scale)
 
 
 class BatchDecodeMlaWithPagedKVCacheWrapper(_MLAPlanner):
@@ -650,7 +741,8 @@ class BatchDecodeMlaWithPagedKVCacheWrapper(_MLAPlanner):
             Must be -1 and None/0: the MLA kernel has no sliding window or soft cap
             (``NotImplementedError`` otherwise).
         data_type, q_data_type
-            The cache and query dtypes (``q_data_type`` defaults to ``data_type``).
+            The cache and query dtypes (``q_data_type`` defaults to ``data_type``): fp16/bf16, or an
+            fp8 cache as :meth:`BatchMLAPagedAttentionWrapper.plan` accepts.
         rope_scale, rope_theta : Optional[float]
             Accepted and kept; they do not enter the computation (``q_pe`` and ``kpe`` arrive rotated).
         """
@@ -663,9 +755,7 @@ class BatchDecodeMlaWithPagedKVCacheWrapper(_MLAPlanner):
         if logits_soft_cap is not None and float(logits_soft_cap) > 0:
             raise NotImplementedError("logits_soft_cap: the MLA kernel has no soft cap (use None or 0)")
         kv_dtype = canonicalize_dtype(data_type, "data_type")
-        q_dtype = canonicalize_dtype(q_data_type, "q_data_type") if q_data_type else kv_dtype
-        check_dtype_in(q_dtype, MLA_DTYPES, "q_data_type")
-        check_dtype_in(kv_dtype, MLA_DTYPES, "data_type")
+        q_dtype, kv_dtype = check_mla_dtypes(q_data_type if q_data_type else kv_dtype, kv_dtype, kv_name="data_type")
         check_positive_int(page_size, "page_size")
         indptr_host = host_index(indptr, "indptr")
         lpl_host = host_index(last_page_len, "last_page_len")
@@ -721,9 +811,10 @@ class BatchDecodeMlaWithPagedKVCacheWrapper(_MLAPlanner):
         paged_ckv_cache, paged_kpe_cache : torch.Tensor
             ``[max_num_pages, page_size, head_dim_ckv]`` and ``[max_num_pages, page_size, head_dim_kpe]``.
         q_scale, k_scale : Optional[float]
-            Multiply ``sm_scale`` (positive).
+            Multiply ``sm_scale`` (positive). With an fp8 cache (``data_type`` e4m3/e5m2, beyond
+            FlashInfer 0.5.3) ``k_scale`` is the cache's dequantisation scale (ckv and kpe alike).
         v_scale : Optional[float]
-            Multiplies the output.
+            Multiplies the output (inside the kernel): the fp8 cache's scale again, ckv being the values.
         out, lse : Optional[torch.Tensor]
             Preallocated output (q_nope's shape and dtype) and float32 ``[batch_size, num_qo_heads]`` LSE.
         return_lse : bool
@@ -739,11 +830,11 @@ class BatchDecodeMlaWithPagedKVCacheWrapper(_MLAPlanner):
         scale = (1.0 if q_scale is None else float(q_scale)) * (1.0 if k_scale is None else float(k_scale))
         if not scale > 0:
             raise ValueError(f"q_scale, k_scale: their product must be positive, got {scale}")
-        result = self._run_step(q_nope, q_pe, paged_ckv_cache, paged_kpe_cache, out, lse, return_lse, scale=scale,
-                                names=("paged_ckv_cache", "paged_kpe_cache"))
-        if v_scale is not None:
-            (result[0] if return_lse else result).mul_(v_scale)
-        return result
+        v = 1.0 if v_scale is None else float(v_scale)
+        if not math.isfinite(v):
+            raise ValueError(f"v_scale: expected a finite float, got {v_scale}")
+        return self._run_step(q_nope, q_pe, paged_ckv_cache, paged_kpe_cache, out, lse, return_lse, scale=scale,
+                              names=("paged_ckv_cache", "paged_kpe_cache"), v_scale=v)
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
 
@@ -782,6 +873,13 @@ def append_paged_mla_kv_cache(
         The page table (int32), already including the appended tokens; ``kv_last_page_len`` is
         only checked for its shape.
 
+    dtypes: the rows in the caches' dtype (FlashInfer 0.5.3 reinterprets the rows' storage as the
+    cache's dtype, unchecked). An fp8 cache (read by the MLA wrappers beyond FlashInfer) also takes
+    float16/bfloat16/float32 rows, converted in the kernel (round to nearest even), unscaled as in
+    ``append_paged_kv_cache``: quantise with a scale by appending ``ckv / ckv_scale`` and running with
+    ``ckv_scale`` (SGLang divides by its ``k_scale`` before storing). ``append_ckv`` and ``append_kpe``
+    share a dtype, as do the two caches.
+
     Any ``head_dim_ckv`` / ``head_dim_kpe`` runs (FlashInfer: 512 / 64 only). Bounds as
     ``append_paged_kv_cache``: a request index, position or page id outside the page table or the
     cache is never written; the kernel skips it and reports it (``tritoninfer.check_errors()``, or
@@ -802,6 +900,14 @@ def append_paged_mla_kv_cache(
         raise ValueError(f"append_ckv: dim {append_ckv.shape[1]} differs from ckv_cache's {ckv_cache.shape[2]}")
     if append_kpe.shape[1] != kpe_cache.shape[2]:
         raise ValueError(f"append_kpe: dim {append_kpe.shape[1]} differs from kpe_cache's {kpe_cache.shape[2]}")
+    if append_kpe.dtype != append_ckv.dtype:
+        raise ValueError(f"append_kpe: dtype {append_kpe.dtype} differs from append_ckv's {append_ckv.dtype}")
+    if kpe_cache.dtype != ckv_cache.dtype:
+        raise ValueError(f"kpe_cache: dtype {kpe_cache.dtype} differs from ckv_cache's {ckv_cache.dtype}")
+    if append_ckv.dtype != ckv_cache.dtype and not (ckv_cache.dtype in FP8_DTYPES and append_ckv.dtype in
+                                                    (torch.float16, torch.bfloat16, torch.float32)):
+        raise ValueError(f"append_ckv: dtype {append_ckv.dtype} does not match ckv_cache's {ckv_cache.dtype} (an "
+                         "fp8 cache also takes float16/bfloat16/float32 rows, converted on store)")
     # one latent head: the paged-KV append kernel with K = ckv and V = kpe
     append_paged_kv_cache(append_ckv.unsqueeze(1), append_kpe.unsqueeze(1), batch_indices, positions,
                           (ckv_cache.unsqueeze(2), kpe_cache.unsqueeze(2)), kv_indices, kv_indptr, kv_last_page_len,

@@ -9,7 +9,12 @@ tokens per request (speculative verify) are causal. Timing: ``timing.measure`` i
 ``calls`` back-to-back runs in one CUDA graph rotating over input copies (a fresh cache per copy, as
 many copies as keep about 2x the 50 MB L2 in flight, within ``--max-gb``), median per call.
 
-Counted per call: bytes = the live latent rows once per request (576 x 2 bytes per KV position) plus
+``--kv-dtype e4m3`` adds rows with an fp8 e4m3 latent cache (tritoninfer only: FlashInfer 0.5.3's MLA
+refuses fp8; bf16 queries, ``ckv_scale = kpe_scale = 0.5``): their ``ours fp8/bf16`` column is our
+fp8 time over our bf16 time of the same shape (the issue expects about 0.5 where memory bounds
+it). Past --ref-max-tokens they are checked against our bf16 run on the dequantised cache.
+
+Counted per call: bytes = the live latent rows once per request (576 x 2 bytes per KV position, 1 for fp8) plus
 q and o; FLOPs = 2 x heads x qlen x kv x (576 + 512) per request (the causal mask of the 4-token
 steps is not subtracted). Roofline fraction = max(bytes / copy bandwidth, FLOPs / --peak-tflops) /
 time. Checks: tritoninfer's output against ``tritoninfer.reference.mla_paged_attention`` (float32)
@@ -35,6 +40,8 @@ CPU_DIMS = (32, 16)
 SM_SCALE = 1 / math.sqrt(192)
 BACKENDS = ("fa2", "fa3")
 HEADS, PAGES, BATCHES, KV_LENS, QO_LENS = (128, 16), (1, 64), (1, 16, 64, 128), (1024, 8192, 32768), (1, 4)
+KV_DTYPES = {"bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn}
+FP8_SCALE = 0.5  # a power of two: the dequantised cache is exact in bf16
 # (heads, page, batch, kv_len, qo_len): the rows issue 22 quotes FlashInfer's times for, and one 16-head one
 QUICK = ((128, 64, 1, 8192, 1), (128, 64, 64, 8192, 1), (16, 64, 64, 8192, 1), (128, 1, 64, 4096, 1),
          (128, 64, 64, 4096, 4))
@@ -53,17 +60,20 @@ class Row:
     flops: float = 0.0
     check: str = ""
     note: str = ""
+    kv: str = "bf16"
+    bf16_us: Optional[float] = None  # ours with a bf16 cache, same shape (fp8 rows)
 
     def best_peer(self) -> Optional[float]:
         times = [t for t in self.peers_us.values() if t]
         return min(times) if times else None
 
 
-def counts(shape: Shape, dims: Tuple[int, int] = (D_CKV, D_KPE)) -> Tuple[float, float]:
-    """(bytes, FLOPs) of one call, bf16 (see the module docstring)."""
+def counts(shape: Shape, dims: Tuple[int, int] = (D_CKV, D_KPE), kv_bytes: int = 2) -> Tuple[float, float]:
+    """(bytes, FLOPs) of one call, bf16 q/o and a cache of ``kv_bytes`` per element (see the module
+    docstring)."""
     heads, _, batch, kv, ql = shape
     ckv, kpe = dims
-    nbytes = batch * kv * (ckv + kpe) * 2 + batch * ql * heads * (ckv + kpe + ckv) * 2
+    nbytes = batch * kv * (ckv + kpe) * kv_bytes + batch * ql * heads * (ckv + kpe + ckv) * 2
     flops = 2.0 * heads * ql * kv * (ckv + kpe + ckv) * batch
     return nbytes, flops
 
@@ -77,7 +87,8 @@ def roofline_fraction(nbytes: float, flops: float, time_us: Optional[float], cop
     return bound_us / time_us
 
 
-def make_inputs(shape: Shape, dims: Tuple[int, int], ncopies: int, device: torch.device, seed: int):
+def make_inputs(shape: Shape, dims: Tuple[int, int], ncopies: int, device: torch.device, seed: int,
+                kv_dtype: torch.dtype = torch.bfloat16):
     heads, ps, batch, kv, ql = shape
     ckv_d, kpe_d = dims
     g = torch.Generator(device=device).manual_seed(seed)
@@ -86,7 +97,8 @@ def make_inputs(shape: Shape, dims: Tuple[int, int], ncopies: int, device: torch
     copies = []
     for _ in range(ncopies):
         q = torch.randn(batch * ql, heads, ckv_d + kpe_d, dtype=torch.bfloat16, device=device, generator=g)
-        cache = torch.randn(num_pages, ps, ckv_d + kpe_d, dtype=torch.bfloat16, device=device, generator=g)
+        cache = torch.randn(num_pages, ps, ckv_d + kpe_d, dtype=torch.bfloat16, device=device,
+                            generator=g).to(kv_dtype)
         copies.append((q[..., :ckv_d], q[..., ckv_d:], cache[..., :ckv_d], cache[..., ckv_d:]))
     qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device=device) * ql
     kv_indptr = torch.arange(batch + 1, dtype=torch.int32, device=device) * pages_per
@@ -96,20 +108,23 @@ def make_inputs(shape: Shape, dims: Tuple[int, int], ncopies: int, device: torch
 
 
 def setup_wrapper(wrapper, table, shape: Shape, dims: Tuple[int, int], copies):
-    """(plan, run) of one wrapper: FlashInfer's MLA API, the same for both libraries."""
+    """(plan, run) of one wrapper: FlashInfer's MLA API, the same for both libraries; an fp8 cache
+    (tritoninfer only) runs with ``ckv_scale``/``kpe_scale``, as later FlashInfer releases."""
     heads, ps, _, _, ql = shape
     qo_indptr, kv_indptr, kv_indices, kv_len = table
+    kv_dtype = copies[0][2].dtype
+    scales = dict(ckv_scale=FP8_SCALE, kpe_scale=FP8_SCALE) if kv_dtype != torch.bfloat16 else {}
 
     def plan():
         wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_len, heads, dims[0], dims[1], ps, ql > 1, SM_SCALE,
-                     torch.bfloat16, torch.bfloat16)
+                     torch.bfloat16, kv_dtype)
 
     plan()
     outs = [torch.empty_like(c[0]) for c in copies]
 
     def run(i):
         q_nope, q_pe, ckv, kpe = copies[i]
-        wrapper.run(q_nope, q_pe, ckv, kpe, out=outs[i])
+        wrapper.run(q_nope, q_pe, ckv, kpe, out=outs[i], **scales)
         return outs[i]
 
     return plan, run
@@ -119,23 +134,42 @@ def reference_out(shape: Shape, copies, table) -> torch.Tensor:
     from .. import reference
 
     q_nope, q_pe, ckv, kpe = copies[0]
-    out, _ = reference.mla_paged_attention(q_nope, q_pe, ckv, kpe, *table, SM_SCALE, causal=shape[4] > 1)
+    scale = FP8_SCALE if ckv.dtype != torch.bfloat16 else 1.0
+    out, _ = reference.mla_paged_attention(q_nope, q_pe, ckv, kpe, *table, SM_SCALE, causal=shape[4] > 1,
+                                           ckv_scale=scale, kpe_scale=scale)
     return out
 
 
-def bench_shape(shape: Shape, a: argparse.Namespace, setup: groups.Setup, dims, fi_mla, workspaces) -> Row:
+def dequantised_out(shape: Shape, dims, copies, table, workspace) -> torch.Tensor:
+    """Our bf16 run on the fp8 cache's values times its scale (exact in bf16): an fp8 row's check
+    past --ref-max-tokens."""
+    from ..mla import BatchMLAPagedAttentionWrapper
+
+    q_nope, q_pe, ckv, kpe = copies[0]
+    width = ckv.shape[-1] + kpe.shape[-1]
+    full = torch.empty(*ckv.shape[:2], width, dtype=torch.bfloat16, device=ckv.device)
+    full[..., :ckv.shape[-1]] = ckv.to(torch.bfloat16) * FP8_SCALE
+    full[..., ckv.shape[-1]:] = kpe.to(torch.bfloat16) * FP8_SCALE
+    bf16 = [(q_nope, q_pe, full[..., :ckv.shape[-1]], full[..., ckv.shape[-1]:])]
+    _, run = setup_wrapper(BatchMLAPagedAttentionWrapper(workspace), table, shape, dims, bf16)
+    return run(0).clone()
+
+
+def bench_shape(shape: Shape, a: argparse.Namespace, setup: groups.Setup, dims, fi_mla, workspaces,
+                kv: str = "bf16") -> Row:
     from .. import testing
     from ..mla import BatchMLAPagedAttentionWrapper
 
-    row = Row(shape)
-    row.nbytes, row.flops = counts(shape, dims)
-    heads, ps, batch, kv, _ = shape
-    cache_bytes = batch * math.ceil(kv / ps) * ps * (dims[0] + dims[1]) * 2
+    kv_dtype = KV_DTYPES[kv]
+    row = Row(shape, kv=kv)
+    row.nbytes, row.flops = counts(shape, dims, kv_dtype.itemsize)
+    heads, ps, batch, kv_len, _ = shape
+    cache_bytes = batch * math.ceil(kv_len / ps) * ps * (dims[0] + dims[1]) * kv_dtype.itemsize
     if cache_bytes > a.max_gb * 1e9:
         row.check = f"skipped: {cache_bytes / 1e9:.1f} GB of cache > --max-gb"
         return row
     ncopies = max(1, min(8, math.ceil(100e6 / row.nbytes), int(a.max_gb * 1e9 // cache_bytes))) if setup.gpu else 1
-    copies, table = make_inputs(shape, dims, ncopies, setup.device, a.seed)
+    copies, table = make_inputs(shape, dims, ncopies, setup.device, a.seed, kv_dtype)
     tol = testing.tolerance(torch.bfloat16)
     outs: Dict[str, torch.Tensor] = {}
     try:
@@ -149,6 +183,9 @@ def bench_shape(shape: Shape, a: argparse.Namespace, setup: groups.Setup, dims, 
     for b in a.backends:
         if fi_mla is None:
             continue
+        if kv != "bf16":
+            row.peer_status[b] = "refuses fp8"  # FlashInfer 0.5.3's MLA plan()
+            continue
         try:
             wrapper = fi_mla.BatchMLAPagedAttentionWrapper(workspaces[1], backend=b)
             plan, run = setup_wrapper(wrapper, table, shape, dims, copies)
@@ -158,8 +195,11 @@ def bench_shape(shape: Shape, a: argparse.Namespace, setup: groups.Setup, dims, 
         except Exception as exc:  # a backend this GPU or shape lacks: its cell says so
             row.peers_us[b] = None
             row.peer_status[b] = groups.error_text(exc)
-    if batch * kv <= a.ref_max_tokens:
+    if batch * kv_len <= a.ref_max_tokens:
         row.check = groups.check_close(outs["ours"], reference_out(shape, copies, table), tol) + " vs reference"
+    elif kv != "bf16":
+        row.check = groups.check_close(outs["ours"], dequantised_out(shape, dims, copies, table, workspaces[1]),
+                                       tol) + " vs ours bf16 dequantised"
     elif "flashinfer" in outs:
         row.check = groups.check_close(outs["ours"], outs["flashinfer"], tol) + " vs FlashInfer"
     else:
@@ -183,10 +223,12 @@ def table(rows: List[Row], backends: Sequence[str], copy_tb_s: Optional[float], 
                  groups.fmt(r.flops / (t * 1e6) if t else None, ".1f"),
                  groups.fmt(roofline_fraction(r.nbytes, r.flops, t, copy_tb_s, peak_tflops), ".0%"),
                  groups.fmt(roofline_fraction(r.nbytes, r.flops, best, copy_tb_s, peak_tflops), ".0%"),
+                 r.kv, groups.fmt(t / r.bf16_us if t and r.bf16_us else None, ".2f"),
                  r.check + (f"; {r.note}" if r.note else "")]
         out.append(line)
     head = ["heads", "page", "batch", "kv", "qlen", "ours µs"] + [f"FI {b} µs" for b in backends] + \
-        ["best FI/ours", "ours TB/s", "ours TFLOP/s", "ours of roofline", "best FI of roofline", "check"]
+        ["best FI/ours", "ours TB/s", "ours TFLOP/s", "ours of roofline", "best FI of roofline", "cache",
+         "ours fp8/bf16", "check"]
     return groups.markdown_table(out, head)
 
 
@@ -234,6 +276,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--ref-max-tokens", type=positive_int, default=65536,
                    help="largest batch*kv_len checked against the float32 reference (default 64K); larger "
                         "shapes are checked against FlashInfer")
+    p.add_argument("--kv-dtype", type=groups.name_list(tuple(KV_DTYPES), "cache dtype"), default=["bf16"],
+                   help="latent cache dtypes, bf16,e4m3 (default bf16): e4m3 rows are tritoninfer only "
+                        "(FlashInfer 0.5.3's MLA refuses fp8), compared with our bf16 row of the shape")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(list(argv))
 
@@ -250,15 +295,17 @@ def main(argv: Sequence[str]) -> int:
     workspaces = [torch.empty((128 << 20) if setup.gpu else (8 << 20), dtype=torch.uint8, device=dev)
                   for _ in range(2)]
     rows = []
-    for shape in grid(a, setup.gpu):
-        rows.append(bench_shape(shape, a, setup, dims, fi_mla, workspaces))
+    for shape, kv in itertools.product(grid(a, setup.gpu), a.kv_dtype):
+        rows.append(bench_shape(shape, a, setup, dims, fi_mla, workspaces, kv))
         r = rows[-1]
+        if kv != "bf16":
+            r.bf16_us = next((o.ours_us for o in rows if o.shape == shape and o.kv == "bf16"), None)
         times = [f"ours {groups.fmt(r.ours_us) or '-'} us"] + [
             f"{b} {groups.fmt(t) + ' us' if t else r.peer_status.get(b, '')}" for b, t in r.peers_us.items()]
-        groups.progress(f"mla {shape}: {', '.join(times)}; {r.check}")
+        groups.progress(f"mla {shape} {kv}: {', '.join(times)}; {r.check}")
     backends = a.backends if fi_mla is not None else []
     faster = [r for r in rows if r.ours_us and r.best_peer()]
-    big = [r for r in rows if r.ours_us and r.shape[2] >= 64]
+    big = [r for r in rows if r.ours_us and r.shape[2] >= 64 and r.kv == "bf16"]
     tail = []
     if setup.gpu:
         tail = [groups.goal_line("rows at or above FlashInfer's best backend",
@@ -266,6 +313,10 @@ def main(argv: Sequence[str]) -> int:
                 groups.goal_line("rows at batch >= 64 at >= 80 % of the roofline",
                                  sum((roofline_fraction(r.nbytes, r.flops, r.ours_us, setup.copy_tb_s,
                                                         a.peak_tflops) or 0) >= 0.8 for r in big), len(big))]
+        fp8 = [r for r in rows if r.ours_us and r.bf16_us]
+        if fp8:
+            tail.append(groups.goal_line("fp8 rows at most 0.6x our bf16 time (memory-bound: 0.5 expected)",
+                                         sum(r.ours_us <= 0.6 * r.bf16_us for r in fp8), len(fp8)))
     head = groups.header(setup, "MLA decode (DeepSeek-V3 dims)", [
         f"latent dims ckv {dims[0]} / kpe {dims[1]}, bf16, sm_scale 1/sqrt(192); one 576-wide buffer sliced "
         "into ckv/kpe (SGLang's form); pages randomly permuted; qlen 4 is causal."
@@ -275,6 +326,10 @@ def main(argv: Sequence[str]) -> int:
         "bytes: latent rows once per request + q + o; FLOPs: 2 x heads x qlen x kv x (ckv + kpe + ckv); "
         f"roofline: max(bytes / copy bandwidth, FLOPs / {a.peak_tflops:g} TFLOP/s) / time.",
         f"check: ours against the float32 reference where batch x kv <= {a.ref_max_tokens}, else against "
-        "FlashInfer (bf16 tolerance, relative Frobenius error)."])
+        "FlashInfer (bf16 tolerance, relative Frobenius error)."] + ([
+        f"cache e4m3: an fp8 latent cache (ckv_scale = kpe_scale = {FP8_SCALE}), tritoninfer only (FlashInfer "
+        "0.5.3's MLA refuses fp8); ours fp8/bf16: our fp8 time over our bf16 time of the shape; checked "
+        "against the dequantised reference (or our bf16 run on the dequantised cache)."]
+        if "e4m3" in a.kv_dtype else []))
     groups.finish(setup, a.out, head, table(rows, backends, setup.copy_tb_s, a.peak_tflops), tail)
     return 1 if any(groups.failed(r.check) for r in rows) else 0

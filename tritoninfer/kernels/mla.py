@@ -7,6 +7,10 @@ for all of them: the tile is the N of the score dots and the K of the output dot
 M. Scores are ``q_nope · ckv + q_pe · kpe`` in fp32; the softmax runs in base 2 with the scale folded
 into exp2's argument; the output is ``P · ckv`` (the latent is also the value).
 
+An fp8 cache (e4m3/e5m2) is converted to ``DOT_DTYPE`` (fp16) tile by tile, the query once per
+program. Its per-tensor scales are folded: ``ckv_scale`` into ``sm_scale_log2`` and ``v_scale`` (the
+output), ``kpe_scale / ckv_scale`` into ``q_pe`` on load (``SCALE_Q_PE``), so the loop is unchanged.
+
 Work items are the attention core's (``_plan.py``: request, first query token, kv_start, kv_end,
 split, splits, group). A request whose KV is split writes fp32 partial states; the last split of a
 group to arrive merges the group (the same arrival-counter scheme as ``kernels/attention.py``), so a
@@ -71,7 +75,7 @@ def mla_tile(m_i, l_i, acc, bad_page, q_nope, q_pe, start, hi, diag,
 
 
 @triton.jit
-def mla_merge(o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, lse_scale,
+def mla_merge(o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, lse_scale, v_scale,
               part_o_ptr, part_lse_ptr, first, num_splits, o_rows, lse_rows, head, row_ok,
               NUM_HEADS: tl.constexpr, HEAD_DIM_CKV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_CKV: tl.constexpr,
               DV_CHUNK: tl.constexpr, SPLIT_BLOCK: tl.constexpr, WRITE_LSE: tl.constexpr):
@@ -100,7 +104,7 @@ def mla_merge(o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, strid
             l_i = l_i * alpha + tl.sum(beta, 1)
             acc = acc * alpha[:, None] + tl.sum(v * beta[:, :, None], 1)
             m_i = m_new
-        o, lse = finalize(m_i, l_i, acc, 0.0, 1.0, False)
+        o, lse = finalize(m_i, l_i, acc, 0.0, v_scale, False)
         tl.store(o_ptr + o_rows[:, None] + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & d_ok[None, :])
         if WRITE_LSE and chunk == 0:
@@ -119,8 +123,9 @@ def mla_fwd_kernel(
     kpe_ptr, stride_kpe_page, stride_kpe_slot, num_pages,
     o_ptr, stride_o_tok, stride_o_head,
     lse_ptr, stride_lse_tok, stride_lse_head,
-    # softmax scale times log2(e); the LSE's factor on store (1: base 2, ln 2: base e)
-    sm_scale_log2, lse_scale,
+    # softmax scale times log2(e) (and ckv_scale); the LSE's factor on store (1: base 2, ln 2: base e);
+    # q_pe's factor (kpe_scale / ckv_scale, read with SCALE_Q_PE); the output's (ckv_scale)
+    sm_scale_log2, lse_scale, q_pe_scale, v_scale,
     # split-KV partial states: o [states, H, D_ckv] fp32, lse [states, H] fp32; arrival counters int32
     # [groups * row programs], zero between launches
     part_o_ptr, part_lse_ptr, counter_ptr,
@@ -133,7 +138,7 @@ def mla_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_CKV: tl.constexpr, BLOCK_KPE: tl.constexpr,
     PAGE_SIZE: tl.constexpr, IS_CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_DTYPE: tl.constexpr,
     FOLD_SCALE: tl.constexpr, NUM_STAGES: tl.constexpr, KV_AS_M: tl.constexpr, MASK_FREE_TILES: tl.constexpr,
-    MERGE_DV_CHUNK: tl.constexpr, MERGE_SPLIT_BLOCK: tl.constexpr,
+    MERGE_DV_CHUNK: tl.constexpr, MERGE_SPLIT_BLOCK: tl.constexpr, SCALE_Q_PE: tl.constexpr,
 ):
     """Grid ``(row programs, work items)``: the row programs of one item are neighbours in launch
     order, so their reads of the same KV tiles meet in L2."""
@@ -171,7 +176,11 @@ def mla_fwd_kernel(
                      mask=row_ok[:, None] & (offs_c < HEAD_DIM_CKV)[None, :], other=0.0).to(DOT_DTYPE)
     # [BLOCK_M, BLOCK_KPE]
     q_pe = tl.load(q_pe_ptr + (q_tok * stride_qp_tok + head * stride_qp_head)[:, None] + offs_p[None, :],
-                   mask=row_ok[:, None] & (offs_p < HEAD_DIM_KPE)[None, :], other=0.0).to(DOT_DTYPE)
+                   mask=row_ok[:, None] & (offs_p < HEAD_DIM_KPE)[None, :], other=0.0)
+    if SCALE_Q_PE:
+        # kpe's scale relative to ckv's (already in sm_scale_log2), applied once here, not per tile
+        q_pe = q_pe.to(tl.float32) * q_pe_scale
+    q_pe = q_pe.to(DOT_DTYPE)
 
     page_base = tl.load(kv_indptr_ptr + req)
     lo = kv_start
@@ -226,12 +235,13 @@ def mla_fwd_kernel(
     o_rows = q_tok * stride_o_tok + head.to(tl.int64) * stride_o_head
     lse_rows = q_tok * stride_lse_tok + head.to(tl.int64) * stride_lse_head
     if num_splits == 1:
-        o, lse = finalize(m_i, l_i, acc, 0.0, 1.0, False)
+        o, lse = finalize(m_i, l_i, acc, 0.0, v_scale, False)
         tl.store(o_ptr + o_rows[:, None] + offs_c[None, :], o.to(o_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & (offs_c < HEAD_DIM_CKV)[None, :])
         if WRITE_LSE:
             tl.store(lse_ptr + lse_rows, lse * lse_scale, mask=row_ok)
     else:
+        # unscaled partial state: v_scale is applied once, by the merge
         o, lse = finalize(m_i, l_i, acc, 0.0, 1.0, False)
         first = tl.load(state_offset_ptr + req) + tok * num_splits
         st_row = (first + split).to(tl.int64) * NUM_HEADS + head
@@ -245,6 +255,6 @@ def mla_fwd_kernel(
         counter = counter_ptr + group.to(tl.int64) * tl.num_programs(0) + i_rows
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
             tl.store(counter, 0)  # every split has arrived: nothing else reads it in this launch
-            mla_merge(o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, lse_scale,
+            mla_merge(o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, lse_scale, v_scale,
                       part_o_ptr, part_lse_ptr, first, num_splits, o_rows, lse_rows, head, row_ok,
                       NUM_HEADS, HEAD_DIM_CKV, BLOCK_M, BLOCK_CKV, MERGE_DV_CHUNK, MERGE_SPLIT_BLOCK, WRITE_LSE)

@@ -10,7 +10,8 @@ rotary part ``kpe`` (``head_dim_kpe``, 64). For query row ``q = [q_nope; q_pe]``
 
 Causal masks are bottom-right aligned: query ``i`` of a request with ``qo_len`` queries and
 ``kv_len`` keys sees keys ``j <= i + kv_len - qo_len``. Rows that see no key give output 0 and
-LSE ``-inf``. Inputs are upcast to float32 (float64 stays float64) before any arithmetic.
+LSE ``-inf``. Inputs are upcast to float32 (float64 stays float64) before any arithmetic; an fp8
+cache is dequantised first (``ckv * ckv_scale``, ``kpe * kpe_scale``).
 Nothing here imports a kernel or a wrapper.
 """
 
@@ -43,6 +44,8 @@ def mla_paged_attention(
     kv_len: torch.Tensor,
     sm_scale: float,
     causal: bool = False,
+    ckv_scale: float = 1.0,
+    kpe_scale: float = 1.0,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """MLA of a batch of requests over a paged latent cache.
 
@@ -70,6 +73,8 @@ def mla_paged_attention(
         Scale of the logits.
     causal : bool
         Bottom-right aligned causal mask within each request.
+    ckv_scale, kpe_scale : float
+        Dequantisation scales of the caches (``real = stored * scale``; fp8 caches).
 
     Returns
     -------
@@ -96,8 +101,8 @@ def mla_paged_attention(
         if n > len(pages) * page_size:
             raise ValueError(f"kv_len: request {b} has {n} positions but {len(pages)} pages of {page_size}")
         page_ids = torch.tensor(pages, dtype=torch.long, device=ckv_cache.device)
-        ckv = ckv_cache[page_ids].reshape(-1, d_ckv)[:n].to(dtype)
-        kpe = kpe_cache[page_ids].reshape(-1, kpe_cache.shape[-1])[:n].to(dtype)
+        ckv = ckv_cache[page_ids].reshape(-1, d_ckv)[:n].to(dtype) * ckv_scale
+        kpe = kpe_cache[page_ids].reshape(-1, kpe_cache.shape[-1])[:n].to(dtype) * kpe_scale
         qn = q_nope[q0:q1].to(dtype)
         qp = q_pe[q0:q1].to(dtype)
         # [qo_len, heads, kv_len]
