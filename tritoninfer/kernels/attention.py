@@ -706,29 +706,42 @@ def merge_splits(o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, pa
     for chunk in tl.static_range(BLOCK_DV // DV_CHUNK):
         offs_dv = chunk * DV_CHUNK + tl.arange(0, DV_CHUNK)
         dv_ok = offs_dv < HEAD_DIM_VO
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, DV_CHUNK], tl.float32)
-        # SPLIT_BLOCK states per iteration, loaded together: a loop of one state per iteration
-        # waits one memory latency per split
-        for s0 in range(0, num_splits, SPLIT_BLOCK):
-            split_ok = row_ok[:, None] & ((s0 + offs_s) < num_splits)[None, :]
-            # [BLOCK_M, SPLIT_BLOCK]
-            st_row = (first[:, None] + s0 + offs_s[None, :]).to(tl.int64) * num_qo_heads + qo_head[:, None]
-            s_lse = tl.load(part_lse_ptr + st_row, mask=split_ok, other=float("-inf"), cache_modifier=".cg")
-            # [BLOCK_M, SPLIT_BLOCK, DV_CHUNK]
-            v = tl.load(part_o_ptr + st_row[:, :, None] * HEAD_DIM_VO + offs_dv[None, None, :],
-                        mask=split_ok[:, :, None] & dv_ok[None, None, :], other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m_i, tl.max(s_lse, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            beta = tl.exp2(s_lse - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(beta, 1)
-            acc = acc * alpha[:, None] + tl.sum(v * beta[:, :, None], 1)
-            m_i = m_new
+        m_i, l_i, acc = merge_split_columns(part_o_ptr, part_lse_ptr, first, num_splits, num_qo_heads, qo_head,
+                                            row_ok, offs_s, offs_dv, dv_ok, HEAD_DIM_VO, BLOCK_M, DV_CHUNK,
+                                            SPLIT_BLOCK)
         o, lse = finalize(m_i, l_i, acc, sink_log2, v_scale, HAS_SINKS)
         store_rows(o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, o, lse, q_start, tok, qo_head,
                    row_ok, offs_dv, dv_ok, WRITE_LSE and chunk == 0)
+
+
+@triton.jit
+def merge_split_columns(part_o_ptr, part_lse_ptr, first, num_splits, num_heads, head, row_ok, offs_s, offs_d, d_ok,
+                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, DV_CHUNK: tl.constexpr,
+                        SPLIT_BLOCK: tl.constexpr):
+    """The running merge (m, l, acc [BLOCK_M, DV_CHUNK]) of each row's ``num_splits`` partial states
+    (``first``: the row's first state; state rows are ``state * num_heads + head``) over the value
+    columns ``offs_d``, loaded through L2 (``.cg``): other programs of this launch wrote them."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DV_CHUNK], tl.float32)
+    # SPLIT_BLOCK states per iteration, loaded together: a loop of one state per iteration
+    # waits one memory latency per split
+    for s0 in range(0, num_splits, SPLIT_BLOCK):
+        split_ok = row_ok[:, None] & ((s0 + offs_s) < num_splits)[None, :]
+        # [BLOCK_M, SPLIT_BLOCK]
+        st_row = (first[:, None] + s0 + offs_s[None, :]).to(tl.int64) * num_heads + head[:, None]
+        s_lse = tl.load(part_lse_ptr + st_row, mask=split_ok, other=float("-inf"), cache_modifier=".cg")
+        # [BLOCK_M, SPLIT_BLOCK, DV_CHUNK]
+        v = tl.load(part_o_ptr + st_row[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                    mask=split_ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_i, tl.max(s_lse, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        beta = tl.exp2(s_lse - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(beta, 1)
+        acc = acc * alpha[:, None] + tl.sum(v * beta[:, :, None], 1)
+        m_i = m_new
+    return m_i, l_i, acc
 
 
 @triton.jit

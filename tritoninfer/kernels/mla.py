@@ -21,7 +21,7 @@ the fault record (``kernels/faults.py``), never followed outside the tensors.
 import triton
 import triton.language as tl
 
-from .attention import finalize, softmax_update
+from .attention import finalize, merge_split_columns, softmax_update
 from .faults import bound_page_ids, report_bad_pages, report_fault
 
 LN2 = tl.constexpr(0.6931471805599453)
@@ -86,24 +86,8 @@ def mla_merge(o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, strid
     for chunk in tl.static_range(BLOCK_CKV // DV_CHUNK):
         offs_d = chunk * DV_CHUNK + tl.arange(0, DV_CHUNK)
         d_ok = offs_d < HEAD_DIM_CKV
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, DV_CHUNK], tl.float32)
-        for s0 in range(0, num_splits, SPLIT_BLOCK):
-            split_ok = row_ok[:, None] & ((s0 + offs_s) < num_splits)[None, :]
-            # [BLOCK_M, SPLIT_BLOCK]
-            st_row = (first[:, None] + s0 + offs_s[None, :]).to(tl.int64) * NUM_HEADS + head[:, None]
-            s_lse = tl.load(part_lse_ptr + st_row, mask=split_ok, other=float("-inf"), cache_modifier=".cg")
-            # [BLOCK_M, SPLIT_BLOCK, DV_CHUNK]
-            v = tl.load(part_o_ptr + st_row[:, :, None] * HEAD_DIM_CKV + offs_d[None, None, :],
-                        mask=split_ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m_i, tl.max(s_lse, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            beta = tl.exp2(s_lse - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(beta, 1)
-            acc = acc * alpha[:, None] + tl.sum(v * beta[:, :, None], 1)
-            m_i = m_new
+        m_i, l_i, acc = merge_split_columns(part_o_ptr, part_lse_ptr, first, num_splits, NUM_HEADS, head, row_ok,
+                                            offs_s, offs_d, d_ok, HEAD_DIM_CKV, BLOCK_M, DV_CHUNK, SPLIT_BLOCK)
         o, lse = finalize(m_i, l_i, acc, 0.0, v_scale, False)
         tl.store(o_ptr + o_rows[:, None] + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & d_ok[None, :])
