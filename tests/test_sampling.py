@@ -288,6 +288,101 @@ def test_segments_split_rows(monkeypatch, device):
     assert sampling.sampling_from_probs(zero).tolist() == [0, 0]
 
 
+def compaction_rows(device) -> torch.Tensor:
+    """Rows for the compacted path: peaked (a few candidates), flat (every entry a candidate), ties at
+    the top-k threshold, a long tail of tiny entries and zeros, a row of only zeros."""
+    g = torch.Generator().manual_seed(21)
+    vocab = 200
+    rows = [torch.softmax(torch.randn(vocab, generator=g) * 4, -1),
+            torch.full((vocab,), 1.0 / vocab),
+            crafted_probs(vocab, "cpu")[0],
+            crafted_probs(vocab, "cpu")[2],
+            normalize(torch.rand(vocab, generator=g) ** 8),
+            torch.zeros(vocab)]
+    return torch.stack(rows).to(device)
+
+
+def spy_compaction(monkeypatch) -> list:
+    """Records each compaction's ``ncand`` (candidates per row; ``> cap``: the row took the full passes)."""
+    seen = []
+    real = sampling._compact
+
+    def spy(*args, **kwargs):
+        done = real(*args, **kwargs)
+        seen.append((done.ncand.clone(), done.cap))
+        return done
+
+    monkeypatch.setattr(sampling, "_compact", spy)
+    return seen
+
+
+@pytest.mark.parametrize("tiles", ["one_tile", "segs64"], indirect=True)
+def test_compacted_path_matches_full_path(monkeypatch, device, tiles):
+    """The compacted finish (``_CAP`` large), the full passes (``_CAP = 0``) and a mix (a small cap:
+    peaked rows compacted, flat rows overflowing, in one batch) give the same samples for the same
+    uniforms and the same renormalised rows, for every filter, both orders, per-row parameters and
+    ``indices``."""
+    probs = compaction_rows(device)
+    n_rows = probs.shape[0]
+    idx = torch.arange(n_rows, device=device, dtype=torch.int32).repeat(40)
+    g = torch.Generator().manual_seed(3)
+    u = torch.rand(idx.numel(), generator=g).to(device)
+    # a uniform just below 1 on some outputs: the last kept entry
+    u[:n_rows] = 1 - 2**-24
+    monkeypatch.setattr(sampling, "_uniforms", lambda n, device, generator: u[:n].clone())
+    k_rows = torch.tensor([3, 50, 2, 4, 0, 7], device=device)
+    p_rows = torch.tensor([0.62, 0.3, 0.5, 0.9, 1.0, 0.5], device=device)
+    calls = {
+        "top_k": lambda: sampling.top_k_sampling_from_probs(probs, 5, indices=idx),
+        "top_k_rows": lambda: sampling.top_k_sampling_from_probs(probs, k_rows, indices=idx),
+        "top_p": lambda: sampling.top_p_sampling_from_probs(probs, 0.62, indices=idx),
+        "top_p_rows": lambda: sampling.top_p_sampling_from_probs(probs, p_rows, indices=idx),
+        "min_p": lambda: sampling.min_p_sampling_from_probs(probs, 0.2, indices=idx),
+        "joint": lambda: sampling.top_k_top_p_sampling_from_probs(probs, k_rows, p_rows, indices=idx,
+                                                                  filter_apply_order="joint"),
+        "top_k_first": lambda: sampling.top_k_top_p_sampling_from_probs(probs, k_rows, p_rows, indices=idx),
+        "top_k_first_scalar": lambda: sampling.top_k_top_p_sampling_from_probs(probs, 4, 0.7, indices=idx),
+        "top_k_first_per_output": lambda: sampling.top_k_top_p_sampling_from_probs(
+            probs, k_rows[idx.long()], p_rows[idx.long()], indices=idx),
+        "logits_top_k_first": lambda: sampling.top_k_top_p_sampling_from_logits(torch.log(probs[:5]), 6, 0.8),
+        "top_k_renorm": lambda: sampling.top_k_renorm_probs(probs, k_rows),
+        "top_p_renorm": lambda: sampling.top_p_renorm_probs(probs, p_rows),
+        "mask_logits": lambda: sampling.top_k_mask_logits(torch.log(probs), k_rows),
+    }
+    seen = spy_compaction(monkeypatch)
+    results = {}
+    for cap in (4096, 0, 12):
+        monkeypatch.setattr(sampling, "_CAP", cap)
+        results[cap] = {name: fn() for name, fn in calls.items()}
+    mixed = [(n <= c).any() and (n > c).any() for n, c in seen if c == 12]
+    assert sum(mixed) >= 8, "the small cap must leave some rows compacted and overflow others"
+    assert all((n <= c).all() for n, c in seen if c == 4096)
+    for name in calls:
+        full = results[0][name]
+        for cap in (4096, 12):
+            got = results[cap][name]
+            if got.dtype == torch.float32:
+                torch.testing.assert_close(got, full, atol=1e-6, rtol=1e-5, equal_nan=True, msg=f"{name} cap={cap}")
+            else:
+                assert torch.equal(got, full), f"{name} cap={cap}: {(got != full).nonzero().flatten().tolist()}"
+    # and the compacted samples lie in the reference's kept sets
+    keep = reference.top_k_keep_mask(probs, 5) & (probs > 0)
+    s = results[4096]["top_k"].long()
+    has_mass = probs[idx.long()].sum(1) > 0
+    assert keep[idx.long(), s][has_mass].all() and (s[~has_mass] == 0).all()
+
+
+def test_compaction_bounds_keep_flat_rows_exact(monkeypatch, device):
+    """A flat row (every entry a candidate) and a row of ties at the threshold: the bound never
+    drops a kept entry, so the compacted renorm equals the reference even where every candidate is a
+    tie."""
+    probs = compaction_rows(device)
+    for k in (1, 3, 50, 199):
+        assert_close(sampling.top_k_renorm_probs(probs, k), reference.top_k_renorm_probs(probs, k), torch.float32)
+    for p in (0.05, 0.5, 0.62, 0.95):
+        assert_close(sampling.top_p_renorm_probs(probs, p), reference.top_p_renorm_probs(probs, p), torch.float32)
+
+
 def test_per_output_parameters(device):
     """With ``indices``, a parameter tensor of length ``len(indices)`` belongs to the outputs."""
     probs = crafted_probs(50, device)[:1]

@@ -243,7 +243,7 @@ def test_mla_kernel_compiles_for_sm90():
 
 # the sampling kernels (kernels/sampling.py) with the GPU tiles of sampling._Split / _tiles
 SAMPLING_FLOATS = {"x_ptr", "u_ptr", "p_ptr", "t_ptr", "draft_ptr", "target_ptr", "p_val", "t_val", "p_part",
-                   "max_part", "z_part"}
+                   "max_part", "z_part", "sum_part", "cval_ptr", "fin_inv_ptr"}
 
 
 def sampling_cases():
@@ -261,10 +261,12 @@ def sampling_cases():
     minp = dict(plain, USE_MIN_P=True, P_ARR=True)
     cases = {}
     for name, flags in (("plain", plain), ("topk-topp", joint), ("minp", minp)):
-        cases[f"sample-mass-{name}"] = (ks.sample_mass_kernel, dict(flags, **stream))
-        cases[f"sample-pick-{name}"] = (ks.sample_pick_kernel, dict(flags, **stream))
+        gate = dict(flags, GATE=name != "plain")
+        cases[f"sample-mass-{name}"] = (ks.sample_mass_kernel, dict(gate, **stream))
+        cases[f"sample-pick-{name}"] = (ks.sample_pick_kernel, dict(gate, **stream))
     cases["max-pass"] = (ks.max_pass_kernel, dict(HAS_INDICES=True, ROWS=1, BLOCK=2048, NUM_TILES=2))
     radix = {k: joint[k] for k in ("HAS_INDICES", "USE_K", "USE_P", "K_ARR", "P_ARR", "PARAM_BY_SOURCE")}
+    radix["GATE"] = True
     for d in (0, 1, 3, 4, 7):
         cases[f"radix-pass-joint-{d}"] = (ks.radix_pass_kernel, dict(radix, PASS=d, **search))
     cases["radix-pass-topk-2"] = (ks.radix_pass_kernel, dict(radix, USE_P=False, P_ARR=False, HAS_INDICES=False,
@@ -273,8 +275,28 @@ def sampling_cases():
     for name, use_k, mask in (("topk", True, True), ("topp", False, False), ("topk-probs", True, False)):
         flags = dict(USE_K=use_k, USE_P=not use_k, K_ARR=use_k, P_ARR=not use_k)
         if not mask:
-            cases[f"renorm-mass-{name}"] = (ks.renorm_mass_kernel, dict(flags, **stream))
-        cases[f"renorm-write-{name}"] = (ks.renorm_write_kernel, dict(flags, MASK_LOGITS=mask, **stream))
+            cases[f"renorm-mass-{name}"] = (ks.renorm_mass_kernel, dict(flags, GATE=True, **stream))
+        cases[f"renorm-write-{name}"] = (ks.renorm_write_kernel, dict(flags, GATE=False, FIN=True, MASK_LOGITS=mask,
+                                                                      **stream))
+    cases["renorm-write-gated"] = (ks.renorm_write_kernel, dict(USE_K=True, USE_P=False, K_ARR=True, P_ARR=False,
+                                                                GATE=True, FIN=False, MASK_LOGITS=False, **stream))
+    # the compaction: bound pass, copy, finish (sampling and renorm) for each bound rule
+    cases["bound-pass"] = (ks.bound_pass_kernel, dict(HAS_INDICES=True, NEED_SUM=True, NEED_MAX=True, ROWS=1,
+                                                      BLOCK=512, NUM_TILES=8))
+    rules = {"topk": dict(USE_K=True, USE_P=False, USE_MIN_P=False, TOP_K_FIRST=False, K_ARR=True, P_ARR=False),
+             "topp": dict(USE_K=False, USE_P=True, USE_MIN_P=False, TOP_K_FIRST=False, K_ARR=False, P_ARR=True),
+             "joint": dict(USE_K=True, USE_P=True, USE_MIN_P=False, TOP_K_FIRST=False, K_ARR=True, P_ARR=True),
+             "topkfirst": dict(USE_K=True, USE_P=True, USE_MIN_P=False, TOP_K_FIRST=True, K_ARR=False, P_ARR=False),
+             "minp": dict(USE_K=False, USE_P=False, USE_MIN_P=True, TOP_K_FIRST=False, K_ARR=False, P_ARR=True)}
+    for name, rule in rules.items():
+        cases[f"compact-{name}"] = (ks.compact_kernel, dict(rule, HAS_INDICES=True, FLAG_SRC=rule["TOP_K_FIRST"],
+                                                            PARAM_BY_SOURCE=True, **stream))
+        cases[f"compact-finish-{name}"] = (ks.compact_finish_kernel, dict(rule, HAS_INDICES=True, RENORM=False,
+                                                                          PARAM_BY_SOURCE=True, ROWS=1, SEGS_P2=32,
+                                                                          CBLOCK=512))
+    cases["compact-finish-renorm"] = (ks.compact_finish_kernel, dict(rules["joint"], HAS_INDICES=False, RENORM=True,
+                                                                     PARAM_BY_SOURCE=True, ROWS=1, SEGS_P2=32,
+                                                                     CBLOCK=512))
     cases["softmax"] = (ks.softmax_kernel, dict(T_ARR=True, **row_stream))
     cases["chain-speculative"] = (ks.chain_speculative_kernel, dict(N=4, **row_stream))
     return cases

@@ -62,6 +62,9 @@ _SAMPLE_MASS = CachedLauncher(_k.sample_mass_kernel)
 _SAMPLE_PICK = CachedLauncher(_k.sample_pick_kernel)
 _RENORM_MASS = CachedLauncher(_k.renorm_mass_kernel)
 _RENORM_WRITE = CachedLauncher(_k.renorm_write_kernel)
+_BOUND_PASS = CachedLauncher(_k.bound_pass_kernel)
+_COMPACT = CachedLauncher(_k.compact_kernel)
+_COMPACT_FINISH = CachedLauncher(_k.compact_finish_kernel)
 _SOFTMAX = CachedLauncher(_k.softmax_kernel)
 _CHAIN = CachedLauncher(_k.chain_speculative_kernel)
 
@@ -84,6 +87,15 @@ _INTERP_ELEMS = 1 << 20  # Triton's largest tensor
 # multi-tile loops and the multi-segment combine
 _INTERP_MAX_BLOCK = 1 << 16
 _INTERP_MAX_SEGMENT = 1 << 16
+# Compaction (kernels/sampling.py): rows with at most this many candidates (entries at or above the
+# filters' bound bin) are finished on a [rows, _CAP] copy, one program a row; the rest take the full
+# passes. LLM-like rows have tens to a few hundred candidates for top-k 50 and a few hundred to a
+# couple of thousand for top-p 0.9; a flat row has tens of thousands, where one program a row would be
+# slower than the segmented passes. The finish only walks a row's own candidates, so a larger cap
+# costs memory (8 bytes an entry), not time. 0: every row takes the full passes (tests).
+_CAP = 4096
+# the finish's chunk of candidates ([CBLOCK, 16] one-hot in the top-p rounds, as the search tile)
+_GPU_BLOCK_FINISH = 512
 
 Param = Union[torch.Tensor, float, int]
 
@@ -292,16 +304,77 @@ def _search_scratch(batch: int, segs: int, device, use_k: bool, use_p: bool):
 
 
 def _radix_passes(split: _Split, x, indices, k_arr, p_arr, k_val, p_val, batch, scratch,
-                  use_k: bool, use_p: bool, by_source: bool) -> None:
-    """The launches of the top-k (4) and top-p (8) digit searches; the joint search shares them."""
+                  use_k: bool, use_p: bool, by_source: bool, gate=None) -> None:
+    """The launches of the top-k (4) and top-p (8) digit searches; the joint search shares them.
+    ``gate``: (array, min): only rows with ``array[row] > min`` run (the compaction's fallback)."""
     num_rows, vocab = x.shape
     passes = int(_k.P_PASSES) if use_p else int(_k.K_PASSES) if use_k else 0
+    gate_arr, gate_min = gate if gate is not None else (None, 0)
     for d in range(passes):
         _RADIX_PASS[split.grid](
-            x, indices, k_arr, p_arr, *scratch, k_val, p_val, batch, num_rows, vocab, x.stride(0), split.segs,
-            PASS=d, HAS_INDICES=indices is not None, USE_K=use_k, USE_P=use_p,
-            K_ARR=k_arr is not None, P_ARR=p_arr is not None, PARAM_BY_SOURCE=by_source, **split.search(),
+            x, indices, k_arr, p_arr, *scratch, gate_arr, k_val, p_val, batch, num_rows, vocab, x.stride(0),
+            split.segs, gate_min, PASS=d, HAS_INDICES=indices is not None, GATE=gate is not None, USE_K=use_k,
+            USE_P=use_p, K_ARR=k_arr is not None, P_ARR=p_arr is not None, PARAM_BY_SOURCE=by_source,
+            **split.search(),
         )
+
+
+class _Compacted:
+    """What the compaction leaves for the full passes: ``ncand`` [rows] (``> cap``: overflowed),
+    ``max_part`` (min-p's row max partials, or None), ``fin`` (renorm thresholds, or None)."""
+
+    def __init__(self, ncand, cap, max_part, fin):
+        self.ncand, self.cap, self.max_part, self.fin = ncand, cap, max_part, fin
+
+    def gate(self):
+        return self.ncand, self.cap
+
+
+def _compact(split: _Split, x, indices, batch, k_arr, p_arr, k_val, p_val, use_k: bool, use_p: bool,
+             use_min_p: bool, by_source: bool, top_k_first: bool = False, u=None, out=None,
+             src_flag=None) -> _Compacted:
+    """The bound pass, the compaction and the finish (the sample into ``out``, or with ``out`` None
+    the renorm thresholds) of every row with at most ``_CAP`` candidates."""
+    num_rows, vocab = x.shape
+    dev = x.device
+    cap = int(_CAP)
+    segs = split.segs
+    has_idx = indices is not None
+    cnt_part = torch.empty((batch, segs, int(_k.K_BINS)), dtype=torch.int32, device=dev)
+    sum_part = torch.empty((batch, segs), dtype=torch.float32, device=dev) if use_p else None
+    max_part = torch.empty((batch, segs), dtype=torch.float32, device=dev) if use_min_p else None
+    search = split.search()
+    _BOUND_PASS[split.grid](x, indices, cnt_part, sum_part, max_part, batch, num_rows, vocab, x.stride(0), segs,
+                            HAS_INDICES=has_idx, NEED_SUM=use_p, NEED_MAX=use_min_p, ROWS=search["ROWS"],
+                            BLOCK=search["BLOCK"], NUM_TILES=search["NUM_TILES"], num_warps=search["num_warps"])
+    ncand = torch.empty(batch, dtype=torch.int32, device=dev)
+    cval = torch.empty((batch, max(cap, 1)), dtype=torch.float32, device=dev)
+    cid = torch.empty((batch, max(cap, 1)), dtype=torch.int32, device=dev)
+    flags = dict(USE_K=use_k, USE_P=use_p, USE_MIN_P=use_min_p, TOP_K_FIRST=top_k_first, K_ARR=k_arr is not None,
+                 P_ARR=p_arr is not None, PARAM_BY_SOURCE=by_source)
+    _COMPACT[split.grid](x, indices, k_arr, p_arr, cnt_part, sum_part, max_part, ncand, src_flag, cval, cid,
+                         k_val, p_val, batch, num_rows, vocab, x.stride(0), segs, cap, HAS_INDICES=has_idx,
+                         FLAG_SRC=src_flag is not None, **flags, **split.stream())
+    fin = None
+    if out is None:
+        fin = (torch.empty(batch, dtype=torch.int32, device=dev), torch.empty(batch, dtype=torch.int32, device=dev),
+               torch.empty(batch, dtype=torch.float32, device=dev))
+    rows, cblock, warps = _finish_tiles(cap, vocab, batch)
+    _COMPACT_FINISH[(cdiv(batch, rows),)](
+        indices, u, out, k_arr, p_arr, max_part, ncand, cval, cid, *(fin or (None, None, None)),
+        k_val, p_val, batch, num_rows, vocab, segs, cap, HAS_INDICES=has_idx, RENORM=out is None, **flags,
+        ROWS=rows, SEGS_P2=split.segs_p2, CBLOCK=cblock, num_warps=warps)
+    return _Compacted(ncand, cap, max_part, fin)
+
+
+def _finish_tiles(cap: int, vocab: int, batch: int) -> Tuple[int, int, int]:
+    """(ROWS, CBLOCK, num_warps) of ``compact_finish_kernel``."""
+    if _device.is_interpreter():
+        cblock = min(next_pow2(max(1, min(cap, vocab))), _INTERP_MAX_BLOCK)
+        # the [ROWS, CBLOCK, 16] one-hot and the [ROWS * 256] histogram near the budget
+        rows = max(1, min(next_pow2(batch), _INTERP_ELEMS // max(cblock * 16, int(_k.K_BINS))))
+        return rows, cblock, 4
+    return 1, _GPU_BLOCK_FINISH, 4
 
 
 def _uniforms(n: int, device: torch.device, generator: Optional[torch.Generator]) -> torch.Tensor:
@@ -309,7 +382,8 @@ def _uniforms(n: int, device: torch.device, generator: Optional[torch.Generator]
 
 
 def _sample(x: torch.Tensor, indices, generator, *, is_logits=False, top_k: Optional[_Params] = None,
-            top_p: Optional[_Params] = None, min_p: Optional[_Params] = None) -> torch.Tensor:
+            top_p: Optional[_Params] = None, min_p: Optional[_Params] = None,
+            top_k_first: bool = False) -> torch.Tensor:
     num_rows, vocab = x.shape
     batch = num_rows if indices is None else indices.shape[0]
     out = torch.empty(batch, dtype=torch.int32, device=x.device)
@@ -323,43 +397,73 @@ def _sample(x: torch.Tensor, indices, generator, *, is_logits=False, top_k: Opti
         x, indices, u, out, top_k.arr if top_k is not None else None, p.arr if p is not None else None,
         top_k.val if top_k is not None and top_k.arr is None else 0,
         float(p.val) if p is not None and p.arr is None else 1.0,
-        is_logits, top_k is not None, top_p is not None, min_p is not None, _by_source(top_k, p))
+        is_logits, top_k is not None, top_p is not None, min_p is not None, _by_source(top_k, p), top_k_first)
     return out
 
 
 def _launch_sample(x: torch.Tensor, indices: Optional[torch.Tensor], u: torch.Tensor, out: torch.Tensor,
                    k_arr: Optional[torch.Tensor], p_arr: Optional[torch.Tensor], k_val: int, p_val: float,
-                   is_logits: bool, use_k: bool, use_p: bool, use_min_p: bool, by_source: bool) -> None:
-    """The sampling kernel over checked arguments: ``out[i]`` from row ``indices[i]`` (or ``i``) of ``x``
+                   is_logits: bool, use_k: bool, use_p: bool, use_min_p: bool, by_source: bool,
+                   top_k_first: bool = False) -> None:
+    """The sampling kernels over checked arguments: ``out[i]`` from row ``indices[i]`` (or ``i``) of ``x``
     with uniform ``u[i]``; ``k_arr``/``p_arr`` per-row parameters or ``k_val``/``p_val`` for all rows
-    (``p`` is top-p's or min-p's)."""
+    (``p`` is top-p's or min-p's). ``top_k_first``: top-p sampling of the top-k-renormalised rows
+    (parameters by source row). With a filter, rows with at most ``_CAP`` candidates are finished on
+    their compacted copy and the full passes run (gated, every launch still made: fixed shapes, no
+    host sync) for the rest."""
     _device.check_launchable(x.device, "sampling")
     num_rows, vocab = x.shape
     batch = out.shape[0]
     split = _Split(vocab, batch, x.device)
+    gate = max_part = None
+    if use_k or use_p or use_min_p:
+        src_flag = torch.zeros(num_rows, dtype=torch.int32, device=x.device) if top_k_first else None
+        done = _compact(split, x, indices, batch, k_arr, p_arr, k_val, p_val, use_k, use_p, use_min_p, by_source,
+                        top_k_first, u, out, src_flag)
+        gate, max_part = done.gate(), done.max_part
+        if top_k_first:
+            # the fallback: the renormalised source rows of the overflowed outputs, then their top-p
+            # sampling (the composition the compacted finish reproduces)
+            r = torch.empty((num_rows, vocab), dtype=torch.float32, device=x.device)
+            _renorm_passes(x, r, k_arr, None, k_val, 1.0, True, False, False, gate=(src_flag, 0))
+            x, k_arr, k_val, use_k = r, None, 0, False
+    _sample_passes(split, x, indices, u, out, k_arr, p_arr, k_val, p_val, is_logits, use_k, use_p, use_min_p,
+                   by_source, gate, max_part)
+
+
+def _sample_passes(split: _Split, x, indices, u, out, k_arr, p_arr, k_val, p_val, is_logits, use_k, use_p,
+                   use_min_p, by_source, gate, max_part) -> None:
+    """The full passes: radix searches, row max, segment masses, the owner segment's pick."""
+    num_rows, vocab = x.shape
+    batch = out.shape[0]
     scratch = _search_scratch(batch, split.segs, x.device, use_k, use_p)
-    _radix_passes(split, x, indices, k_arr, p_arr, k_val, p_val, batch, scratch, use_k, use_p, by_source)
-    max_part = None
-    flags = dict(HAS_INDICES=indices is not None, IS_LOGITS=is_logits, USE_K=use_k, USE_P=use_p,
-                 USE_MIN_P=use_min_p, K_ARR=k_arr is not None, P_ARR=p_arr is not None, PARAM_BY_SOURCE=by_source)
-    if is_logits or use_min_p:
+    _radix_passes(split, x, indices, k_arr, p_arr, k_val, p_val, batch, scratch, use_k, use_p, by_source, gate)
+    gate_arr, gate_min = gate if gate is not None else (None, 0)
+    flags = dict(HAS_INDICES=indices is not None, GATE=gate is not None, IS_LOGITS=is_logits, USE_K=use_k,
+                 USE_P=use_p, USE_MIN_P=use_min_p, K_ARR=k_arr is not None, P_ARR=p_arr is not None,
+                 PARAM_BY_SOURCE=by_source)
+    if (is_logits or use_min_p) and max_part is None:
         max_part = torch.empty((batch, split.segs), dtype=torch.float32, device=x.device)
         _MAX_PASS[split.grid](x, indices, max_part, batch, num_rows, vocab, x.stride(0), split.segs,
                               HAS_INDICES=indices is not None, ROWS=split.rows, BLOCK=split.block_stream,
                               NUM_TILES=split.seg_len // split.block_stream, num_warps=split.warps_stream)
     z_part = torch.empty((batch, split.segs), dtype=torch.float32, device=x.device)
-    _SAMPLE_MASS[split.grid](x, indices, k_arr, p_arr, *scratch, max_part, z_part,
-                             k_val, p_val, batch, num_rows, vocab, x.stride(0), split.segs, **flags, **split.stream())
-    _SAMPLE_PICK[split.grid](x, indices, u, out, k_arr, p_arr, *scratch, max_part, z_part,
-                             k_val, p_val, batch, num_rows, vocab, x.stride(0), split.segs, **flags, **split.stream())
+    _SAMPLE_MASS[split.grid](x, indices, k_arr, p_arr, *scratch, max_part, z_part, gate_arr,
+                             k_val, p_val, batch, num_rows, vocab, x.stride(0), split.segs, gate_min,
+                             **flags, **split.stream())
+    _SAMPLE_PICK[split.grid](x, indices, u, out, k_arr, p_arr, *scratch, max_part, z_part, gate_arr,
+                             k_val, p_val, batch, num_rows, vocab, x.stride(0), split.segs, gate_min,
+                             **flags, **split.stream())
 
 
 @_ops.custom_op("sample", mutates_args=("out",))
 def _sample_op(x: torch.Tensor, indices: Optional[torch.Tensor], u: torch.Tensor, out: torch.Tensor,
                k_arr: Optional[torch.Tensor], p_arr: Optional[torch.Tensor], k_val: int, p_val: float,
-               is_logits: bool, use_k: bool, use_p: bool, use_min_p: bool, by_source: bool) -> None:
+               is_logits: bool, use_k: bool, use_p: bool, use_min_p: bool, by_source: bool,
+               top_k_first: bool) -> None:
     """``_launch_sample`` for torch.compile (``_ops.py``)."""
-    _launch_sample(x, indices, u, out, k_arr, p_arr, k_val, p_val, is_logits, use_k, use_p, use_min_p, by_source)
+    _launch_sample(x, indices, u, out, k_arr, p_arr, k_val, p_val, is_logits, use_k, use_p, use_min_p, by_source,
+                   top_k_first)
 
 
 def _renorm(x: torch.Tensor, *, top_k: Optional[_Params] = None, top_p: Optional[_Params] = None,
@@ -378,20 +482,36 @@ def _renorm(x: torch.Tensor, *, top_k: Optional[_Params] = None, top_p: Optional
 
 def _launch_renorm(x: torch.Tensor, out: torch.Tensor, k_arr: Optional[torch.Tensor], p_arr: Optional[torch.Tensor],
                    k_val: int, p_val: float, use_k: bool, use_p: bool, mask_logits: bool) -> None:
-    """The renorm / mask kernel over checked arguments, into ``out`` [num_rows, vocab] float32."""
+    """The renorm / mask kernels over checked arguments, into ``out`` [num_rows, vocab] float32: the
+    thresholds of rows with at most ``_CAP`` candidates from their compacted copy, the full searches
+    (gated) for the rest, then one write of every row."""
     _device.check_launchable(x.device, "sampling")
     num_rows, vocab = x.shape
     split = _Split(vocab, num_rows, x.device)
+    done = _compact(split, x, None, num_rows, k_arr, p_arr, k_val, p_val, use_k, use_p, False, True)
+    _renorm_passes(x, out, k_arr, p_arr, k_val, p_val, use_k, use_p, mask_logits, gate=done.gate(), fin=done.fin,
+                   split=split)
+
+
+def _renorm_passes(x: torch.Tensor, out: torch.Tensor, k_arr, p_arr, k_val, p_val, use_k: bool, use_p: bool,
+                   mask_logits: bool, gate=None, fin=None, split: Optional[_Split] = None) -> None:
+    """The full renorm passes for the rows with ``gate[0][row] > gate[1]``; the write covers every row
+    when ``fin`` (the other rows' thresholds) is given, else the gated rows only."""
+    num_rows, vocab = x.shape
+    split = split or _Split(vocab, num_rows, x.device)
     scratch = _search_scratch(num_rows, split.segs, x.device, use_k, use_p)
-    _radix_passes(split, x, None, k_arr, p_arr, k_val, p_val, num_rows, scratch, use_k, use_p, True)
+    _radix_passes(split, x, None, k_arr, p_arr, k_val, p_val, num_rows, scratch, use_k, use_p, True, gate)
+    gate_arr, gate_min = gate if gate is not None else (None, 0)
     flags = dict(USE_K=use_k, USE_P=use_p, K_ARR=k_arr is not None, P_ARR=p_arr is not None)
     z_part = None
     if not mask_logits:
         z_part = torch.empty((num_rows, split.segs), dtype=torch.float32, device=x.device)
-        _RENORM_MASS[split.grid](x, k_arr, p_arr, *scratch, z_part, k_val, p_val, num_rows, vocab, x.stride(0),
-                                 split.segs, **flags, **split.stream())
-    _RENORM_WRITE[split.grid](x, out, k_arr, p_arr, *scratch, z_part, k_val, p_val, num_rows, vocab, x.stride(0),
-                              out.stride(0), split.segs, MASK_LOGITS=mask_logits, **flags, **split.stream())
+        _RENORM_MASS[split.grid](x, k_arr, p_arr, *scratch, z_part, gate_arr, k_val, p_val, num_rows, vocab,
+                                 x.stride(0), split.segs, gate_min, GATE=gate is not None, **flags, **split.stream())
+    _RENORM_WRITE[split.grid](x, out, k_arr, p_arr, *scratch, z_part, gate_arr, *(fin or (None, None, None)),
+                              k_val, p_val, num_rows, vocab, x.stride(0), out.stride(0), split.segs, gate_min,
+                              GATE=gate is not None and fin is None, FIN=fin is not None, MASK_LOGITS=mask_logits,
+                              **flags, **split.stream())
 
 
 @_ops.custom_op("renorm", mutates_args=("out",))
@@ -652,7 +772,7 @@ def top_k_top_p_sampling_from_probs(
         # per-output top-k: renormalise each output's own copy of its row
         probs, indices = probs.index_select(0, indices), None
         k.by_source = p.by_source = True
-    return _sample(_renorm(probs, top_k=k), indices, generator, top_p=p)
+    return _sample(probs, indices, generator, top_k=k, top_p=p, top_k_first=True)
 
 
 @_doc

@@ -22,6 +22,11 @@ Nothing is sorted and no loop length depends on the data:
   segment scans for the entry (with ``tl.cumsum`` per tile). If rounding leaves nothing above
   ``u * Z``, the last kept entry (of that segment, or of the row).
 
+- **Compaction first.** A filtered call starts with a bound pass and a copy of each row's candidates
+  (entries that can pass the filters) into ``[B, cap]``, where one program a row finishes the
+  searches and the sample (``compact_finish_kernel``); the passes above run afterwards, gated, for
+  the rows with more than ``cap`` candidates only (section "compaction" below).
+
 Row ``i`` of the output reads source row ``indices[i]`` when ``HAS_INDICES`` (rows sharing a
 distribution); source ids outside ``[0, n_src)`` read nothing (an all-zero row: sample 0).
 Parameters (``top_k``, ``top_p``, ``min_p``, temperature) are per-row arrays when ``*_ARR``, indexed
@@ -61,6 +66,19 @@ def _rows(B, n_src, idx_ptr, stride_x, HAS_INDICES: tl.constexpr, ROWS: tl.const
         src = rows.to(tl.int64)
     m_s = m_r & (src >= 0) & (src < n_src)
     return rows, m_r, src, src * stride_x, m_s
+
+
+@triton.jit
+def _gated_rows(B, n_src, idx_ptr, stride_x, gate_ptr, gate_min,
+                HAS_INDICES: tl.constexpr, GATE: tl.constexpr, ROWS: tl.constexpr):
+    """``_rows``, keeping with ``GATE`` only the rows whose ``gate[row] > gate_min``: the full-pass
+    fallback of the compacted path runs for the rows that overflowed (``ncand > cap``, or a source
+    row's flag ``> 0``); the others mask everything (no loads, no stores) and skip the tile loops."""
+    rows, m_r, src, row_off, m_s = _rows(B, n_src, idx_ptr, stride_x, HAS_INDICES, ROWS)
+    if GATE:
+        m_r = m_r & (tl.load(gate_ptr + rows, mask=m_r, other=0) > gate_min)
+        m_s = m_s & m_r
+    return rows, m_r, src, row_off, m_s
 
 
 @triton.jit
@@ -165,9 +183,9 @@ def _final_thresholds(k_state, k_part, p_state, p_part, rows, m_r, src, B, V, n_
 
 @triton.jit
 def radix_pass_kernel(
-    x_ptr, idx_ptr, k_ptr, p_ptr, k_state, k_part, p_state, p_part,
-    k_val, p_val, B, n_src, V, stride_x, n_segs,
-    PASS: tl.constexpr, HAS_INDICES: tl.constexpr, USE_K: tl.constexpr, USE_P: tl.constexpr,
+    x_ptr, idx_ptr, k_ptr, p_ptr, k_state, k_part, p_state, p_part, gate_ptr,
+    k_val, p_val, B, n_src, V, stride_x, n_segs, gate_min,
+    PASS: tl.constexpr, HAS_INDICES: tl.constexpr, GATE: tl.constexpr, USE_K: tl.constexpr, USE_P: tl.constexpr,
     K_ARR: tl.constexpr, P_ARR: tl.constexpr, PARAM_BY_SOURCE: tl.constexpr,
     ROWS: tl.constexpr, SEGS_P2: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
 ):
@@ -175,7 +193,7 @@ def radix_pass_kernel(
     one segment: resolves digit ``PASS - 1`` from the previous launch's partials, then writes this
     segment's histogram of digit ``PASS`` (counts for top-k, masses for top-p) to ``part[PASS % 2]``
     (``[2, B, n_segs, bins]``, double-buffered: the previous pass's stay readable)."""
-    rows, m_r, src, row_off, m_s = _rows(B, n_src, idx_ptr, stride_x, HAS_INDICES, ROWS)
+    rows, m_r, src, row_off, m_s = _gated_rows(B, n_src, idx_ptr, stride_x, gate_ptr, gate_min, HAS_INDICES, GATE, ROWS)
     seg = tl.program_id(1)
     DO_K: tl.constexpr = USE_K and PASS < K_PASSES
     DO_P: tl.constexpr = USE_P and PASS < P_PASSES
@@ -192,19 +210,20 @@ def radix_pass_kernel(
         # top of the prefix's range: a tile with no key at or above lo_p + one digit step only
         # feeds digit 0, which is never tested
         step_p = lo_p + (tl.full([ROWS], 1, tl.int64) << (32 - (PASS + 1) * P_BITS))
-    for t in range(NUM_TILES):
-        offs, m, x = _tile(x_ptr, row_off, m_s, seg * NUM_TILES + t, V, BLOCK)
-        bits = x.to(tl.int32, bitcast=True)
-        key = tl.where(m, tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF), _KEY_MIN)
-        if DO_K:
-            # one histogram for all ROWS rows: bin = row * 256 + digit
-            d = _digit(key, lo_k, PASS, K_BITS, KB) + (r * KB)[:, None]
-            count += tl.histogram(tl.reshape(d, [ROWS * BLOCK]), ROWS * KB)
-        if DO_P:
-            if tl.max(tl.max((key.to(tl.int64) >= step_p[:, None]).to(tl.int32), axis=1), axis=0) > 0:
-                d = _digit(key, lo_p, PASS, P_BITS, PB)
-                # [ROWS, BLOCK, 16] -> [ROWS, 16]
-                mass += tl.sum(tl.where(d[:, :, None] == bp[None, None, :], x[:, :, None], 0.0), axis=1)
+    if tl.max(m_r.to(tl.int32), axis=0) > 0:
+        for t in range(NUM_TILES):
+            offs, m, x = _tile(x_ptr, row_off, m_s, seg * NUM_TILES + t, V, BLOCK)
+            bits = x.to(tl.int32, bitcast=True)
+            key = tl.where(m, tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF), _KEY_MIN)
+            if DO_K:
+                # one histogram for all ROWS rows: bin = row * 256 + digit
+                d = _digit(key, lo_k, PASS, K_BITS, KB) + (r * KB)[:, None]
+                count += tl.histogram(tl.reshape(d, [ROWS * BLOCK]), ROWS * KB)
+            if DO_P:
+                if tl.max(tl.max((key.to(tl.int64) >= step_p[:, None]).to(tl.int32), axis=1), axis=0) > 0:
+                    d = _digit(key, lo_p, PASS, P_BITS, PB)
+                    # [ROWS, BLOCK, 16] -> [ROWS, 16]
+                    mass += tl.sum(tl.where(d[:, :, None] == bp[None, None, :], x[:, :, None], 0.0), axis=1)
     out_row = (rows + B * (PASS % 2)).to(tl.int64) * n_segs + seg
     if DO_K:
         tl.store(k_part + out_row[:, None] * KB + tl.arange(0, KB)[None, :], tl.reshape(count, [ROWS, KB]),
@@ -257,14 +276,15 @@ def _kept(x, m, lo_k, lo_p, pivot, shift_max,
 
 
 @triton.jit
-def _sample_setup(x_ptr, idx_ptr, k_ptr, p_ptr, k_state, k_part, p_state, p_part, max_part,
-                  k_val, p_val, B, n_src, V, stride_x, n_segs,
-                  HAS_INDICES: tl.constexpr, IS_LOGITS: tl.constexpr,
+def _sample_setup(x_ptr, idx_ptr, k_ptr, p_ptr, k_state, k_part, p_state, p_part, max_part, gate_ptr,
+                  k_val, p_val, B, n_src, V, stride_x, n_segs, gate_min,
+                  HAS_INDICES: tl.constexpr, GATE: tl.constexpr, IS_LOGITS: tl.constexpr,
                   USE_K: tl.constexpr, USE_P: tl.constexpr, USE_MIN_P: tl.constexpr,
                   K_ARR: tl.constexpr, P_ARR: tl.constexpr, PARAM_BY_SOURCE: tl.constexpr,
                   ROWS: tl.constexpr, SEGS_P2: tl.constexpr):
     """What both sampling launches need: rows, thresholds, min-p pivot, softmax shift."""
-    rows, m_r, src, row_off, m_s = _rows(B, n_src, idx_ptr, stride_x, HAS_INDICES, ROWS)
+    rows, m_r, src, row_off, m_s = _gated_rows(B, n_src, idx_ptr, stride_x, gate_ptr, gate_min, HAS_INDICES, GATE,
+                                               ROWS)
     seg = tl.program_id(1)
     pivot = tl.zeros([ROWS], dtype=tl.float32)
     shift_max = tl.zeros([ROWS], dtype=tl.float32)
@@ -283,9 +303,9 @@ def _sample_setup(x_ptr, idx_ptr, k_ptr, p_ptr, k_state, k_part, p_state, p_part
 
 @triton.jit
 def sample_mass_kernel(
-    x_ptr, idx_ptr, k_ptr, p_ptr, k_state, k_part, p_state, p_part, max_part, z_part,
-    k_val, p_val, B, n_src, V, stride_x, n_segs,
-    HAS_INDICES: tl.constexpr, IS_LOGITS: tl.constexpr,
+    x_ptr, idx_ptr, k_ptr, p_ptr, k_state, k_part, p_state, p_part, max_part, z_part, gate_ptr,
+    k_val, p_val, B, n_src, V, stride_x, n_segs, gate_min,
+    HAS_INDICES: tl.constexpr, GATE: tl.constexpr, IS_LOGITS: tl.constexpr,
     USE_K: tl.constexpr, USE_P: tl.constexpr, USE_MIN_P: tl.constexpr,
     K_ARR: tl.constexpr, P_ARR: tl.constexpr, PARAM_BY_SOURCE: tl.constexpr,
     ROWS: tl.constexpr, SEGS_P2: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
@@ -294,21 +314,22 @@ def sample_mass_kernel(
     ``IS_LOGITS``: softmax), restricted to the top-k (``USE_K``), top-p (``USE_P``, with ``USE_K``
     their intersection) or min-p (``USE_MIN_P``, its ``min_p`` in ``p_ptr``/``p_val``) set."""
     rows, m_r, row_off, m_s, seg, lo_k, lo_p, pivot, shift_max = _sample_setup(
-        x_ptr, idx_ptr, k_ptr, p_ptr, k_state, k_part, p_state, p_part, max_part, k_val, p_val, B, n_src, V,
-        stride_x, n_segs, HAS_INDICES, IS_LOGITS, USE_K, USE_P, USE_MIN_P, K_ARR, P_ARR, PARAM_BY_SOURCE,
-        ROWS, SEGS_P2)
+        x_ptr, idx_ptr, k_ptr, p_ptr, k_state, k_part, p_state, p_part, max_part, gate_ptr, k_val, p_val, B, n_src,
+        V, stride_x, n_segs, gate_min, HAS_INDICES, GATE, IS_LOGITS, USE_K, USE_P, USE_MIN_P, K_ARR, P_ARR,
+        PARAM_BY_SOURCE, ROWS, SEGS_P2)
     z = tl.zeros([ROWS], dtype=tl.float32)
-    for t in range(NUM_TILES):
-        offs, m, x = _tile(x_ptr, row_off, m_s, seg * NUM_TILES + t, V, BLOCK)
-        z += tl.sum(_kept(x, m, lo_k, lo_p, pivot, shift_max, IS_LOGITS, USE_K, USE_P, USE_MIN_P), axis=1)
+    if tl.max(m_r.to(tl.int32), axis=0) > 0:
+        for t in range(NUM_TILES):
+            offs, m, x = _tile(x_ptr, row_off, m_s, seg * NUM_TILES + t, V, BLOCK)
+            z += tl.sum(_kept(x, m, lo_k, lo_p, pivot, shift_max, IS_LOGITS, USE_K, USE_P, USE_MIN_P), axis=1)
     tl.store(z_part + rows.to(tl.int64) * n_segs + seg, z, mask=m_r)
 
 
 @triton.jit
 def sample_pick_kernel(
-    x_ptr, idx_ptr, u_ptr, out_ptr, k_ptr, p_ptr, k_state, k_part, p_state, p_part, max_part, z_part,
-    k_val, p_val, B, n_src, V, stride_x, n_segs,
-    HAS_INDICES: tl.constexpr, IS_LOGITS: tl.constexpr,
+    x_ptr, idx_ptr, u_ptr, out_ptr, k_ptr, p_ptr, k_state, k_part, p_state, p_part, max_part, z_part, gate_ptr,
+    k_val, p_val, B, n_src, V, stride_x, n_segs, gate_min,
+    HAS_INDICES: tl.constexpr, GATE: tl.constexpr, IS_LOGITS: tl.constexpr,
     USE_K: tl.constexpr, USE_P: tl.constexpr, USE_MIN_P: tl.constexpr,
     K_ARR: tl.constexpr, P_ARR: tl.constexpr, PARAM_BY_SOURCE: tl.constexpr,
     ROWS: tl.constexpr, SEGS_P2: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
@@ -318,9 +339,9 @@ def sample_pick_kernel(
     ``u * Z``; when rounding leaves none, the last with mass; with no mass at all, segment 0, which
     then writes entry 0); only the owner scans and writes."""
     rows, m_r, row_off, m_s, seg, lo_k, lo_p, pivot, shift_max = _sample_setup(
-        x_ptr, idx_ptr, k_ptr, p_ptr, k_state, k_part, p_state, p_part, max_part, k_val, p_val, B, n_src, V,
-        stride_x, n_segs, HAS_INDICES, IS_LOGITS, USE_K, USE_P, USE_MIN_P, K_ARR, P_ARR, PARAM_BY_SOURCE,
-        ROWS, SEGS_P2)
+        x_ptr, idx_ptr, k_ptr, p_ptr, k_state, k_part, p_state, p_part, max_part, gate_ptr, k_val, p_val, B, n_src,
+        V, stride_x, n_segs, gate_min, HAS_INDICES, GATE, IS_LOGITS, USE_K, USE_P, USE_MIN_P, K_ARR, P_ARR,
+        PARAM_BY_SOURCE, ROWS, SEGS_P2)
     s = tl.arange(0, SEGS_P2)
     # [ROWS, SEGS_P2]
     zs = tl.load(z_part + rows.to(tl.int64)[:, None] * n_segs + s[None, :],
@@ -352,38 +373,42 @@ def sample_pick_kernel(
 
 @triton.jit
 def renorm_mass_kernel(
-    x_ptr, k_ptr, p_ptr, k_state, k_part, p_state, p_part, z_part,
-    k_val, p_val, B, V, stride_x, n_segs,
-    USE_K: tl.constexpr, USE_P: tl.constexpr, K_ARR: tl.constexpr, P_ARR: tl.constexpr,
+    x_ptr, k_ptr, p_ptr, k_state, k_part, p_state, p_part, z_part, gate_ptr,
+    k_val, p_val, B, V, stride_x, n_segs, gate_min,
+    GATE: tl.constexpr, USE_K: tl.constexpr, USE_P: tl.constexpr, K_ARR: tl.constexpr, P_ARR: tl.constexpr,
     ROWS: tl.constexpr, SEGS_P2: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
 ):
     """``z_part[row, seg]``: the segment's kept positive mass (the renorm's denominator, in parts)."""
-    rows, m_r, src, row_off, m_s = _rows(B, B, x_ptr, stride_x, False, ROWS)
+    rows, m_r, src, row_off, m_s = _gated_rows(B, B, x_ptr, stride_x, gate_ptr, gate_min, False, GATE, ROWS)
     seg = tl.program_id(1)
     lo_k, lo_p = _final_thresholds(k_state, k_part, p_state, p_part, rows, m_r, src, B, V, n_segs, seg,
                                    k_ptr, p_ptr, k_val, p_val, USE_K, USE_P, K_ARR, P_ARR, True, ROWS, SEGS_P2)
     z = tl.zeros([ROWS], dtype=tl.float32)
-    for t in range(NUM_TILES):
-        offs, m, x = _tile(x_ptr, row_off, m_s, seg * NUM_TILES + t, V, BLOCK)
-        key = _ordered_key(x)
-        keep = (key >= lo_k[:, None]) & (key >= lo_p[:, None]) & (x > 0.0)
-        z += tl.sum(tl.where(keep, x, 0.0), axis=1)
+    if tl.max(m_r.to(tl.int32), axis=0) > 0:
+        for t in range(NUM_TILES):
+            offs, m, x = _tile(x_ptr, row_off, m_s, seg * NUM_TILES + t, V, BLOCK)
+            key = _ordered_key(x)
+            keep = (key >= lo_k[:, None]) & (key >= lo_p[:, None]) & (x > 0.0)
+            z += tl.sum(tl.where(keep, x, 0.0), axis=1)
     tl.store(z_part + rows.to(tl.int64) * n_segs + seg, z, mask=m_r)
 
 
 @triton.jit
 def renorm_write_kernel(
-    x_ptr, out_ptr, k_ptr, p_ptr, k_state, k_part, p_state, p_part, z_part,
-    k_val, p_val, B, V, stride_x, stride_o, n_segs,
-    USE_K: tl.constexpr, USE_P: tl.constexpr, MASK_LOGITS: tl.constexpr,
+    x_ptr, out_ptr, k_ptr, p_ptr, k_state, k_part, p_state, p_part, z_part, gate_ptr,
+    fin_t_ptr, fin_p_ptr, fin_inv_ptr,
+    k_val, p_val, B, V, stride_x, stride_o, n_segs, gate_min,
+    GATE: tl.constexpr, FIN: tl.constexpr, USE_K: tl.constexpr, USE_P: tl.constexpr, MASK_LOGITS: tl.constexpr,
     K_ARR: tl.constexpr, P_ARR: tl.constexpr,
     ROWS: tl.constexpr, SEGS_P2: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
 ):
     """float32 rows of ``out``, one segment a program: the top-k (``USE_K``) or top-p (``USE_P``)
     entries of ``x`` over their sum (floored at 1e-8; ``z_part`` from ``renorm_mass_kernel``), 0
     elsewhere; with ``MASK_LOGITS`` the top-k logits themselves, ``-inf`` elsewhere. A row with
-    ``k <= 0`` or ``k >= V`` is copied unchanged; ``top_p >= 1`` divides the row by its sum."""
-    rows, m_r, src, row_off, m_s = _rows(B, B, x_ptr, stride_x, False, ROWS)
+    ``k <= 0`` or ``k >= V`` is copied unchanged; ``top_p >= 1`` divides the row by its sum. With
+    ``FIN``, rows that did not overflow (``gate[row] <= gate_min``) take their thresholds and ``1 / Z``
+    from ``fin_*`` (``compact_finish_kernel``'s); with ``GATE`` only the overflowed rows are written."""
+    rows, m_r, src, row_off, m_s = _gated_rows(B, B, x_ptr, stride_x, gate_ptr, gate_min, False, GATE, ROWS)
     seg = tl.program_id(1)
     out_off = rows.to(tl.int64) * stride_o
     lo_k, lo_p = _final_thresholds(k_state, k_part, p_state, p_part, rows, m_r, src, B, V, n_segs, seg,
@@ -395,17 +420,318 @@ def renorm_write_kernel(
         no_filter = rows < 0
     if not MASK_LOGITS:
         inv = 1.0 / tl.maximum(_row_sum(z_part, rows, m_r, n_segs, ROWS, SEGS_P2), 1e-8)
+    if FIN:
+        compacted = m_r & (tl.load(gate_ptr + rows, mask=m_r, other=0) <= gate_min)
+        lo_k = tl.where(compacted, tl.load(fin_t_ptr + rows, mask=compacted, other=0), lo_k)
+        lo_p = tl.where(compacted, tl.load(fin_p_ptr + rows, mask=compacted, other=0), lo_p)
+        if not MASK_LOGITS:
+            inv = tl.where(compacted, tl.load(fin_inv_ptr + rows, mask=compacted, other=0.0), inv)
+    if tl.max(m_r.to(tl.int32), axis=0) > 0:
+        for t in range(NUM_TILES):
+            offs, m, x = _tile(x_ptr, row_off, m_s, seg * NUM_TILES + t, V, BLOCK)
+            key = _ordered_key(x)
+            keep = (key >= lo_k[:, None]) & (key >= lo_p[:, None])
+            if MASK_LOGITS:
+                y = tl.where(keep | no_filter[:, None], x, float("-inf"))
+            else:
+                y = tl.where(keep & (x > 0.0), x * inv[:, None], 0.0)
+                if USE_K:
+                    y = tl.where(no_filter[:, None], x, y)
+            tl.store(out_ptr + out_off[:, None] + offs[None, :], y, mask=m)
+
+
+# --------------------------------------------------------------------------------------------------
+# compaction: a row's candidates into [B, cap], the searches and the sample finished there
+# --------------------------------------------------------------------------------------------------
+#
+# ``bound_pass_kernel`` (one read) counts each segment's keys by their top 8 bits (bin c holds the
+# keys [KEY_MIN + c * 2**24, KEY_MIN + (c + 1) * 2**24): the first top-k digit), and sums the positive
+# entries (top-p) and takes the max (min-p). From those every program of ``compact_kernel`` derives the
+# same bound bin ``bb`` per row: every entry the filters can keep has ``key >= lo(bb)`` (below), so the
+# candidates are whole bins and their number, and each segment's write offset, follow exactly from
+# the counts. Rows with more than ``cap`` candidates are left to the full passes (``ncand > cap``);
+# the rest are copied, values and ids, in vocabulary order (so the inverse-CDF scan meets them in
+# the order the full pass would), and ``compact_finish_kernel`` finishes them in one program a row.
+#
+# Why the searches on the candidates give the full row's thresholds. Each threshold is the largest
+# key L with f(key >= L) >= need for a count or a positive mass f. Let every kept entry have
+# key >= bound. On the candidates f_c(key >= L) = f(key >= L) for L >= bound, and f_c(key >= L) =
+# f(key >= bound) for L < bound. A threshold X >= bound is therefore found unchanged; one below the
+# bound has f(key >= bound) < need, so f_c never reaches need and the search returns KEY_MIN, which
+# is still below the other thresholds where it matters (kept = key >= max(thresholds), and a valid
+# bound is <= max(thresholds)). The bounds, each a bin start:
+# - top-k (k-th largest T): the largest bin b >= 1 whose keys and those above number >= k (the first
+#   radix digit): count(key >= lo(b)) >= k gives T >= lo(b).
+# - top-p (L': the smallest kept key; kept j when mass of the entries above p_j < top_p): with Z the
+#   positive mass and U_c = sum over bins <= c of count_c * hi_c (hi_c the bin's upper value, 0 for
+#   the negative bins), an entry of bin c has at most U_c of positive mass at or below it, so at least
+#   Z - U_c above it; a bin with Z - U_c >= top_p (1e-4 relative margins for float32 sums, far above
+#   their ~1e-6 error, so the full pass's own float sums agree) holds no kept entry, and U_c grows with
+#   c, so the excluded bins are a prefix: bb = one past the last. top_p <= 0 counts as 1e-30.
+# - joint (key >= max(T, L')): max of the two bounds (each <= its threshold, so the max is <= the
+#   max of the thresholds).
+# - top_k_first (top-p on the top-k-renormalised row r): r is zero outside the top-k set, so the
+#   top-k bound covers every nonzero r; the top-p search on r then sees r's whole mass. Rows whose
+#   top-k is off (r = x) take the top-p bound of x.
+# - min-p (kept p >= min_p * max): the bin of key(min_p * max), the pivot computed as the full pass
+#   computes it.
+# A filter that is off for a row (k <= 0 or >= V, top_p >= 1) contributes bin 0 (everything).
+
+
+@triton.jit
+def bound_pass_kernel(
+    x_ptr, idx_ptr, cnt_part, sum_part, max_part, B, n_src, V, stride_x, n_segs,
+    HAS_INDICES: tl.constexpr, NEED_SUM: tl.constexpr, NEED_MAX: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
+):
+    """Per (row, segment): ``cnt_part[row, seg, 256]`` the keys' top-8-bit histogram (masked lanes
+    in bin 0), ``sum_part[row, seg]`` the positive mass (``NEED_SUM``), ``max_part[row, seg]`` the
+    max (``NEED_MAX``, as ``max_pass_kernel``'s)."""
+    rows, m_r, src, row_off, m_s = _rows(B, n_src, idx_ptr, stride_x, HAS_INDICES, ROWS)
+    seg = tl.program_id(1)
+    KB: tl.constexpr = K_BINS
+    r = tl.arange(0, ROWS)
+    count = tl.zeros([ROWS * KB], dtype=tl.int32)
+    z = tl.zeros([ROWS], dtype=tl.float32)
+    mx = tl.full([ROWS], float("-inf"), tl.float32)
     for t in range(NUM_TILES):
         offs, m, x = _tile(x_ptr, row_off, m_s, seg * NUM_TILES + t, V, BLOCK)
-        key = _ordered_key(x)
-        keep = (key >= lo_k[:, None]) & (key >= lo_p[:, None])
-        if MASK_LOGITS:
-            y = tl.where(keep | no_filter[:, None], x, float("-inf"))
-        else:
-            y = tl.where(keep & (x > 0.0), x * inv[:, None], 0.0)
-            if USE_K:
-                y = tl.where(no_filter[:, None], x, y)
-        tl.store(out_ptr + out_off[:, None] + offs[None, :], y, mask=m)
+        key = tl.where(m, _ordered_key(x), _KEY_MIN)
+        count += tl.histogram(tl.reshape((key >> 24) + 128 + (r * KB)[:, None], [ROWS * BLOCK]), ROWS * KB)
+        if NEED_SUM:
+            z += tl.sum(tl.where(x > 0.0, x, 0.0), axis=1)
+        if NEED_MAX:
+            mx = tl.maximum(mx, tl.max(tl.where(m, x, float("-inf")), axis=1))
+    out = rows.to(tl.int64) * n_segs + seg
+    tl.store(cnt_part + out[:, None] * KB + tl.arange(0, KB)[None, :], tl.reshape(count, [ROWS, KB]),
+             mask=m_r[:, None])
+    if NEED_SUM:
+        tl.store(sum_part + out, z, mask=m_r)
+    if NEED_MAX:
+        tl.store(max_part + out, mx, mask=m_r)
+
+
+@triton.jit
+def _candidates(cnt_part, sum_part, max_part, k_ptr, p_ptr, k_val, p_val, rows, m_r, src, m_s, V, n_segs, seg,
+                SEG_LEN: tl.constexpr, USE_K: tl.constexpr, USE_P: tl.constexpr, USE_MIN_P: tl.constexpr,
+                TOP_K_FIRST: tl.constexpr, K_ARR: tl.constexpr, P_ARR: tl.constexpr, BY_SOURCE: tl.constexpr,
+                ROWS: tl.constexpr, SEGS_P2: tl.constexpr):
+    """(int64 key bound [ROWS], candidates of the row (``key >= bound``), candidates in the segments
+    before ``seg``): the bound bin of the comment above, from ``bound_pass_kernel``'s partials."""
+    KB: tl.constexpr = K_BINS
+    b = tl.arange(0, KB)
+    s = tl.arange(0, SEGS_P2)
+    m_seg = m_r[:, None] & (s < n_segs)[None, :]
+    base = (rows.to(tl.int64) * n_segs)[:, None] + s[None, :]
+    # [ROWS, SEGS_P2, 256] -> [ROWS, 256]
+    h = tl.load(cnt_part + base[:, :, None] * KB + b[None, None, :], mask=m_seg[:, :, None], other=0)
+    hs = tl.sum(h, axis=1)
+    bb = tl.zeros([ROWS], dtype=tl.int32)
+    bk = tl.zeros([ROWS], dtype=tl.int32)
+    bp = tl.zeros([ROWS], dtype=tl.int32)
+    k_off = rows < 0
+    if USE_K:
+        k = _param(k_ptr, k_val, rows, src, m_r, K_ARR, BY_SOURCE).to(tl.int32)
+        k_off = (k <= 0) | (k >= V)
+        need = tl.minimum(tl.maximum(k, 1), V)
+        cum = tl.cumsum(hs, axis=1, reverse=True)
+        bk = tl.max(tl.where((cum >= need[:, None]) & (b[None, :] >= 1), b[None, :], 0), axis=1)
+        bk = tl.where(k_off, 0, bk)
+    if USE_P:
+        p = _param(p_ptr, p_val, rows, src, m_r, P_ARR, BY_SOURCE).to(tl.float32)
+        zs = tl.sum(tl.load(sum_part + base, mask=m_seg, other=0.0), axis=1)
+        # upper value of bin c >= 128 (non-negative floats): the float whose bits are (c - 127) << 24
+        # (the top bin, floats >= 2**127 and inf, costs inf when not empty)
+        hi = tl.where(b >= KB - 1, 0.0, (tl.maximum(b - 127, 1) << 24).to(tl.float32, bitcast=True))
+        cost = tl.where(b[None, :] >= 128, hs.to(tl.float32) * hi[None, :], 0.0)
+        cost = tl.where((b[None, :] >= KB - 1) & (hs > 0), float("inf"), cost)
+        u = tl.cumsum(cost, axis=1)
+        excl = zs[:, None] * (1.0 - 1e-4) - u * (1.0 + 1e-4) >= tl.maximum(p, 1e-30)[:, None]
+        bp = tl.max(tl.where(excl, b[None, :] + 1, 0), axis=1)
+        bp = tl.where(p >= 1.0, 0, bp)
+    if USE_MIN_P:
+        mx = _row_max(max_part, rows, m_r, n_segs, ROWS, SEGS_P2)
+        pivot = tl.where(m_s, mx, 0.0) * _param(p_ptr, p_val, rows, src, m_r, P_ARR, BY_SOURCE).to(tl.float32)
+        bb = (_ordered_key(pivot) >> 24) + 128
+    elif TOP_K_FIRST:
+        bb = tl.where(k_off, bp, bk)
+    else:
+        bb = tl.maximum(bk, bp)
+    # per segment: [ROWS, SEGS_P2]
+    cs = tl.sum(tl.where(b[None, None, :] >= bb[:, None, None], h, 0), axis=2)
+    count = tl.sum(cs, axis=1)
+    before = tl.sum(tl.where(s[None, :] < seg, cs, 0), axis=1)
+    # bin 0 also holds the masked lanes past the row's end: every entry is a candidate
+    whole = bb == 0
+    count = tl.where(whole, tl.where(m_s, V, 0), count)
+    before = tl.where(whole, seg * SEG_LEN, before)
+    lo = _KEY_MIN + (bb.to(tl.int64) << 24)
+    return lo, count, before
+
+
+@triton.jit
+def compact_kernel(
+    x_ptr, idx_ptr, k_ptr, p_ptr, cnt_part, sum_part, max_part, ncand_ptr, flag_ptr, cval_ptr, cid_ptr,
+    k_val, p_val, B, n_src, V, stride_x, n_segs, cap,
+    HAS_INDICES: tl.constexpr, FLAG_SRC: tl.constexpr, USE_K: tl.constexpr, USE_P: tl.constexpr,
+    USE_MIN_P: tl.constexpr, TOP_K_FIRST: tl.constexpr, K_ARR: tl.constexpr, P_ARR: tl.constexpr,
+    PARAM_BY_SOURCE: tl.constexpr, ROWS: tl.constexpr, SEGS_P2: tl.constexpr, BLOCK: tl.constexpr,
+    NUM_TILES: tl.constexpr,
+):
+    """Copies the segment's candidates (``key >= bound``) of rows with at most ``cap`` of them to
+    ``cval``/``cid`` ``[B, cap]`` (values, token ids) at the row's running position; segment 0
+    stores ``ncand[row]`` (``> cap``: the row overflowed) and, with ``FLAG_SRC``, sets
+    ``flag[src] = 1`` for an overflowed row (the top_k_first fallback renormalises source rows)."""
+    rows, m_r, src, row_off, m_s = _rows(B, n_src, idx_ptr, stride_x, HAS_INDICES, ROWS)
+    seg = tl.program_id(1)
+    lo, count, pos = _candidates(cnt_part, sum_part, max_part, k_ptr, p_ptr, k_val, p_val, rows, m_r, src, m_s,
+                                 V, n_segs, seg, NUM_TILES * BLOCK, USE_K, USE_P, USE_MIN_P, TOP_K_FIRST,
+                                 K_ARR, P_ARR, PARAM_BY_SOURCE, ROWS, SEGS_P2)
+    if seg == 0:
+        tl.store(ncand_ptr + rows, count, mask=m_r)
+        if FLAG_SRC:
+            tl.store(flag_ptr + src, tl.full([ROWS], 1, tl.int32), mask=m_s & (count > cap))
+    fits = m_s & (count <= cap)
+    c_row = rows.to(tl.int64) * cap
+    if tl.max(fits.to(tl.int32), axis=0) > 0:
+        for t in range(NUM_TILES):
+            offs, m, x = _tile(x_ptr, row_off, fits, seg * NUM_TILES + t, V, BLOCK)
+            c = (m & (_ordered_key(x).to(tl.int64) >= lo[:, None])).to(tl.int32)
+            at = c_row[:, None] + (pos[:, None] + tl.cumsum(c, axis=1) - c)
+            tl.store(cval_ptr + at, x, mask=c > 0)
+            tl.store(cid_ptr + at, tl.zeros_like(c) + offs[None, :], mask=c > 0)
+            pos += tl.sum(c, axis=1)
+
+
+@triton.jit
+def _cload(cval_ptr, c_row, n, c, CBLOCK: tl.constexpr):
+    """Chunk ``c`` of the compacted rows: (positions [CBLOCK], mask [ROWS, CBLOCK], values)."""
+    j = c * CBLOCK + tl.arange(0, CBLOCK)
+    m = j[None, :] < n[:, None]
+    x = tl.load(cval_ptr + c_row[:, None] + j[None, :], mask=m, other=0.0)
+    return j, m, x
+
+
+@triton.jit
+def _cvalue(x, m, t, inv, k_off, TOP_K_FIRST: tl.constexpr):
+    """What the top-p search and the sampler see: ``x``, or with ``TOP_K_FIRST`` the
+    top-k-renormalised row (``renorm_write_kernel``'s values: ``x * (1 / Z)`` on the kept positive
+    entries, 0 elsewhere, ``x`` itself where top-k is off)."""
+    if TOP_K_FIRST:
+        kept = (_ordered_key(x) >= t[:, None]) & (x > 0.0)
+        v = tl.where(k_off[:, None], x, tl.where(kept, x * inv[:, None], 0.0))
+    else:
+        v = x
+    return tl.where(m, v, 0.0)
+
+
+@triton.jit
+def compact_finish_kernel(
+    idx_ptr, u_ptr, out_ptr, k_ptr, p_ptr, max_part, ncand_ptr, cval_ptr, cid_ptr,
+    fin_t_ptr, fin_p_ptr, fin_inv_ptr,
+    k_val, p_val, B, n_src, V, n_segs, cap,
+    HAS_INDICES: tl.constexpr, RENORM: tl.constexpr, USE_K: tl.constexpr, USE_P: tl.constexpr,
+    USE_MIN_P: tl.constexpr, TOP_K_FIRST: tl.constexpr, K_ARR: tl.constexpr, P_ARR: tl.constexpr,
+    PARAM_BY_SOURCE: tl.constexpr, ROWS: tl.constexpr, SEGS_P2: tl.constexpr, CBLOCK: tl.constexpr,
+):
+    """The rows with ``ncand <= cap``, one program for ``ROWS`` rows over their compacted candidates:
+    the top-k threshold (8-bit digits, 4 rounds), the top-p threshold (4-bit digits, 8 rounds; on the
+    top-k-renormalised values with ``TOP_K_FIRST``), the same searches as the full passes; then, with
+    ``RENORM``, ``fin_t``/``fin_p``/``fin_inv`` (thresholds and ``1 / max(Z, 1e-8)``) for
+    ``renorm_write_kernel``, else the inverse-CDF sample of ``u`` into ``out`` (``sample_pick_kernel``'s
+    rule: the first kept entry whose running mass exceeds ``u * Z``, else the last kept, else 0)."""
+    rows, m_r, src, row_off, m_s = _rows(B, n_src, idx_ptr, 0, HAS_INDICES, ROWS)
+    n = tl.load(ncand_ptr + rows, mask=m_r, other=0)
+    act = m_r & (n <= cap)
+    n = tl.where(act, n, 0)
+    n_chunks = (tl.max(n, axis=0) + CBLOCK - 1) // CBLOCK
+    c_row = rows.to(tl.int64) * cap
+    r = tl.arange(0, ROWS)
+    KB: tl.constexpr = K_BINS
+    PB: tl.constexpr = P_BINS
+    bk = tl.arange(0, KB)
+    bp = tl.arange(0, PB)
+    t = tl.full([ROWS], _KEY_MIN, dtype=tl.int32)
+    lp = tl.full([ROWS], _KEY_MIN, dtype=tl.int32)
+    inv = tl.full([ROWS], 1.0, dtype=tl.float32)
+    k_off = rows < 0
+    if USE_K:
+        k = _param(k_ptr, k_val, rows, src, m_r, K_ARR, PARAM_BY_SOURCE).to(tl.int32)
+        k_off = (k <= 0) | (k >= V)
+        need_k = tl.minimum(tl.maximum(k, 1), V)
+        lo = tl.full([ROWS], _KEY_MIN, dtype=tl.int64)
+        for slot in tl.static_range(K_PASSES):
+            count = tl.zeros([ROWS * KB], dtype=tl.int32)
+            for c in range(n_chunks):
+                j, m, x = _cload(cval_ptr, c_row, n, c, CBLOCK)
+                key = tl.where(m, _ordered_key(x), _KEY_MIN)
+                d = _digit(key, lo, slot, K_BITS, KB) + (r * KB)[:, None]
+                count += tl.histogram(tl.reshape(d, [ROWS * CBLOCK]), ROWS * KB)
+            cum = tl.cumsum(tl.reshape(count, [ROWS, KB]), axis=1, reverse=True)
+            digit = tl.max(tl.where((cum >= need_k[:, None]) & (bk[None, :] >= 1), bk[None, :], 0), axis=1)
+            lo += digit.to(tl.int64) << (32 - (slot + 1) * K_BITS)
+        t = tl.where(k_off, _KEY_MIN, lo.to(tl.int32))
+        if TOP_K_FIRST:
+            z = tl.zeros([ROWS], dtype=tl.float32)
+            for c in range(n_chunks):
+                j, m, x = _cload(cval_ptr, c_row, n, c, CBLOCK)
+                z += tl.sum(tl.where((_ordered_key(x) >= t[:, None]) & (x > 0.0), x, 0.0), axis=1)
+            inv = 1.0 / tl.maximum(z, 1e-8)
+    if USE_P:
+        p = _param(p_ptr, p_val, rows, src, m_r, P_ARR, PARAM_BY_SOURCE).to(tl.float32)
+        need_p = tl.maximum(p, 1e-30)
+        lo = tl.full([ROWS], _KEY_MIN, dtype=tl.int64)
+        for slot in tl.static_range(P_PASSES):
+            mass = tl.zeros([ROWS, PB], dtype=tl.float32)
+            for c in range(n_chunks):
+                j, m, x = _cload(cval_ptr, c_row, n, c, CBLOCK)
+                v = _cvalue(x, m, t, inv, k_off, TOP_K_FIRST)
+                key = tl.where(m, _ordered_key(v), _KEY_MIN)
+                d = _digit(key, lo, slot, P_BITS, PB)
+                mass += tl.sum(tl.where(d[:, :, None] == bp[None, None, :], v[:, :, None], 0.0), axis=1)
+            cum = tl.cumsum(mass, axis=1, reverse=True)
+            digit = tl.max(tl.where((cum >= need_p[:, None]) & (bp[None, :] >= 1), bp[None, :], 0), axis=1)
+            lo += digit.to(tl.int64) << (32 - (slot + 1) * P_BITS)
+        lp = tl.where(p >= 1.0, _KEY_MIN, lo.to(tl.int32))
+    if RENORM:
+        z = tl.zeros([ROWS], dtype=tl.float32)
+        for c in range(n_chunks):
+            j, m, x = _cload(cval_ptr, c_row, n, c, CBLOCK)
+            key = _ordered_key(x)
+            z += tl.sum(tl.where((key >= t[:, None]) & (key >= lp[:, None]) & (x > 0.0), x, 0.0), axis=1)
+        tl.store(fin_t_ptr + rows, t, mask=act)
+        tl.store(fin_p_ptr + rows, lp, mask=act)
+        tl.store(fin_inv_ptr + rows, 1.0 / tl.maximum(z, 1e-8), mask=act)
+    else:
+        pivot = tl.zeros([ROWS], dtype=tl.float32)
+        if USE_MIN_P:
+            mx = _row_max(max_part, rows, m_r, n_segs, ROWS, SEGS_P2)
+            pivot = tl.where(m_s, mx, 0.0) * _param(p_ptr, p_val, rows, src, m_r, P_ARR, PARAM_BY_SOURCE).to(tl.float32)
+        # top_k_first: top-k is already in the renormalised values
+        t_w = t
+        if TOP_K_FIRST:
+            t_w = tl.full([ROWS], _KEY_MIN, dtype=tl.int32)
+        z = tl.zeros([ROWS], dtype=tl.float32)
+        for c in range(n_chunks):
+            j, m, x = _cload(cval_ptr, c_row, n, c, CBLOCK)
+            v = _cvalue(x, m, t, inv, k_off, TOP_K_FIRST)
+            z += tl.sum(_kept(v, m, t_w, lp, pivot, pivot, False, USE_K, USE_P, USE_MIN_P), axis=1)
+        target = tl.load(u_ptr + rows, mask=m_r, other=0.0) * z
+        run = tl.zeros([ROWS], dtype=tl.float32)
+        first = tl.full([ROWS], V, dtype=tl.int32)
+        last = tl.full([ROWS], -1, dtype=tl.int32)
+        for c in range(n_chunks):
+            j, m, x = _cload(cval_ptr, c_row, n, c, CBLOCK)
+            ids = tl.load(cid_ptr + c_row[:, None] + j[None, :], mask=m, other=0)
+            v = _cvalue(x, m, t, inv, k_off, TOP_K_FIRST)
+            w = _kept(v, m, t_w, lp, pivot, pivot, False, USE_K, USE_P, USE_MIN_P)
+            cdf = tl.cumsum(w, axis=1) + run[:, None]
+            hit = (cdf > target[:, None]) & (w > 0.0)
+            first = tl.minimum(first, tl.min(tl.where(hit, ids, V), axis=1))
+            last = tl.maximum(last, tl.max(tl.where(w > 0.0, ids, -1), axis=1))
+            run += tl.sum(w, axis=1)
+        sample = tl.where(first < V, first, tl.maximum(last, 0))
+        tl.store(out_ptr + rows, sample, mask=act)
 
 
 @triton.jit
