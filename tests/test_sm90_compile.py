@@ -317,7 +317,7 @@ def compile_sampling_cases():
         compiled = triton.compile(ASTSource(kernel, sig, constexprs, {}), target=GPUTarget("cuda", 90, 32),
                                   options=dict(num_warps=8))
         assert compiled.asm["cubin"], name
-        yield name
+        yield name, resource_usage(compiled)
 
 
 def test_sampling_kernels_compile_for_sm90():
@@ -333,8 +333,8 @@ def test_sampling_kernels_compile_for_sm90():
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["sampling"]:
-    for case in compile_sampling_cases():
-        print(f"case-{case}", flush=True)
+    for case, usage in compile_sampling_cases():
+        print(f"case-{case} regs={usage.get('reg')} stack={usage.get('stack')}", flush=True)
 elif __name__ == "__main__" and sys.argv[1:] == ["mla"]:
     for case in MLA_CASES:
         tiles, kernel = compile_mla_case(case)
