@@ -127,6 +127,7 @@ class Row:
     provider: str
     time_us: Optional[float] = None
     tb_s: Optional[float] = None
+    host_us: Optional[float] = None  # host time of one eager call (launches included): engines sample eagerly
     check: str = ""
     note: str = ""
 
@@ -200,6 +201,7 @@ def run_sweep(functions: Sequence[str], batches: Sequence[int], vocabs: Sequence
                     if gpu and t.time_us:
                         row.time_us = t.time_us
                         row.tb_s = nbytes / (t.time_us * 1e-6) / 1e12
+                        row.host_us = t.eager_host_us
                 progress(f"{name} {batch}x{vocab}: " + ", ".join(
                     f"{r.provider} {r.time_us:.1f} us" if r.time_us else f"{r.provider} {r.check}"
                     for r in rows[-len(providers):]))
@@ -228,10 +230,13 @@ def table(rows: List[Row], copy_tb_s: Optional[float]) -> str:
             r = got.get(p)
             ok = ours and ours.time_us and r and r.time_us
             line.append(f"{r.time_us / ours.time_us:.2f}" if ok else "")
+        for p in ("tritoninfer", "flashinfer"):
+            r = got.get(p)
+            line.append(f"{r.host_us:.0f}" if r and r.host_us else "")
         line.append(ours.check if ours else "")
         lines.append(line)
     head = ["function", "batch", "vocab", "ours µs", "FlashInfer µs", "torch µs", "ours TB/s", "of copy",
-            "FI/ours", "torch/ours", "check"]
+            "FI/ours", "torch/ours", "ours eager host µs", "FI eager host µs", "check"]
     return tabulate(lines, headers=head, tablefmt="github")
 
 
