@@ -7,8 +7,9 @@
 #
 # PART:
 #   tests-core   pytest -m gpu on the attention files (launch, decode, prefill, cascade, safety, route)
-#   tests-new    pytest -m gpu, two workers, on the wave-2 files (MLA, POD, BatchAttention, block-sparse,
-#                fp8 queries, multi-item, sampling, logits processor, transformers, demo)
+#   tests-new-a  pytest -m gpu, two workers, on the wave-2 attention files (MLA, POD, BatchAttention,
+#                block-sparse, fp8 queries, multi-item)
+#   tests-new-b  ... on sampling, the logits processor, transformers and the demo
 #   tests-rest   pytest -m gpu on everything else (compile, rope, norm, page, engines, ...)
 #   ab-merge     device time of the working tree against OLD=<dir holding an older tritoninfer> (decode,
 #                the fused split merge); needs OLD set, e.g. OLD=.ab/pre24 (carry it); a watchdog prints
@@ -27,15 +28,15 @@
 # dependencies are there). Each part logs per-file durations (pytest --durations) so the next session
 # knows what a part costs. Run GPU test files with at most two workers: eight ran out of GPU memory.
 set -euo pipefail
-part=${1:?part: tests-core | tests-new | tests-rest | ab-merge | host | fit | fit-new-a | fit-new-b | groups-a | groups-b}
+part=${1:?part: tests-core | tests-new-a | tests-new-b | tests-rest | ab-merge | host | fit | fit-new-a | fit-new-b | groups-a | groups-b}
 out=${2:?output folder}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .peers/*.whl $(ls .tfw/*.whl 2>/dev/null) 2>/dev/null
 export FLASHINFER_WORKSPACE_BASE=/tmp/fiws MAX_JOBS=16
 core="tests/test_launch.py tests/test_decode.py tests/test_prefill.py tests/test_cascade.py tests/test_safety.py tests/test_route.py"
-new="tests/test_mla.py tests/test_pod.py tests/test_batch_attention.py tests/test_sparse.py tests/test_fp8_query.py
-  tests/test_multi_item.py tests/test_sampling.py tests/test_logits_processor.py tests/test_integration_transformers.py
-  tests/test_demo.py"
+new_a="tests/test_mla.py tests/test_pod.py tests/test_batch_attention.py tests/test_sparse.py tests/test_fp8_query.py
+  tests/test_multi_item.py"
+new_b="tests/test_sampling.py tests/test_logits_processor.py tests/test_integration_transformers.py tests/test_demo.py"
 # FlashInfer's tests at FIT_PER_TEST=20 from .fit; per-test outcome counts in NAME-counts.txt
 fit_run() {
   local name=$1 workers=$2; shift 2
@@ -48,11 +49,12 @@ case "$part" in
   tests-core)
     PYTHONPATH=/tmp/site:$PWD timeout 580 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 $core \
       > "$out/tests-core.log" 2>&1 || true ;;
-  tests-new)
-    PYTHONPATH=/tmp/site:$PWD timeout 580 python3 -m pytest -q -m gpu -n 2 -p no:cacheprovider --durations=15 $new \
-      > "$out/tests-new.log" 2>&1 || true ;;
+  tests-new-a|tests-new-b)
+    files=$new_a; [ "$part" = tests-new-b ] && files=$new_b
+    PYTHONPATH=/tmp/site:$PWD timeout 580 python3 -m pytest -q -m gpu -n 2 -p no:cacheprovider --durations=15 $files \
+      > "$out/$part.log" 2>&1 || true ;;
   tests-rest)
-    ignore=$(for f in $core $new; do printf -- "--ignore=%s " "$f"; done)
+    ignore=$(for f in $core $new_a $new_b; do printf -- "--ignore=%s " "$f"; done)
     PYTHONPATH=/tmp/site:$PWD timeout 580 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 tests/ $ignore \
       > "$out/tests-rest.log" 2>&1 || true ;;
   ab-merge)
