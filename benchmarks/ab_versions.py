@@ -69,6 +69,19 @@ def decode_graph(pkg, ws, cache, indptr, indices, last, q, hq, hk, d, page, kv_d
     return g, out
 
 
+def decode_eager(pkg, ws, cache, indptr, indices, last, q, hq, hk, d, page, kv_dtype):
+    """(a function running one eager decode, its output): device time by events, no graph capture."""
+    w = pkg.BatchDecodeWithPagedKVCacheWrapper(ws)
+    w.plan(indptr, indices, last, hq, hk, d, page, q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
+    out = torch.empty_like(q)
+    run = lambda: w.run(q, cache, out=out)  # noqa: E731
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    say("  eager runs done")
+    return run, out
+
+
 def time_graph(g, calls, reps=20):
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     g.replay()
@@ -96,6 +109,8 @@ def main(argv=None):
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--tolerance", type=float, default=0.0, help="largest output difference allowed between versions")
+    ap.add_argument("--eager", action="store_true",
+                    help="decode timed as eager calls with events (launch gaps included), no CUDA graphs")
     ap.add_argument("--watchdog", type=float, default=None,
                     help="after this many seconds print every thread's stack and exit (a run that hangs says where)")
     args = ap.parse_args(argv)
@@ -112,8 +127,9 @@ def main(argv=None):
     base = names[0]
     kv_dtype = getattr(torch, args.kv_dtype)
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    how = "20 eager calls timed with events" if args.eager else f"20 replays of a {args.calls}-call CUDA graph"
     lines = [f"# A/B: {args.old} (old) against the working tree (new), {torch.cuda.get_device_name()}", "",
-             f"decode: median of {args.rounds} interleaved rounds x 20 replays of a {args.calls}-call CUDA graph, "
+             f"decode: median of {args.rounds} interleaved rounds x {how}, "
              f"bf16 q, {args.kv_dtype} KV, head_dim 128, page 16", "",
              "| heads | batch | kv_len | " + " | ".join(f"{k} µs" for k in names) + " | " +
              " | ".join(f"{k}/{base}" for k in names[1:]) + " |", "|---" * (3 + 2 * len(names) - 1) + "|"]
@@ -128,8 +144,12 @@ def main(argv=None):
         q = torch.randn((b, hq, 128), device="cuda", dtype=torch.bfloat16)
         graphs = {}
         for k, p in versions.items():
-            say(f"{hq}/{hk} {b}x{n}: {k} captures")
-            graphs[k] = decode_graph(p, ws, cache, indptr, indices, last, q, hq, hk, 128, 16, kv_dtype, args.calls)
+            say(f"{hq}/{hk} {b}x{n}: {k} " + ("runs eagerly" if args.eager else "captures"))
+            if args.eager:
+                graphs[k] = decode_eager(p, ws, cache, indptr, indices, last, q, hq, hk, 128, 16, kv_dtype)
+            else:
+                graphs[k] = decode_graph(p, ws, cache, indptr, indices, last, q, hq, hk, 128, 16, kv_dtype,
+                                         args.calls)
         for k in names[1:]:
             diff = (graphs[base][1].float() - graphs[k][1].float()).abs().max().item()
             # bit-identical unless a version changes the arithmetic (e.g. the split merge's order)
@@ -137,7 +157,7 @@ def main(argv=None):
         t = {k: [] for k in versions}
         for _ in range(args.rounds):
             for k in versions:
-                t[k].append(time_graph(graphs[k][0], args.calls))
+                t[k].append(eager_time(graphs[k][0], reps=20) if args.eager else time_graph(graphs[k][0], args.calls))
         med = {k: statistics.median(v) for k, v in t.items()}
         for k in names[1:]:
             ratios[k].append(med[k] / med[base])
