@@ -552,6 +552,8 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
                 raise ValueError(f"qo_indptr{sfx} and kv_indptr{sfx} disagree on the batch size "
                                  f"({qo_host.numel() - 1} vs {table.kv_lens.size})")
             qo = qo_host.numpy().astype(np.int64)
+            if sfx == "_p":
+                qo_lens_p = qo[1:] - qo[:-1]
             fields, views, mask_indptr = _plan_half(
                 uploader, self.device, ws.numel(), settings=settings, params=params, q_dtype=q_dtype,
                 kv_dtype=kv_dtype, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -562,8 +564,7 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
                                      kv_indices=kv_indices.to(self.device, non_blocking=non_blocking).to(torch.int32),
                                      page_table=table))
         self._step_p, self._step_d = steps
-        qo = host_index(qo_indptr_p, "qo_indptr_p").numpy().astype(np.int64)
-        self._qo_lens_p = qo[1:] - qo[:-1]
+        self._qo_lens_p = qo_lens_p
         # causal_p comes with run(): the step's causal twin, kept so the launch cache sees one object
         self._step_p_causal = dataclasses.replace(
             steps[0], params=dataclasses.replace(params, causal=True),
