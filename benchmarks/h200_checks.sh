@@ -3,8 +3,11 @@
 # that each fit one 10-minute command of the device tool. Run from the repository root on the GPU
 # machine:
 #
-#     bash benchmarks/h200_checks.sh PART OUT_DIR
+#     bash benchmarks/h200_checks.sh PART[,PART...] OUT_DIR
 #
+# Several comma-separated parts run at the same time (GPU tests and FlashInfer's tests share the GPU
+# well; never put a speed part beside another part), each within LIMIT seconds (default 570), and
+# everything they wrote is packed into OUT_DIR/checks.tgz (the device tool returns at most 8 files).
 # PART:
 #   tests-core   pytest -m gpu on the attention files (launch, decode, prefill, cascade, safety, route)
 #   tests-new-a  pytest -m gpu, two workers, on the wave-2 attention files (MLA, POD, BatchAttention,
@@ -22,16 +25,27 @@
 #                parts need ../shared/flashinfer-tests copied to .fit (carry it)
 #   groups-a     tritoninfer bench sampling and mla, --quick (speed against FlashInfer, same process)
 #   groups-b     tritoninfer bench pod, sparse and rope-append, --quick
+#   warm-fi      FlashInfer's sampling module JIT-compiled, to run beside test parts before bench-sampling
+#   bench-GROUP  tritoninfer bench GROUP $BENCH_ARGS (default --quick), e.g. bench-sampling
 #
 # Wheels: `bash ../shared/tools/peer-wheels.sh .peers` here first, and carry `.peers`; for the
 # transformers tests also a transformers 5.24 wheel in .tfw (the GPU image has 5.17; its other
 # dependencies are there). Each part logs per-file durations (pytest --durations) so the next session
 # knows what a part costs. Run GPU test files with at most two workers: eight ran out of GPU memory.
 set -euo pipefail
-part=${1:?part: tests-core | tests-new-a | tests-new-b | tests-rest | ab-merge | host | fit | fit-new-a | fit-new-b | groups-a | groups-b}
-out=${2:?output folder}
+parts=${1:?part: tests-core | tests-new-a | tests-new-b | tests-rest | ab-merge | host | fit | fit-new-a | fit-new-b | groups-a | groups-b}
+out=$(realpath -m "${2:?output folder}")
+limit=${LIMIT:-570}
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .peers/*.whl $(ls .tfw/*.whl 2>/dev/null) 2>/dev/null
+[ -d /tmp/site/flashinfer ] ||
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .peers/*.whl $(ls .tfw/*.whl 2>/dev/null) 2>/dev/null
+if [[ $parts == *,* ]]; then
+  for p in ${parts//,/ }; do LIMIT=$limit NO_PACK=1 bash "$0" "$p" "$out" > "$out/part-$p.out" 2>&1 & done
+  wait
+  tar czf "$out/checks.tgz" -C "$out" --exclude checks.tgz .
+  exit 0
+fi
+part=$parts
 export FLASHINFER_WORKSPACE_BASE=/tmp/fiws MAX_JOBS=16
 core="tests/test_launch.py tests/test_decode.py tests/test_prefill.py tests/test_cascade.py tests/test_safety.py tests/test_route.py"
 new_a="tests/test_mla.py tests/test_pod.py tests/test_batch_attention.py tests/test_sparse.py tests/test_fp8_query.py
@@ -40,28 +54,28 @@ new_b="tests/test_sampling.py tests/test_logits_processor.py tests/test_integrat
 # FlashInfer's tests at FIT_PER_TEST=20 from .fit; per-test outcome counts in NAME-counts.txt
 fit_run() {
   local name=$1 workers=$2; shift 2
-  (cd .fit && PYTHONPATH=/tmp/site:$OLDPWD FIT_PER_TEST=20 FIT_LOG="$out/$name.tsv" timeout 570 python3 -m pytest \
+  (cd .fit && PYTHONPATH=/tmp/site:$OLDPWD FIT_PER_TEST=20 FIT_LOG="$out/$name.tsv" timeout "$limit" python3 -m pytest \
     -n "$workers" -q -p no:cacheprovider --timeout 150 $* > "$out/$name.log" 2>&1 || true)
   sort -u -t$'\t' -k3,3 "$out/$name.tsv" | awk -F'\t' '{split($3,a,"::"); split(a[2],b,"["); print $1, a[1]"::"b[1]}' \
     | sort | uniq -c > "$out/$name-counts.txt" || true
 }
 case "$part" in
   tests-core)
-    PYTHONPATH=/tmp/site:$PWD timeout 580 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 $core \
+    PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 $core \
       > "$out/tests-core.log" 2>&1 || true ;;
   tests-new-a|tests-new-b)
     files=$new_a; [ "$part" = tests-new-b ] && files=$new_b
-    PYTHONPATH=/tmp/site:$PWD timeout 580 python3 -m pytest -q -m gpu -n 2 -p no:cacheprovider --durations=15 $files \
+    PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 -m pytest -q -m gpu -n 2 -p no:cacheprovider --durations=15 $files \
       > "$out/$part.log" 2>&1 || true ;;
   tests-rest)
     ignore=$(for f in $core $new_a $new_b; do printf -- "--ignore=%s " "$f"; done)
-    PYTHONPATH=/tmp/site:$PWD timeout 580 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 tests/ $ignore \
+    PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 tests/ $ignore \
       > "$out/tests-rest.log" 2>&1 || true ;;
   ab-merge)
-    PYTHONPATH=$PWD timeout 580 python3 benchmarks/ab_versions.py --old "pre=${OLD:?OLD=dir of the older tritoninfer}" \
+    PYTHONPATH=$PWD timeout "$limit" python3 benchmarks/ab_versions.py --old "pre=${OLD:?OLD=dir of the older tritoninfer}" \
       --shapes few --rounds 5 --tolerance 0.03 --watchdog 560 --out "$out/ab-merge.md" > "$out/ab-merge.log" 2>&1 || true ;;
   host)
-    PYTHONPATH=/tmp/site:$PWD timeout 580 python3 benchmarks/host_path.py --profile --out "$out/host-path.md" \
+    PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 benchmarks/host_path.py --profile --out "$out/host-path.md" \
       > "$out/host-path.log" 2>&1 || true ;;
   fit)
     fit_run fit 4 tests/utils/test_sampling.py tests/utils/test_logits_processor.py ;;
@@ -77,9 +91,23 @@ case "$part" in
     # per command, each within its own timeout
     if [ "$part" = groups-a ]; then set -- sampling mla; else set -- pod sparse rope-append; fi
     for g in "$@"; do
-      PYTHONPATH=/tmp/site:$PWD timeout $((560 / $#)) python3 -m tritoninfer bench $g --quick --out "$out" \
+      PYTHONPATH=/tmp/site:$PWD timeout $((limit / $#)) python3 -m tritoninfer bench $g --quick --out "$out" \
         > "$out/bench-$g.log" 2>&1 || true
     done ;;
+  warm-fi)
+    # FlashInfer JIT-compiles its sampling module on first use (a minute on a fresh machine): done here,
+    # beside the test parts, so that a bench-sampling after them times kernels, not the compiler
+    PYTHONPATH=/tmp/site timeout "$limit" python3 -c "
+import torch, flashinfer.sampling as s
+p = torch.rand(4, 32000, device='cuda').softmax(-1)
+s.top_k_top_p_sampling_from_probs(p, 50, 0.9); s.top_p_sampling_from_probs(p, 0.9)
+s.top_k_renorm_probs(p, 50); s.sampling_from_probs(p); torch.cuda.synchronize(); print('warm')" \
+      > "$out/warm-fi.log" 2>&1 || true ;;
+  bench-*)
+    g=${part#bench-}
+    PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 -m tritoninfer bench "$g" ${BENCH_ARGS:---quick} --out "$out" \
+      > "$out/bench-$g.log" 2>&1 || true ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
-tail -5 "$out"/*.log 2>/dev/null || true
+tail -3 "$out"/*.log 2>/dev/null || true
+[ -n "${NO_PACK:-}" ] || tar czf "$out/checks.tgz" -C "$out" --exclude checks.tgz .
