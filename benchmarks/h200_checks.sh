@@ -20,6 +20,8 @@
 #   host         benchmarks/host_path.py, every decode and prefill row, FlashInfer in the same process
 #   fit          FlashInfer's own tests for sampling and the logits processor (FIT_PER_TEST=20, 4 workers:
 #                the sampling tests synchronise after every call, and many processes time-slice the GPU)
+#   tests-sampling  pytest -m gpu on the sampling, logits-processor and demo-sampling tests
+#   fit-sink-mla FlashInfer's own tests for attention sinks and DeepSeek MLA (2 workers)
 #   fit-new-a    FlashInfer's own tests for MLA, POD, BatchAttention, sinks (FIT_PER_TEST=20)
 #   fit-new-b    ... for block-sparse, Hopper fp8, rope, norm, batch prefill (multi-item), Hopper; the fit
 #                parts need ../shared/flashinfer-tests copied to .fit (carry it)
@@ -77,8 +79,14 @@ case "$part" in
   host)
     PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 benchmarks/host_path.py --profile --out "$out/host-path.md" \
       > "$out/host-path.log" 2>&1 || true ;;
+  tests-sampling)
+    PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 \
+      tests/test_sampling.py tests/test_logits_processor.py tests/test_demo.py -k "sampling or logits" \
+      > "$out/$part.log" 2>&1 || true ;;
   fit)
     fit_run fit 4 tests/utils/test_sampling.py tests/utils/test_logits_processor.py ;;
+  fit-sink-mla)
+    fit_run fit-sink-mla 2 tests/attention/test_attention_sink.py tests/attention/test_deepseek_mla.py ;;
   fit-new-a)
     fit_run fit-new-a 4 tests/attention/test_deepseek_mla.py tests/attention/test_mla_page.py \
       tests/utils/test_pod_kernels.py tests/attention/test_batch_attention.py tests/attention/test_attention_sink.py ;;

@@ -170,3 +170,42 @@ def test_attention_sink_gpu_realistic():
                                                            kv.kv_last_page_len, causal=True, window_left=window_left,
                                                            sm_scale=0.125, sinks=sink)
     testing.assert_close(o, ref_o, dtype)
+
+
+def test_sink_variant_declared_through_the_flashinfer_jit_names():
+    """Under ``install_as_flashinfer()``, jit_args built as FlashInfer's test_attention_sink builds them
+    (``flashinfer.jit.utils.filename_safe_dtype_map``, ``flashinfer.jit.attention.variants.
+    attention_sink_decl``) run as the sinks path; the CUDA module builders refuse."""
+    import tritoninfer
+    from tritoninfer._compat import uninstall_flashinfer
+
+    tritoninfer.install_as_flashinfer(force=True)
+    try:
+        import flashinfer
+        from flashinfer.jit.attention import gen_batch_prefill_attention_sink_module
+        from flashinfer.jit.attention.variants import attention_sink_decl
+        from flashinfer.jit.utils import filename_safe_dtype_map
+
+        with pytest.raises(NotImplementedError, match="CUDA JIT"):
+            gen_batch_prefill_attention_sink_module()
+        g = torch.Generator().manual_seed(2)
+        dtype, window_left = torch.bfloat16, 2
+        q, qo_indptr = testing.random_qo((2, 3), 4, 16, dtype, DEVICE, g)
+        k, kv_indptr = testing.make_ragged((2, 5), 2, 16, dtype, DEVICE, g)
+        v, _ = testing.make_ragged((2, 5), 2, 16, dtype, DEVICE, g)
+        sink = (torch.rand(4, generator=g) * 3).to(DEVICE)
+        for backend in ("fa2", "fa3"):
+            jit_args = (f"batch_prefill_attention_sink_{filename_safe_dtype_map[dtype]}_swa_True_{backend}", dtype,
+                        dtype, dtype, torch.int32, 16, 16, ["sink"], ["float"], ["sm_scale"], ["double"],
+                        "AttentionSink", attention_sink_decl[backend])
+            wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+                testing.make_workspace(1 << 20, DEVICE), "NHD", backend=backend, jit_args=jit_args,
+                jit_kwargs={"use_sliding_window": True})
+            wrapper.plan(qo_indptr, kv_indptr, 4, 2, 16, causal=True, window_left=window_left, q_data_type=dtype,
+                         kv_data_type=dtype)
+            out = wrapper.run(q, k, v, sink, 0.25)
+            ref = reference.batch_prefill_with_ragged_kv_cache(q, k, v, qo_indptr, kv_indptr, causal=True,
+                                                               window_left=window_left, sm_scale=0.25, sinks=sink)[0]
+            testing.assert_close(out, ref, dtype)
+    finally:
+        uninstall_flashinfer()

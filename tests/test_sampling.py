@@ -372,6 +372,19 @@ def test_compacted_path_matches_full_path(monkeypatch, device, tiles):
     assert keep[idx.long(), s][has_mass].all() and (s[~has_mass] == 0).all()
 
 
+def test_compaction_copy_stays_under_its_byte_budget(monkeypatch):
+    """FlashInfer's frequency tests draw 5M samples of one row through ``indices``: a [5M, 4096] copy
+    would take 164 GB, so large batches get a smaller cap and, below ``_MIN_CAP``, no compaction (the
+    ``_CAP = 0`` route of the test above)."""
+    assert sampling._compact_cap(1024) == sampling._CAP
+    assert sampling._compact_cap(5_000_000) == 0
+    for batch in (1, 1024, 65536, 200_000, 5_000_000):
+        cap = sampling._compact_cap(batch)
+        assert cap * batch * 8 <= sampling._COMPACT_BYTES and (cap == 0 or cap >= sampling._MIN_CAP)
+    monkeypatch.setattr(sampling, "_CAP", 12)
+    assert sampling._compact_cap(4) == 12
+
+
 def test_compaction_bounds_keep_flat_rows_exact(monkeypatch, device):
     """A flat row (every entry a candidate) and a row of ties at the threshold: the bound never
     drops a kept entry, so the compacted renorm equals the reference even where every candidate is a

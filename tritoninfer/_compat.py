@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from . import _device
+from . import _device, _variants
 from . import activation as _activation
 from . import attention as _attention_api
 from . import cascade as _cascade
@@ -98,6 +98,13 @@ def _unsupported_class(qualname: str, feature: str) -> type:
     })
 
 
+# FlashInfer's short dtype names in its JIT module names (flashinfer.jit.utils.filename_safe_dtype_map)
+FILENAME_SAFE_DTYPES = {
+    torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32", torch.float8_e4m3fn: "e4m3",
+    torch.float8_e5m2: "e5m2", torch.int8: "i8", torch.uint8: "u8", torch.int32: "i32", torch.uint32: "u32",
+    torch.int64: "i64", torch.uint64: "u64",
+}
+
 # (module, name, feature, is_class). The home module is where FlashInfer 0.5.3 defines the name;
 # names it re-exports at the top level are listed under "flashinfer" too (same object).
 _TRTLLM_ATTN = "TensorRT-LLM (trtllm-gen) attention kernels"
@@ -135,6 +142,10 @@ UNSUPPORTED: Tuple[Tuple[str, str, str, bool], ...] = (
     ("flashinfer.jit", "parallel_load_modules", "loading FlashInfer's CUDA JIT modules", False),
     ("flashinfer.jit", "gen_customize_batch_decode_module", "custom CUDA attention variants (jit_args)", False),
     ("flashinfer.jit", "gen_customize_batch_prefill_module", "custom CUDA attention variants (jit_args)", False),
+    *((("flashinfer.jit.attention", n, "building FlashInfer's CUDA JIT modules", False)) for n in (
+        "gen_batch_prefill_attention_sink_module", "gen_batch_prefill_module", "gen_single_prefill_module",
+        "gen_batch_mla_module", "gen_pod_module", "gen_batch_decode_module", "gen_single_decode_module",
+        "gen_batch_attention_module")),
 )
 
 # flashinfer.sampling's names that FlashInfer also has at its top level (not the *_renorm_prob aliases)
@@ -505,7 +516,7 @@ fast_decode_plan = _decode.fast_decode_plan
 # the module tree
 # --------------------------------------------------------------------------------------------------
 
-_PACKAGES = ("flashinfer", "flashinfer.jit")
+_PACKAGES = ("flashinfer", "flashinfer.jit", "flashinfer.jit.attention")
 
 # FlashInfer 0.5.3's names implemented by tritoninfer, per home module.
 _IMPLEMENTED = {
@@ -528,7 +539,8 @@ _CASCADE_WRAPPERS = ("MultiLevelCascadeAttentionWrapper", "BatchDecodeWithShared
                      "BatchPrefillWithSharedPrefixPagedKVCacheWrapper")
 
 _SUBMODULES = ("decode", "prefill", "cascade", "page", "rope", "norm", "activation", "quantization", "sampling",
-               "logits_processor", "jit", "utils", "mla", "gemm", "autotuner", "xqa", "attention", "pod", "sparse")
+               "logits_processor", "jit", "jit.attention", "jit.attention.variants", "jit.utils", "utils", "mla", "gemm",
+               "autotuner", "xqa", "attention", "pod", "sparse")
 
 _DOCS = {
     "flashinfer": "tritoninfer registered as ``flashinfer`` (FlashInfer {v} API) by tritoninfer.install_as_flashinfer().",
@@ -574,6 +586,12 @@ def _module_contents() -> Dict[str, Dict[str, Any]]:
         is_float8=is_float8, has_flashinfer_jit_cache=has_flashinfer_jit_cache,
     )
     contents["flashinfer.jit"].update(has_prebuilt_ops=True, MissingJITCacheError=MissingJITCacheError)
+    # what a caller needs to declare FlashInfer's AttentionSink variant in a wrapper's jit_args (as
+    # FlashInfer's own tests and BatchAttentionWithAttentionSinkWrapper do); the declaration is
+    # tritoninfer's, recognised by _variants.sink_variant as FlashInfer's source is
+    contents["flashinfer.jit.utils"]["filename_safe_dtype_map"] = dict(FILENAME_SAFE_DTYPES)
+    contents["flashinfer.jit.attention.variants"]["attention_sink_decl"] = {
+        backend: _variants.SINK_DECL for backend in ("fa2", "fa3")}
     contents["flashinfer.autotuner"]["autotune"] = autotune
     from . import _compat_mla  # imports this module: only once it is complete
 

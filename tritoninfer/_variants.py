@@ -41,6 +41,9 @@ _FA3 = ("structAttentionSink:AttentionVariantBase",
         "log_sink=params.additional_params.sink[qo_head_idx]*math::log2e;",
         "floatd_new=math::ptx_exp2(log_sink-m_new)+d*scale;",
         "returnOnlineSoftmaxWithSink<NUM_ROWS_PER_THREAD>(sm_scale_log2,log_sink);")
+# tritoninfer's own declaration of the variant: what flashinfer.jit.attention.variants.attention_sink_decl
+# holds under install_as_flashinfer() (there is no CUDA source to hand over), accepted as FlashInfer's is
+SINK_DECL = "tritoninfer: FlashInfer's AttentionSink variant (the attention core's sinks path)"
 _JIT_KWARGS = {"use_sliding_window", "use_fp16_qk_reduction", "pos_encoding_mode"}
 
 
@@ -81,7 +84,7 @@ def sink_variant(jit_args, jit_kwargs) -> Optional[SinkVariant]:
             or list(scalars) != ["sm_scale"] or list(scalar_dtypes) != ["double"]:
         raise _unsupported(f"variant {name!r} with tensors {tensors!r} and scalars {scalars!r}")
     source = re.sub(r"\s+", "", decl) if isinstance(decl, str) else ""
-    if not (all(s in source for s in _FA2) or all(s in source for s in _FA3)):
+    if decl != SINK_DECL and not (all(s in source for s in _FA2) or all(s in source for s in _FA3)):
         raise _unsupported("an AttentionSink source other than FlashInfer's")
     if idtype not in (torch.int32, "int32"):
         raise _unsupported(f"index dtype {idtype!r}")

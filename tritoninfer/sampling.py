@@ -80,6 +80,10 @@ _GPU_BLOCK_STREAM = 2048
 # [segments, 256] partials stay small enough to re-read in every program). Not yet tuned on a GPU.
 _GPU_PROGRAMS_PER_SM = 8
 _GPU_MIN_SEGMENT = 4096
+# The per-row arrays of segment partials are at least this wide: Triton 3.6's scan lowering asserts
+# (ScanOpToLLVM, on the GPU; the CPU build compiles it) on a [1, n] cumsum whose n is below the
+# elements a thread holds in the layout it inherits from the tiles (4), seen on the H200 at n = 1, 2.
+_GPU_MIN_SEGS_P2 = 8
 # Under the interpreter each op costs about the same whatever its size: whole rows, many rows per
 # program (the search's [ROWS, BLOCK, 16] intermediate stays near this many elements).
 _INTERP_ELEMS = 1 << 20  # Triton's largest tensor
@@ -94,6 +98,10 @@ _INTERP_MAX_SEGMENT = 1 << 16
 # slower than the segmented passes. The finish only walks a row's own candidates, so a larger cap
 # costs memory (8 bytes an entry), not time. 0: every row takes the full passes (tests).
 _CAP = 4096
+# ... and the copy is kept under this many bytes: a batch of millions of rows (FlashInfer's tests draw
+# 5M samples of one row through ``indices``) gets a smaller cap, and below _MIN_CAP none (full passes)
+_COMPACT_BYTES = 1 << 30
+_MIN_CAP = 256
 # the finish's chunk of candidates ([CBLOCK, 16] one-hot in the top-p rounds, as the search tile)
 _GPU_BLOCK_FINISH = 512
 
@@ -275,7 +283,7 @@ class _Split:
             align = min(_GPU_BLOCK_STREAM, next_pow2(vocab))
             self.seg_len = cdiv(cdiv(vocab, segs), align) * align
             self.segs = cdiv(vocab, self.seg_len)
-            self.segs_p2 = next_pow2(self.segs)
+            self.segs_p2 = max(next_pow2(self.segs), _GPU_MIN_SEGS_P2)
             self.block_stream, self.block_search = align, min(align, _GPU_BLOCK_SEARCH)
             self.rows = 1
             self.warps_stream, self.warps_search = 8, 4
@@ -330,14 +338,19 @@ class _Compacted:
         return self.ncand, self.cap
 
 
-def _compact(split: _Split, x, indices, batch, k_arr, p_arr, k_val, p_val, use_k: bool, use_p: bool,
+def _compact_cap(batch: int) -> int:
+    """The compaction's candidates a row for a batch of ``batch`` rows; 0: no compaction."""
+    cap = min(int(_CAP), _COMPACT_BYTES // (8 * max(batch, 1)))
+    return cap if cap >= min(_MIN_CAP, int(_CAP)) else 0
+
+
+def _compact(split: _Split, x, indices, batch, cap: int, k_arr, p_arr, k_val, p_val, use_k: bool, use_p: bool,
              use_min_p: bool, by_source: bool, top_k_first: bool = False, u=None, out=None,
              src_flag=None) -> _Compacted:
     """The bound pass, the compaction and the finish (the sample into ``out``, or with ``out`` None
-    the renorm thresholds) of every row with at most ``_CAP`` candidates."""
+    the renorm thresholds) of every row with at most ``cap`` (> 0) candidates."""
     num_rows, vocab = x.shape
     dev = x.device
-    cap = int(_CAP)
     segs = split.segs
     has_idx = indices is not None
     cnt_part = torch.empty((batch, segs, int(_k.K_BINS)), dtype=torch.int32, device=dev)
@@ -348,8 +361,8 @@ def _compact(split: _Split, x, indices, batch, k_arr, p_arr, k_val, p_val, use_k
                             HAS_INDICES=has_idx, NEED_SUM=use_p, NEED_MAX=use_min_p, ROWS=search["ROWS"],
                             BLOCK=search["BLOCK"], NUM_TILES=search["NUM_TILES"], num_warps=search["num_warps"])
     ncand = torch.empty(batch, dtype=torch.int32, device=dev)
-    cval = torch.empty((batch, max(cap, 1)), dtype=torch.float32, device=dev)
-    cid = torch.empty((batch, max(cap, 1)), dtype=torch.int32, device=dev)
+    cval = torch.empty((batch, cap), dtype=torch.float32, device=dev)
+    cid = torch.empty((batch, cap), dtype=torch.int32, device=dev)
     flags = dict(USE_K=use_k, USE_P=use_p, USE_MIN_P=use_min_p, TOP_K_FIRST=top_k_first, K_ARR=k_arr is not None,
                  P_ARR=p_arr is not None, PARAM_BY_SOURCE=by_source)
     _COMPACT[split.grid](x, indices, k_arr, p_arr, cnt_part, sum_part, max_part, ncand, src_flag, cval, cid,
@@ -416,17 +429,19 @@ def _launch_sample(x: torch.Tensor, indices: Optional[torch.Tensor], u: torch.Te
     batch = out.shape[0]
     split = _Split(vocab, batch, x.device)
     gate = max_part = None
-    if use_k or use_p or use_min_p:
+    cap = _compact_cap(batch)
+    if (use_k or use_p or use_min_p) and cap:
         src_flag = torch.zeros(num_rows, dtype=torch.int32, device=x.device) if top_k_first else None
-        done = _compact(split, x, indices, batch, k_arr, p_arr, k_val, p_val, use_k, use_p, use_min_p, by_source,
-                        top_k_first, u, out, src_flag)
+        done = _compact(split, x, indices, batch, cap, k_arr, p_arr, k_val, p_val, use_k, use_p, use_min_p,
+                        by_source, top_k_first, u, out, src_flag)
         gate, max_part = done.gate(), done.max_part
-        if top_k_first:
-            # the fallback: the renormalised source rows of the overflowed outputs, then their top-p
-            # sampling (the composition the compacted finish reproduces)
-            r = torch.empty((num_rows, vocab), dtype=torch.float32, device=x.device)
-            _renorm_passes(x, r, k_arr, None, k_val, 1.0, True, False, False, gate=(src_flag, 0))
-            x, k_arr, k_val, use_k = r, None, 0, False
+    if top_k_first:
+        # the fallback: the renormalised source rows of the overflowed outputs (every row without the
+        # compaction), then their top-p sampling (the composition the compacted finish reproduces)
+        r = torch.empty((num_rows, vocab), dtype=torch.float32, device=x.device)
+        _renorm_passes(x, r, k_arr, None, k_val, 1.0, True, False, False,
+                       gate=(src_flag, 0) if gate is not None else None)
+        x, k_arr, k_val, use_k = r, None, 0, False
     _sample_passes(split, x, indices, u, out, k_arr, p_arr, k_val, p_val, is_logits, use_k, use_p, use_min_p,
                    by_source, gate, max_part)
 
@@ -488,9 +503,10 @@ def _launch_renorm(x: torch.Tensor, out: torch.Tensor, k_arr: Optional[torch.Ten
     _device.check_launchable(x.device, "sampling")
     num_rows, vocab = x.shape
     split = _Split(vocab, num_rows, x.device)
-    done = _compact(split, x, None, num_rows, k_arr, p_arr, k_val, p_val, use_k, use_p, False, True)
-    _renorm_passes(x, out, k_arr, p_arr, k_val, p_val, use_k, use_p, mask_logits, gate=done.gate(), fin=done.fin,
-                   split=split)
+    cap = _compact_cap(num_rows)
+    done = _compact(split, x, None, num_rows, cap, k_arr, p_arr, k_val, p_val, use_k, use_p, False, True) if cap else None
+    _renorm_passes(x, out, k_arr, p_arr, k_val, p_val, use_k, use_p, mask_logits, gate=done and done.gate(),
+                   fin=done and done.fin, split=split)
 
 
 def _renorm_passes(x: torch.Tensor, out: torch.Tensor, k_arr, p_arr, k_val, p_val, use_k: bool, use_p: bool,
