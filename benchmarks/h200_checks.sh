@@ -22,6 +22,8 @@
 #                the sampling tests synchronise after every call, and many processes time-slice the GPU)
 #   tests-sampling  pytest -m gpu on the sampling, logits-processor and demo-sampling tests
 #   fit-sink-mla FlashInfer's own tests for attention sinks and DeepSeek MLA (2 workers)
+#   fit-pod-ba   FlashInfer's own tests for POD and BatchAttention (2 workers)
+#   tests-new-a1 tests-new-a in one process (beside FlashInfer's tests)
 #   fit-new-a    FlashInfer's own tests for MLA, POD, BatchAttention, sinks (FIT_PER_TEST=20)
 #   fit-new-b    ... for block-sparse, Hopper fp8, rope, norm, batch prefill (multi-item), Hopper; the fit
 #                parts need ../shared/flashinfer-tests copied to .fit (carry it)
@@ -87,6 +89,11 @@ case "$part" in
     fit_run fit 4 tests/utils/test_sampling.py tests/utils/test_logits_processor.py ;;
   fit-sink-mla)
     fit_run fit-sink-mla 2 tests/attention/test_attention_sink.py tests/attention/test_deepseek_mla.py ;;
+  fit-pod-ba)
+    fit_run fit-pod-ba 2 tests/utils/test_pod_kernels.py tests/attention/test_batch_attention.py ;;
+  tests-new-a1)
+    PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 $new_a \
+      > "$out/$part.log" 2>&1 || true ;;
   fit-new-a)
     fit_run fit-new-a 4 tests/attention/test_deepseek_mla.py tests/attention/test_mla_page.py \
       tests/utils/test_pod_kernels.py tests/attention/test_batch_attention.py tests/attention/test_attention_sink.py ;;
