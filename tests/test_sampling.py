@@ -266,6 +266,37 @@ def test_top_k_top_p_sampling_freq(device, tiles, order):
     check_rows(samples, dists, what=f"from_logits {order}")
 
 
+@TILES
+def test_per_source_passes_freq(monkeypatch, device, tiles):
+    """Many draws of few rows without the compaction (FlashInfer's 5M-draw tests): the searches, the
+    max and the masses run once per source row (their scratch has one row per source) and each draw
+    scans its owner segment; the frequencies still follow each filter's distribution."""
+    monkeypatch.setattr(sampling, "_CAP", 0)
+    scratch_rows = []
+    search_scratch = sampling._search_scratch
+    monkeypatch.setattr(sampling, "_search_scratch",
+                        lambda batch, *a: scratch_rows.append(batch) or search_scratch(batch, *a))
+    probs = crafted_probs(200, device)
+    k, p = torch.tensor([3, 4, 3], device=device), torch.tensor([0.5, 0.75, 0.8], device=device)
+    calls = {
+        "top_k": (lambda i: sampling.top_k_sampling_from_probs(probs, k, indices=i),
+                  reference.top_k_sampling_distribution(probs, k)),
+        "top_p": (lambda i: sampling.top_p_sampling_from_probs(probs, 0.62, indices=i),
+                  reference.top_p_sampling_distribution(probs, 0.62)),
+        "joint_logits": (lambda i: sampling.top_k_top_p_sampling_from_logits(torch.log(probs), k, p, indices=i,
+                                                                             filter_apply_order="joint"),
+                         reference.top_k_top_p_sampling_distribution(probs, k, p, "joint")),
+        "top_k_first": (lambda i: sampling.top_k_top_p_sampling_from_probs(probs, 3, 0.5, indices=i),
+                        reference.top_k_top_p_sampling_distribution(probs, 3, 0.5, "top_k_first")),
+        "min_p": (lambda i: sampling.min_p_sampling_from_probs(probs, 0.3, indices=i),
+                  reference.min_p_sampling_distribution(probs, 0.3)),
+    }
+    for name, (call, dist) in calls.items():
+        scratch_rows.clear()
+        check_rows(call(draws(3, device=device)), dist, what=name)
+        assert scratch_rows[-1] == 3, f"{name}: the searches ran over {scratch_rows} rows, not the 3 sources"
+
+
 def test_segments_split_rows(monkeypatch, device):
     """A row in many segments: the searches and the sampler agree with one whole-row program, and the
     owner-segment rule still returns the row's last kept entry when nothing exceeds ``u * Z``."""

@@ -263,7 +263,8 @@ def sampling_cases():
     for name, flags in (("plain", plain), ("topk-topp", joint), ("minp", minp)):
         gate = dict(flags, GATE=name != "plain")
         cases[f"sample-mass-{name}"] = (ks.sample_mass_kernel, dict(gate, **stream))
-        cases[f"sample-pick-{name}"] = (ks.sample_pick_kernel, dict(gate, **stream))
+        cases[f"sample-pick-{name}"] = (ks.sample_pick_kernel, dict(gate, PER_SOURCE=False, **stream))
+    cases["sample-pick-per-source"] = (ks.sample_pick_kernel, dict(joint, GATE=False, PER_SOURCE=True, **stream))
     cases["max-pass"] = (ks.max_pass_kernel, dict(HAS_INDICES=True, ROWS=1, BLOCK=2048, NUM_TILES=2))
     radix = {k: joint[k] for k in ("HAS_INDICES", "USE_K", "USE_P", "K_ARR", "P_ARR", "PARAM_BY_SOURCE")}
     radix["GATE"] = True

@@ -448,27 +448,36 @@ def _launch_sample(x: torch.Tensor, indices: Optional[torch.Tensor], u: torch.Te
 
 def _sample_passes(split: _Split, x, indices, u, out, k_arr, p_arr, k_val, p_val, is_logits, use_k, use_p,
                    use_min_p, by_source, gate, max_part) -> None:
-    """The full passes: radix searches, row max, segment masses, the owner segment's pick."""
+    """The full passes: radix searches, row max, segment masses, the owner segment's pick. Where
+    ``indices`` send more outputs than there are source rows and the parameters follow the source
+    (parallel samples of one prompt; FlashInfer's tests draw 5M samples of one row), the searches,
+    the max and the masses run once per source row and each output scans only its owner segment."""
     num_rows, vocab = x.shape
     batch = out.shape[0]
-    scratch = _search_scratch(batch, split.segs, x.device, use_k, use_p)
-    _radix_passes(split, x, indices, k_arr, p_arr, k_val, p_val, batch, scratch, use_k, use_p, by_source, gate)
+    per_source = indices is not None and by_source and gate is None and batch > num_rows
+    passes = _Split(vocab, num_rows, x.device) if per_source else split
+    n, idx = (num_rows, None) if per_source else (batch, indices)
+    scratch = _search_scratch(n, passes.segs, x.device, use_k, use_p)
+    _radix_passes(passes, x, idx, k_arr, p_arr, k_val, p_val, n, scratch, use_k, use_p, by_source, gate)
     gate_arr, gate_min = gate if gate is not None else (None, 0)
-    flags = dict(HAS_INDICES=indices is not None, GATE=gate is not None, IS_LOGITS=is_logits, USE_K=use_k,
-                 USE_P=use_p, USE_MIN_P=use_min_p, K_ARR=k_arr is not None, P_ARR=p_arr is not None,
-                 PARAM_BY_SOURCE=by_source)
+    flags = dict(GATE=gate is not None, IS_LOGITS=is_logits, USE_K=use_k, USE_P=use_p, USE_MIN_P=use_min_p,
+                 K_ARR=k_arr is not None, P_ARR=p_arr is not None, PARAM_BY_SOURCE=by_source)
     if (is_logits or use_min_p) and max_part is None:
-        max_part = torch.empty((batch, split.segs), dtype=torch.float32, device=x.device)
-        _MAX_PASS[split.grid](x, indices, max_part, batch, num_rows, vocab, x.stride(0), split.segs,
-                              HAS_INDICES=indices is not None, ROWS=split.rows, BLOCK=split.block_stream,
-                              NUM_TILES=split.seg_len // split.block_stream, num_warps=split.warps_stream)
-    z_part = torch.empty((batch, split.segs), dtype=torch.float32, device=x.device)
-    _SAMPLE_MASS[split.grid](x, indices, k_arr, p_arr, *scratch, max_part, z_part, gate_arr,
-                             k_val, p_val, batch, num_rows, vocab, x.stride(0), split.segs, gate_min,
-                             **flags, **split.stream())
-    _SAMPLE_PICK[split.grid](x, indices, u, out, k_arr, p_arr, *scratch, max_part, z_part, gate_arr,
-                             k_val, p_val, batch, num_rows, vocab, x.stride(0), split.segs, gate_min,
-                             **flags, **split.stream())
+        max_part = torch.empty((n, passes.segs), dtype=torch.float32, device=x.device)
+        _MAX_PASS[passes.grid](x, idx, max_part, n, num_rows, vocab, x.stride(0), passes.segs,
+                               HAS_INDICES=idx is not None, ROWS=passes.rows, BLOCK=passes.block_stream,
+                               NUM_TILES=passes.seg_len // passes.block_stream, num_warps=passes.warps_stream)
+    z_part = torch.empty((n, passes.segs), dtype=torch.float32, device=x.device)
+    _SAMPLE_MASS[passes.grid](x, idx, k_arr, p_arr, *scratch, max_part, z_part, gate_arr,
+                              k_val, p_val, n, num_rows, vocab, x.stride(0), passes.segs, gate_min,
+                              HAS_INDICES=idx is not None, **flags, **passes.stream())
+    # the pick's rows a program come from the outputs' split; its segments are the passes' (the same
+    # segment length under the interpreter, one row a program on the GPU)
+    grid = (cdiv(batch, split.rows), 1) if per_source else split.grid
+    _SAMPLE_PICK[grid](x, indices, u, out, k_arr, p_arr, *scratch, max_part, z_part, gate_arr,
+                       k_val, p_val, batch, num_rows, vocab, x.stride(0), passes.segs, gate_min,
+                       HAS_INDICES=indices is not None, PER_SOURCE=per_source, **flags,
+                       **dict(passes.stream(), ROWS=split.rows))
 
 
 @_ops.custom_op("sample", mutates_args=("out",))

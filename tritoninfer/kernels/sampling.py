@@ -281,24 +281,30 @@ def _sample_setup(x_ptr, idx_ptr, k_ptr, p_ptr, k_state, k_part, p_state, p_part
                   HAS_INDICES: tl.constexpr, GATE: tl.constexpr, IS_LOGITS: tl.constexpr,
                   USE_K: tl.constexpr, USE_P: tl.constexpr, USE_MIN_P: tl.constexpr,
                   K_ARR: tl.constexpr, P_ARR: tl.constexpr, PARAM_BY_SOURCE: tl.constexpr,
-                  ROWS: tl.constexpr, SEGS_P2: tl.constexpr):
-    """What both sampling launches need: rows, thresholds, min-p pivot, softmax shift."""
+                  PER_SOURCE: tl.constexpr, ROWS: tl.constexpr, SEGS_P2: tl.constexpr):
+    """What both sampling launches need: rows, thresholds, min-p pivot, softmax shift, and the rows
+    of the search state, max and mass partials (``PER_SOURCE``: the source rows, ``n_src`` of them,
+    where the passes ran once per source row; else the output rows)."""
     rows, m_r, src, row_off, m_s = _gated_rows(B, n_src, idx_ptr, stride_x, gate_ptr, gate_min, HAS_INDICES, GATE,
                                                ROWS)
+    if PER_SOURCE:
+        srow, m_st, b_st = src.to(tl.int32), m_s, n_src
+    else:
+        srow, m_st, b_st = rows, m_r, B
     seg = tl.program_id(1)
     pivot = tl.zeros([ROWS], dtype=tl.float32)
     shift_max = tl.zeros([ROWS], dtype=tl.float32)
     if IS_LOGITS or USE_MIN_P:
-        mx = _row_max(max_part, rows, m_r, n_segs, ROWS, SEGS_P2)
+        mx = _row_max(max_part, srow, m_st, n_segs, ROWS, SEGS_P2)
         if IS_LOGITS:
             # an all -inf row keeps weight 0 everywhere instead of NaN
             shift_max = tl.where(mx == float("-inf"), 0.0, mx)
         if USE_MIN_P:
             pivot = tl.where(m_s, mx, 0.0) * _param(p_ptr, p_val, rows, src, m_r, P_ARR, PARAM_BY_SOURCE).to(tl.float32)
-    lo_k, lo_p = _final_thresholds(k_state, k_part, p_state, p_part, rows, m_r, src, B, V, n_segs, seg,
+    lo_k, lo_p = _final_thresholds(k_state, k_part, p_state, p_part, srow, m_st, src, b_st, V, n_segs, seg,
                                    k_ptr, p_ptr, k_val, p_val, USE_K, USE_P, K_ARR, P_ARR, PARAM_BY_SOURCE,
                                    ROWS, SEGS_P2)
-    return rows, m_r, row_off, m_s, seg, lo_k, lo_p, pivot, shift_max
+    return rows, m_r, row_off, m_s, seg, lo_k, lo_p, pivot, shift_max, srow, m_st
 
 
 @triton.jit
@@ -313,10 +319,10 @@ def sample_mass_kernel(
     """``z_part[row, seg]``: the segment's kept mass (weights of probabilities, or of logits with
     ``IS_LOGITS``: softmax), restricted to the top-k (``USE_K``), top-p (``USE_P``, with ``USE_K``
     their intersection) or min-p (``USE_MIN_P``, its ``min_p`` in ``p_ptr``/``p_val``) set."""
-    rows, m_r, row_off, m_s, seg, lo_k, lo_p, pivot, shift_max = _sample_setup(
+    rows, m_r, row_off, m_s, seg, lo_k, lo_p, pivot, shift_max, _, _ = _sample_setup(
         x_ptr, idx_ptr, k_ptr, p_ptr, k_state, k_part, p_state, p_part, max_part, gate_ptr, k_val, p_val, B, n_src,
         V, stride_x, n_segs, gate_min, HAS_INDICES, GATE, IS_LOGITS, USE_K, USE_P, USE_MIN_P, K_ARR, P_ARR,
-        PARAM_BY_SOURCE, ROWS, SEGS_P2)
+        PARAM_BY_SOURCE, False, ROWS, SEGS_P2)
     z = tl.zeros([ROWS], dtype=tl.float32)
     if tl.max(m_r.to(tl.int32), axis=0) > 0:
         for t in range(NUM_TILES):
@@ -331,40 +337,48 @@ def sample_pick_kernel(
     k_val, p_val, B, n_src, V, stride_x, n_segs, gate_min,
     HAS_INDICES: tl.constexpr, GATE: tl.constexpr, IS_LOGITS: tl.constexpr,
     USE_K: tl.constexpr, USE_P: tl.constexpr, USE_MIN_P: tl.constexpr,
-    K_ARR: tl.constexpr, P_ARR: tl.constexpr, PARAM_BY_SOURCE: tl.constexpr,
+    K_ARR: tl.constexpr, P_ARR: tl.constexpr, PARAM_BY_SOURCE: tl.constexpr, PER_SOURCE: tl.constexpr,
     ROWS: tl.constexpr, SEGS_P2: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
 ):
     """``out[i]`` (int32): the first kept entry whose running kept mass exceeds ``u[i] * Z``. Every
     program derives the same owner segment from ``z_part`` (the first whose running total exceeds
     ``u * Z``; when rounding leaves none, the last with mass; with no mass at all, segment 0, which
-    then writes entry 0); only the owner scans and writes."""
-    rows, m_r, row_off, m_s, seg, lo_k, lo_p, pivot, shift_max = _sample_setup(
+    then writes entry 0); only the owner scans and writes. ``PER_SOURCE`` (grid ``(rows, 1)``): the
+    state and ``z_part`` are per source row, and each program scans its own owner segment."""
+    rows, m_r, row_off, m_s, seg, lo_k, lo_p, pivot, shift_max, srow, m_st = _sample_setup(
         x_ptr, idx_ptr, k_ptr, p_ptr, k_state, k_part, p_state, p_part, max_part, gate_ptr, k_val, p_val, B, n_src,
         V, stride_x, n_segs, gate_min, HAS_INDICES, GATE, IS_LOGITS, USE_K, USE_P, USE_MIN_P, K_ARR, P_ARR,
-        PARAM_BY_SOURCE, ROWS, SEGS_P2)
+        PARAM_BY_SOURCE, PER_SOURCE, ROWS, SEGS_P2)
     s = tl.arange(0, SEGS_P2)
     # [ROWS, SEGS_P2]
-    zs = tl.load(z_part + rows.to(tl.int64)[:, None] * n_segs + s[None, :],
-                 mask=m_r[:, None] & (s < n_segs)[None, :], other=0.0)
+    zs = tl.load(z_part + srow.to(tl.int64)[:, None] * n_segs + s[None, :],
+                 mask=m_st[:, None] & (s < n_segs)[None, :], other=0.0)
     cum = tl.cumsum(zs, axis=1)
     target = tl.load(u_ptr + rows, mask=m_r, other=0.0) * tl.sum(zs, axis=1)
     hit_seg = tl.min(tl.where(cum > target[:, None], s[None, :], SEGS_P2), axis=1)
     last_seg = tl.max(tl.where(zs > 0.0, s[None, :], 0), axis=1)
     owner = tl.where(hit_seg < SEGS_P2, hit_seg, last_seg)
-    mine = m_r & (owner == seg)
-    run = tl.sum(tl.where(s[None, :] < seg, zs, 0.0), axis=1)
+    if PER_SOURCE:
+        own = owner
+        mine = m_r
+    else:
+        own = tl.zeros_like(owner) + seg
+        mine = m_r & (owner == seg)
+    run = tl.sum(tl.where(s[None, :] < own[:, None], zs, 0.0), axis=1)
     first = tl.full([ROWS], V, dtype=tl.int32)
     last = tl.full([ROWS], -1, dtype=tl.int32)
     if tl.max(mine.to(tl.int32), axis=0) > 0:
         m_own = m_s & mine
         for t in range(NUM_TILES):
-            offs, m, x = _tile(x_ptr, row_off, m_own, seg * NUM_TILES + t, V, BLOCK)
-            # [ROWS, BLOCK]
+            # [ROWS, BLOCK]: each row's tile t of its scanned segment
+            offs = (own * NUM_TILES + t)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+            m = m_own[:, None] & (offs < V)
+            x = tl.load(x_ptr + row_off[:, None] + offs, mask=m, other=0.0).to(tl.float32)
             w = _kept(x, m, lo_k, lo_p, pivot, shift_max, IS_LOGITS, USE_K, USE_P, USE_MIN_P)
             cdf = tl.cumsum(w, axis=1) + run[:, None]
             hit = (cdf > target[:, None]) & (w > 0.0)
-            first = tl.minimum(first, tl.min(tl.where(hit, offs[None, :], V), axis=1))
-            last = tl.maximum(last, tl.max(tl.where(w > 0.0, offs[None, :], -1), axis=1))
+            first = tl.minimum(first, tl.min(tl.where(hit, offs, V), axis=1))
+            last = tl.maximum(last, tl.max(tl.where(w > 0.0, offs, -1), axis=1))
             run += tl.sum(w, axis=1)
     # no hit: rounding put u * Z at or past the running total; no kept mass at all: entry 0
     sample = tl.where(first < V, first, tl.maximum(last, 0))
