@@ -271,7 +271,7 @@ def sampling_cases():
     for d in (0, 1, 3, 4, 7):
         cases[f"radix-pass-joint-{d}"] = (ks.radix_pass_kernel, dict(radix, PASS=d, **search))
     cases["radix-pass-topk-2"] = (ks.radix_pass_kernel, dict(radix, USE_P=False, P_ARR=False, HAS_INDICES=False,
-                                                            K_ARR=False, PASS=2, **search))
+                                                            K_ARR=False, PASS=2, **stream))
     cases["radix-pass-topp-5"] = (ks.radix_pass_kernel, dict(radix, USE_K=False, K_ARR=False, PASS=5, **search))
     for name, use_k, mask in (("topk", True, True), ("topp", False, False), ("topk-probs", True, False)):
         flags = dict(USE_K=use_k, USE_P=not use_k, K_ARR=use_k, P_ARR=not use_k)
@@ -283,7 +283,7 @@ def sampling_cases():
                                                                 GATE=True, FIN=False, MASK_LOGITS=False, **stream))
     # the compaction: bound pass, copy, finish (sampling and renorm) for each bound rule
     cases["bound-pass"] = (ks.bound_pass_kernel, dict(HAS_INDICES=True, NEED_SUM=True, NEED_MAX=True, ROWS=1,
-                                                      BLOCK=512, NUM_TILES=8))
+                                                      BLOCK=2048, NUM_TILES=2))
     rules = {"topk": dict(USE_K=True, USE_P=False, USE_MIN_P=False, TOP_K_FIRST=False, K_ARR=True, P_ARR=False),
              "topp": dict(USE_K=False, USE_P=True, USE_MIN_P=False, TOP_K_FIRST=False, K_ARR=False, P_ARR=True),
              "joint": dict(USE_K=True, USE_P=True, USE_MIN_P=False, TOP_K_FIRST=False, K_ARR=True, P_ARR=True),

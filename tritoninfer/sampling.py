@@ -71,8 +71,9 @@ _CHAIN = CachedLauncher(_k.chain_speculative_kernel)
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _ORDERS = ("top_k_first", "joint")
-# Tiles: the top-p digit pass holds a [BLOCK, 16] one-hot, so it gets a smaller tile than the
-# streaming passes (and the top-k pass, whose histogram is a few ops per entry). Not yet tuned on a GPU.
+# Tiles: the top-p digit pass keeps a [BLOCK, 16] per-lane mass accumulator (64 registers a thread at
+# 512 with 4 warps), so it gets a smaller tile than the streaming passes; the top-k-only passes and the
+# bound pass take the streaming tile (one histogram call, a shared-memory round trip, per tile).
 _GPU_BLOCK_SEARCH = 512
 _GPU_BLOCK_STREAM = 2048
 # Segments: a row is split until rows x segments reaches 8 programs an SM (a program's tile loop is
@@ -323,7 +324,7 @@ def _radix_passes(split: _Split, x, indices, k_arr, p_arr, k_val, p_val, batch, 
             x, indices, k_arr, p_arr, *scratch, gate_arr, k_val, p_val, batch, num_rows, vocab, x.stride(0),
             split.segs, gate_min, PASS=d, HAS_INDICES=indices is not None, GATE=gate is not None, USE_K=use_k,
             USE_P=use_p, K_ARR=k_arr is not None, P_ARR=p_arr is not None, PARAM_BY_SOURCE=by_source,
-            **split.search(),
+            **(split.search() if use_p else split.stream()),
         )
 
 
@@ -356,7 +357,7 @@ def _compact(split: _Split, x, indices, batch, cap: int, k_arr, p_arr, k_val, p_
     cnt_part = torch.empty((batch, segs, int(_k.K_BINS)), dtype=torch.int32, device=dev)
     sum_part = torch.empty((batch, segs), dtype=torch.float32, device=dev) if use_p else None
     max_part = torch.empty((batch, segs), dtype=torch.float32, device=dev) if use_min_p else None
-    search = split.search()
+    search = split.stream()  # a histogram and sums: the streaming tile (one histogram call a tile)
     _BOUND_PASS[split.grid](x, indices, cnt_part, sum_part, max_part, batch, num_rows, vocab, x.stride(0), segs,
                             HAS_INDICES=has_idx, NEED_SUM=use_p, NEED_MAX=use_min_p, ROWS=search["ROWS"],
                             BLOCK=search["BLOCK"], NUM_TILES=search["NUM_TILES"], num_warps=search["num_warps"])

@@ -205,11 +205,9 @@ def radix_pass_kernel(
     r = tl.arange(0, ROWS)
     bp = tl.arange(0, PB)
     count = tl.zeros([ROWS * KB], dtype=tl.int32)
-    mass = tl.zeros([ROWS, PB], dtype=tl.float32)
-    if DO_P:
-        # top of the prefix's range: a tile with no key at or above lo_p + one digit step only
-        # feeds digit 0, which is never tested
-        step_p = lo_p + (tl.full([ROWS], 1, tl.int64) << (32 - (PASS + 1) * P_BITS))
+    # per-lane masses, summed over the lanes once after the loop: a cross-thread reduction in every
+    # tile made each program a chain of barriers
+    mass_lanes = tl.zeros([ROWS, BLOCK, PB], dtype=tl.float32)
     if tl.max(m_r.to(tl.int32), axis=0) > 0:
         for t in range(NUM_TILES):
             offs, m, x = _tile(x_ptr, row_off, m_s, seg * NUM_TILES + t, V, BLOCK)
@@ -220,16 +218,16 @@ def radix_pass_kernel(
                 d = _digit(key, lo_k, PASS, K_BITS, KB) + (r * KB)[:, None]
                 count += tl.histogram(tl.reshape(d, [ROWS * BLOCK]), ROWS * KB)
             if DO_P:
-                if tl.max(tl.max((key.to(tl.int64) >= step_p[:, None]).to(tl.int32), axis=1), axis=0) > 0:
-                    d = _digit(key, lo_p, PASS, P_BITS, PB)
-                    # [ROWS, BLOCK, 16] -> [ROWS, 16]
-                    mass += tl.sum(tl.where(d[:, :, None] == bp[None, None, :], x[:, :, None], 0.0), axis=1)
+                # keys below the prefix's range land in digit 0, which is never tested
+                d = _digit(key, lo_p, PASS, P_BITS, PB)
+                mass_lanes += tl.where(d[:, :, None] == bp[None, None, :], x[:, :, None], 0.0)
     out_row = (rows + B * (PASS % 2)).to(tl.int64) * n_segs + seg
     if DO_K:
         tl.store(k_part + out_row[:, None] * KB + tl.arange(0, KB)[None, :], tl.reshape(count, [ROWS, KB]),
                  mask=m_r[:, None])
     if DO_P:
-        tl.store(p_part + out_row[:, None] * PB + bp[None, :], mass, mask=m_r[:, None])
+        # [ROWS, BLOCK, 16] -> [ROWS, 16]
+        tl.store(p_part + out_row[:, None] * PB + bp[None, :], tl.sum(mass_lanes, axis=1), mask=m_r[:, None])
 
 
 @triton.jit
@@ -248,11 +246,11 @@ def max_pass_kernel(
     """``max_part[row, seg]``: the largest entry of the segment (-inf for none)."""
     rows, m_r, src, row_off, m_s = _rows(B, n_src, idx_ptr, stride_x, HAS_INDICES, ROWS)
     seg = tl.program_id(1)
-    mx = tl.full([ROWS], float("-inf"), tl.float32)
+    mx = tl.full([ROWS, BLOCK], float("-inf"), tl.float32)
     for t in range(NUM_TILES):
         offs, m, x = _tile(x_ptr, row_off, m_s, seg * NUM_TILES + t, V, BLOCK)
-        mx = tl.maximum(mx, tl.max(tl.where(m, x, float("-inf")), axis=1))
-    tl.store(max_part + rows.to(tl.int64) * n_segs + seg, mx, mask=m_r)
+        mx = tl.maximum(mx, tl.where(m, x, float("-inf")))
+    tl.store(max_part + rows.to(tl.int64) * n_segs + seg, tl.max(mx, axis=1), mask=m_r)
 
 
 @triton.jit
@@ -323,12 +321,12 @@ def sample_mass_kernel(
         x_ptr, idx_ptr, k_ptr, p_ptr, k_state, k_part, p_state, p_part, max_part, gate_ptr, k_val, p_val, B, n_src,
         V, stride_x, n_segs, gate_min, HAS_INDICES, GATE, IS_LOGITS, USE_K, USE_P, USE_MIN_P, K_ARR, P_ARR,
         PARAM_BY_SOURCE, False, ROWS, SEGS_P2)
-    z = tl.zeros([ROWS], dtype=tl.float32)
+    z = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
     if tl.max(m_r.to(tl.int32), axis=0) > 0:
         for t in range(NUM_TILES):
             offs, m, x = _tile(x_ptr, row_off, m_s, seg * NUM_TILES + t, V, BLOCK)
-            z += tl.sum(_kept(x, m, lo_k, lo_p, pivot, shift_max, IS_LOGITS, USE_K, USE_P, USE_MIN_P), axis=1)
-    tl.store(z_part + rows.to(tl.int64) * n_segs + seg, z, mask=m_r)
+            z += _kept(x, m, lo_k, lo_p, pivot, shift_max, IS_LOGITS, USE_K, USE_P, USE_MIN_P)
+    tl.store(z_part + rows.to(tl.int64) * n_segs + seg, tl.sum(z, axis=1), mask=m_r)
 
 
 @triton.jit
@@ -397,14 +395,14 @@ def renorm_mass_kernel(
     seg = tl.program_id(1)
     lo_k, lo_p = _final_thresholds(k_state, k_part, p_state, p_part, rows, m_r, src, B, V, n_segs, seg,
                                    k_ptr, p_ptr, k_val, p_val, USE_K, USE_P, K_ARR, P_ARR, True, ROWS, SEGS_P2)
-    z = tl.zeros([ROWS], dtype=tl.float32)
+    z = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
     if tl.max(m_r.to(tl.int32), axis=0) > 0:
         for t in range(NUM_TILES):
             offs, m, x = _tile(x_ptr, row_off, m_s, seg * NUM_TILES + t, V, BLOCK)
             key = _ordered_key(x)
             keep = (key >= lo_k[:, None]) & (key >= lo_p[:, None]) & (x > 0.0)
-            z += tl.sum(tl.where(keep, x, 0.0), axis=1)
-    tl.store(z_part + rows.to(tl.int64) * n_segs + seg, z, mask=m_r)
+            z += tl.where(keep, x, 0.0)
+    tl.store(z_part + rows.to(tl.int64) * n_segs + seg, tl.sum(z, axis=1), mask=m_r)
 
 
 @triton.jit
@@ -506,23 +504,23 @@ def bound_pass_kernel(
     KB: tl.constexpr = K_BINS
     r = tl.arange(0, ROWS)
     count = tl.zeros([ROWS * KB], dtype=tl.int32)
-    z = tl.zeros([ROWS], dtype=tl.float32)
-    mx = tl.full([ROWS], float("-inf"), tl.float32)
+    z = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+    mx = tl.full([ROWS, BLOCK], float("-inf"), tl.float32)
     for t in range(NUM_TILES):
         offs, m, x = _tile(x_ptr, row_off, m_s, seg * NUM_TILES + t, V, BLOCK)
         key = tl.where(m, _ordered_key(x), _KEY_MIN)
         count += tl.histogram(tl.reshape((key >> 24) + 128 + (r * KB)[:, None], [ROWS * BLOCK]), ROWS * KB)
         if NEED_SUM:
-            z += tl.sum(tl.where(x > 0.0, x, 0.0), axis=1)
+            z += tl.where(x > 0.0, x, 0.0)
         if NEED_MAX:
-            mx = tl.maximum(mx, tl.max(tl.where(m, x, float("-inf")), axis=1))
+            mx = tl.maximum(mx, tl.where(m, x, float("-inf")))
     out = rows.to(tl.int64) * n_segs + seg
     tl.store(cnt_part + out[:, None] * KB + tl.arange(0, KB)[None, :], tl.reshape(count, [ROWS, KB]),
              mask=m_r[:, None])
     if NEED_SUM:
-        tl.store(sum_part + out, z, mask=m_r)
+        tl.store(sum_part + out, tl.sum(z, axis=1), mask=m_r)
     if NEED_MAX:
-        tl.store(max_part + out, mx, mask=m_r)
+        tl.store(max_part + out, tl.max(mx, axis=1), mask=m_r)
 
 
 @triton.jit
