@@ -80,6 +80,16 @@ def test_route_off_hopper_or_other_triton(hopper_gpu, monkeypatch):
     assert "TRITONINFER_HOPPER_PREFILL=0" in _route.PREFILL.at_plan(_facts()).reason
 
 
+def test_route_forced_past_the_length_threshold(hopper_gpu, monkeypatch):
+    """TRITONINFER_HOPPER_PREFILL=force: short requests take the Gluon kernel; what it cannot compute
+    still takes the core."""
+    short = dict(qo_lens=np.array([64, 64]), kv_lens=np.array([4096, 4096]))
+    assert "below" in _route.PREFILL.at_plan(_facts(**short)).reason
+    monkeypatch.setattr(_route, "HOPPER_FORCE", True)
+    assert not _route.PREFILL.at_plan(_facts(**short)).is_core
+    assert _route.PREFILL.at_plan(_facts(has_mask=True, **short)).is_core
+
+
 def test_route_at_run(hopper_gpu):
     """At run, the call's tensors: sinks, scales and strides a TMA view cannot read take the core."""
     route = _route.Route("hopper", "forced")

@@ -23,8 +23,10 @@ from ._options import TensorLayout
 
 log = logging.getLogger("tritoninfer.route")
 
-# TRITONINFER_HOPPER_PREFILL=0 keeps every prefill on the attention core.
+# TRITONINFER_HOPPER_PREFILL=0 keeps every prefill on the attention core; =force sends every plan the
+# Gluon kernel can compute there whatever its query lengths (to measure both sides of HOPPER_MIN_LEN).
 HOPPER_PREFILL = os.environ.get("TRITONINFER_HOPPER_PREFILL", "1") != "0"
+HOPPER_FORCE = os.environ.get("TRITONINFER_HOPPER_PREFILL", "1") == "force"
 # mean query tokens per request from which a plan takes the Gluon kernel, by (paged, causal): the
 # shortest measured faster than the core on the same KV (benchmarks/NOTES.md, session 6; the paged core
 # is slower than the ragged one, so paged plans switch earlier)
@@ -115,7 +117,7 @@ class PrefillRoute:
         causal = bool(f.params.causal)
         mean = int(f.qo_lens.sum()) / max(f.qo_lens.size, 1)
         need = HOPPER_MIN_LEN[paged, causal]
-        if mean < need:
+        if mean < need and not HOPPER_FORCE:
             return core(f"{mean:.0f} query tokens per request on average, below {need}")
         return Route("hopper", f"{'paged' if paged else 'ragged'}, {mean:.0f} query tokens per request",
                      _hopper.work_tiles(f.qo_lens, f.kv_lens, causal))
