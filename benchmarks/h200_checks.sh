@@ -30,12 +30,24 @@
 #   groups-a     tritoninfer bench sampling and mla, --quick (speed against FlashInfer, same process)
 #   groups-b     tritoninfer bench pod, sparse and rope-append, --quick
 #   warm-fi      FlashInfer's sampling module JIT-compiled, to run beside test parts before bench-sampling
+#   warm-GROUP   tritoninfer bench GROUP --quick beside the test parts, numbers discarded: FlashInfer's
+#                JIT variants compiled before the timed bench-GROUP (POD's took over 90 s)
 #   bench-GROUP  tritoninfer bench GROUP $BENCH_ARGS (default --quick), e.g. bench-sampling
 #
 # Wheels: `bash ../shared/tools/peer-wheels.sh .peers` here first, and carry `.peers`; for the
 # transformers tests also a transformers 5.24 wheel in .tfw (the GPU image has 5.17; its other
 # dependencies are there). Each part logs per-file durations (pytest --durations) so the next session
 # knows what a part costs. Run GPU test files with at most two workers: eight ran out of GPU memory.
+#
+# Measured in session 10 (what a part costs, and what went wrong): the device tool returns at most 8
+# files, so write OUT_DIR outside $OUT and copy only the archives there (`... /tmp/w1; tar czf
+# $OUT/all.tgz -C /tmp w1`). FlashInfer's tests beside the GPU test parts ran the GPU out of memory
+# (its 5M-draw sampling tests held 15-90 GB each before the per-source passes; transformers sizes its
+# paged cache from free memory and failed): run fit-* parts beside each other, and tests-* parts
+# beside fit-* only at one worker. In 330 s at 4 workers, `fit` finished 112 sampling cases (all
+# passed; the 5M-draw cases were the slow ones); `fit-pod-ba` takes ~2 min; `fit-new-b` did not reach
+# test_hopper.py in 270 s; `tests-new-a1` ran 35 tests in 270 s. bench-sampling --quick ~150 s after
+# warm-fi; bench rope-append and sparse < 90 s each; bench pod > 90 s (FlashInfer's POD JIT: warm-pod).
 set -euo pipefail
 parts=${1:?part: tests-core | tests-new-a | tests-new-b | tests-rest | ab-merge | host | fit | fit-new-a | fit-new-b | groups-a | groups-b}
 out=$(realpath -m "${2:?output folder}")
@@ -118,6 +130,12 @@ p = torch.rand(4, 32000, device='cuda').softmax(-1)
 s.top_k_top_p_sampling_from_probs(p, 50, 0.9); s.top_p_sampling_from_probs(p, 0.9)
 s.top_k_renorm_probs(p, 50); s.sampling_from_probs(p); torch.cuda.synchronize(); print('warm')" \
       > "$out/warm-fi.log" 2>&1 || true ;;
+  warm-*)
+    # a bench group run beside the test parts, its numbers thrown away: FlashInfer's JIT cache
+    # (FLASHINFER_WORKSPACE_BASE) and Triton's then hold its variants for the timed bench-GROUP after
+    g=${part#warm-}
+    PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 -m tritoninfer bench "$g" --quick --out "/tmp/warm-$g" \
+      > "$out/warm-$g.log" 2>&1 || true ;;
   bench-*)
     g=${part#bench-}
     PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 -m tritoninfer bench "$g" ${BENCH_ARGS:---quick} --out "$out" \
