@@ -287,7 +287,9 @@ class _Split:
             self.segs_p2 = max(next_pow2(self.segs), _GPU_MIN_SEGS_P2)
             self.block_stream, self.block_search = align, min(align, _GPU_BLOCK_SEARCH)
             self.rows = 1
-            self.warps_stream, self.warps_search = 8, 4
+            # 8 warps for the search too: its [512, 16] per-lane mass accumulator takes 192 registers
+            # a thread at 4 warps (2 programs an SM), ~110 at 8 (ptxas for sm_90)
+            self.warps_stream, self.warps_search = 8, 8
         self.grid = (cdiv(rows, self.rows), self.segs)
 
     def stream(self) -> dict:
@@ -388,7 +390,7 @@ def _finish_tiles(cap: int, vocab: int, batch: int) -> Tuple[int, int, int]:
         # the [ROWS, CBLOCK, 16] one-hot and the [ROWS * 256] histogram near the budget
         rows = max(1, min(next_pow2(batch), _INTERP_ELEMS // max(cblock * 16, int(_k.K_BINS))))
         return rows, cblock, 4
-    return 1, _GPU_BLOCK_FINISH, 4
+    return 1, _GPU_BLOCK_FINISH, 8  # the per-lane top-p accumulator: 200 registers at 4 warps, 80 at 8
 
 
 def _uniforms(n: int, device: torch.device, generator: Optional[torch.Generator]) -> torch.Tensor:

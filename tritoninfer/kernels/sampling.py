@@ -684,36 +684,37 @@ def compact_finish_kernel(
             lo += digit.to(tl.int64) << (32 - (slot + 1) * K_BITS)
         t = tl.where(k_off, _KEY_MIN, lo.to(tl.int32))
         if TOP_K_FIRST:
-            z = tl.zeros([ROWS], dtype=tl.float32)
+            z = tl.zeros([ROWS, CBLOCK], dtype=tl.float32)
             for c in range(n_chunks):
                 j, m, x = _cload(cval_ptr, c_row, n, c, CBLOCK)
-                z += tl.sum(tl.where((_ordered_key(x) >= t[:, None]) & (x > 0.0), x, 0.0), axis=1)
-            inv = 1.0 / tl.maximum(z, 1e-8)
+                z += tl.where((_ordered_key(x) >= t[:, None]) & (x > 0.0), x, 0.0)
+            inv = 1.0 / tl.maximum(tl.sum(z, axis=1), 1e-8)
     if USE_P:
         p = _param(p_ptr, p_val, rows, src, m_r, P_ARR, PARAM_BY_SOURCE).to(tl.float32)
         need_p = tl.maximum(p, 1e-30)
         lo = tl.full([ROWS], _KEY_MIN, dtype=tl.int64)
         for slot in tl.static_range(P_PASSES):
-            mass = tl.zeros([ROWS, PB], dtype=tl.float32)
+            # per-lane masses, reduced once a round (as radix_pass_kernel)
+            mass_lanes = tl.zeros([ROWS, CBLOCK, PB], dtype=tl.float32)
             for c in range(n_chunks):
                 j, m, x = _cload(cval_ptr, c_row, n, c, CBLOCK)
                 v = _cvalue(x, m, t, inv, k_off, TOP_K_FIRST)
                 key = tl.where(m, _ordered_key(v), _KEY_MIN)
                 d = _digit(key, lo, slot, P_BITS, PB)
-                mass += tl.sum(tl.where(d[:, :, None] == bp[None, None, :], v[:, :, None], 0.0), axis=1)
-            cum = tl.cumsum(mass, axis=1, reverse=True)
+                mass_lanes += tl.where(d[:, :, None] == bp[None, None, :], v[:, :, None], 0.0)
+            cum = tl.cumsum(tl.sum(mass_lanes, axis=1), axis=1, reverse=True)
             digit = tl.max(tl.where((cum >= need_p[:, None]) & (bp[None, :] >= 1), bp[None, :], 0), axis=1)
             lo += digit.to(tl.int64) << (32 - (slot + 1) * P_BITS)
         lp = tl.where(p >= 1.0, _KEY_MIN, lo.to(tl.int32))
     if RENORM:
-        z = tl.zeros([ROWS], dtype=tl.float32)
+        z = tl.zeros([ROWS, CBLOCK], dtype=tl.float32)
         for c in range(n_chunks):
             j, m, x = _cload(cval_ptr, c_row, n, c, CBLOCK)
             key = _ordered_key(x)
-            z += tl.sum(tl.where((key >= t[:, None]) & (key >= lp[:, None]) & (x > 0.0), x, 0.0), axis=1)
+            z += tl.where((key >= t[:, None]) & (key >= lp[:, None]) & (x > 0.0), x, 0.0)
         tl.store(fin_t_ptr + rows, t, mask=act)
         tl.store(fin_p_ptr + rows, lp, mask=act)
-        tl.store(fin_inv_ptr + rows, 1.0 / tl.maximum(z, 1e-8), mask=act)
+        tl.store(fin_inv_ptr + rows, 1.0 / tl.maximum(tl.sum(z, axis=1), 1e-8), mask=act)
     else:
         pivot = tl.zeros([ROWS], dtype=tl.float32)
         if USE_MIN_P:
@@ -723,12 +724,12 @@ def compact_finish_kernel(
         t_w = t
         if TOP_K_FIRST:
             t_w = tl.full([ROWS], _KEY_MIN, dtype=tl.int32)
-        z = tl.zeros([ROWS], dtype=tl.float32)
+        z = tl.zeros([ROWS, CBLOCK], dtype=tl.float32)
         for c in range(n_chunks):
             j, m, x = _cload(cval_ptr, c_row, n, c, CBLOCK)
             v = _cvalue(x, m, t, inv, k_off, TOP_K_FIRST)
-            z += tl.sum(_kept(v, m, t_w, lp, pivot, pivot, False, USE_K, USE_P, USE_MIN_P), axis=1)
-        target = tl.load(u_ptr + rows, mask=m_r, other=0.0) * z
+            z += _kept(v, m, t_w, lp, pivot, pivot, False, USE_K, USE_P, USE_MIN_P)
+        target = tl.load(u_ptr + rows, mask=m_r, other=0.0) * tl.sum(z, axis=1)
         run = tl.zeros([ROWS], dtype=tl.float32)
         first = tl.full([ROWS], V, dtype=tl.int32)
         last = tl.full([ROWS], -1, dtype=tl.int32)
