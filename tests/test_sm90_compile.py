@@ -243,7 +243,7 @@ def test_mla_kernel_compiles_for_sm90():
 
 # the sampling kernels (kernels/sampling.py) with the GPU tiles of sampling._Split / _tiles
 SAMPLING_FLOATS = {"x_ptr", "u_ptr", "p_ptr", "t_ptr", "draft_ptr", "target_ptr", "p_val", "t_val", "p_part",
-                   "max_part", "z_part", "sum_part", "cval_ptr", "fin_inv_ptr"}
+                   "max_part", "z_part", "sum_part", "cval_ptr", "fin_inv_ptr", "seed_ptr"}
 
 
 def sampling_cases():
@@ -298,6 +298,8 @@ def sampling_cases():
     cases["compact-finish-renorm"] = (ks.compact_finish_kernel, dict(rules["joint"], HAS_INDICES=False, RENORM=True,
                                                                      PARAM_BY_SOURCE=True, ROWS=1, SEGS_P2=32,
                                                                      CBLOCK=512))
+    cases["top-p-rejection"] = (ks.top_p_rejection_kernel, dict(HAS_INDICES=True, GATE=True, P_ARR=True,
+                                                                 PARAM_BY_SOURCE=False, MAX_ROUNDS=64, **row_stream))
     cases["softmax"] = (ks.softmax_kernel, dict(T_ARR=True, **row_stream))
     cases["chain-speculative"] = (ks.chain_speculative_kernel, dict(N=4, **row_stream))
     return cases

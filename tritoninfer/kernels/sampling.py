@@ -5,7 +5,8 @@ handles ``ROWS`` rows (1 on the GPU; more under the interpreter, whose cost is p
 and one segment of ``NUM_TILES * BLOCK`` entries of them, so a row is read by many programs at once.
 A search is a few launches; each program of a launch rebuilds what it needs from the previous
 launch's per-(row, segment) partial results (a few KB, read from L2), so there is no combine launch.
-Nothing is sorted and no loop length depends on the data:
+Nothing is sorted and no launch count depends on the data (only the rounds of the top-p rejection
+sampler, a loop inside one launch):
 
 - **Thresholds by radix search.** Each float32 entry gets an order-preserving int32 key
   (``_ordered_key``). The top-k threshold is the largest key ``T`` with ``count(key >= T) >= k``
@@ -25,7 +26,8 @@ Nothing is sorted and no loop length depends on the data:
 - **Compaction first.** A filtered call starts with a bound pass and a copy of each row's candidates
   (entries that can pass the filters) into ``[B, cap]``, where one program a row finishes the
   searches and the sample (``compact_finish_kernel``); the passes above run afterwards, gated, for
-  the rows with more than ``cap`` candidates only (section "compaction" below).
+  the rows with more than ``cap`` candidates only (section "compaction" below). Top-p alone samples
+  those rows by rejection instead (``top_p_rejection_kernel``, one program a row).
 
 Row ``i`` of the output reads source row ``indices[i]`` when ``HAS_INDICES`` (rows sharing a
 distribution); source ids outside ``[0, n_src)`` read nothing (an all-zero row: sample 0).
@@ -854,3 +856,81 @@ def chain_speculative_kernel(
         run += tl.sum(w, axis=1)
     sample = tl.where(first < V, first, tl.maximum(last, 0))
     tl.store(out_row + pos, sample, mask=m_r)
+
+
+@triton.jit
+def top_p_rejection_kernel(
+    x_ptr, idx_ptr, p_ptr, u_ptr, seed_ptr, out_ptr, gate_ptr,
+    p_val, B, n_src, V, stride_x, gate_min,
+    HAS_INDICES: tl.constexpr, GATE: tl.constexpr, P_ARR: tl.constexpr, PARAM_BY_SOURCE: tl.constexpr,
+    MAX_ROUNDS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
+):
+    """Top-p sampling of whole rows by rejection with two pivots (FlashInfer's method), one program
+    for ``ROWS`` rows: a first read for the row's mass ``Z`` and max; then rounds of (1) an
+    inverse-CDF sample ``j`` among the entries above ``low`` (``u[row]`` in round 0, then
+    ``tl.rand(seed, row * MAX_ROUNDS + round)``), (2) the masses above ``p_j`` and above ``(p_j + high)
+    / 2``. ``j`` is kept, and returned, when the mass above ``p_j`` is below ``top_p`` (the kept set is
+    ``{p >= tau}``, so the accepted sample is distributed as the renormalised top-p set); otherwise
+    ``low`` rises to ``p_j`` or the midpoint (both below ``tau``: no kept entry is ever dropped) and
+    ``Z`` becomes the mass above it. Rows with a mass of at least ~0.9 in their top-p set take ~1.1
+    rounds, two reads each. After ``MAX_ROUNDS`` rejections a row keeps its last sample (never seen:
+    each round halves ``high - low`` or accepts). ``GATE``: only rows with ``gate[row] > gate_min``."""
+    rows, m_r, src, row_off, m_s = _gated_rows(B, n_src, idx_ptr, stride_x, gate_ptr, gate_min, HAS_INDICES, GATE,
+                                               ROWS)
+    # top_p <= 0 keeps the largest entries only; >= 1 every entry (accepted in round 0)
+    p_raw = _param(p_ptr, p_val, rows, src, m_r, P_ARR, PARAM_BY_SOURCE).to(tl.float32)
+    top_p = tl.maximum(p_raw, 1e-30)
+    seed = tl.load(seed_ptr).to(tl.int32, bitcast=True)
+    z_lanes = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+    mx_lanes = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+    if tl.max(m_r.to(tl.int32), axis=0) > 0:
+        for t in range(NUM_TILES):
+            offs, m, x = _tile(x_ptr, row_off, m_s, t, V, BLOCK)
+            z_lanes += tl.where(x > 0.0, x, 0.0)
+            mx_lanes = tl.maximum(mx_lanes, x)
+    z = tl.sum(z_lanes, axis=1)
+    low = tl.zeros([ROWS], dtype=tl.float32)
+    high = tl.max(mx_lanes, axis=1)
+    done = ~m_r
+    sample = tl.zeros([ROWS], dtype=tl.int32)
+    u = tl.load(u_ptr + rows, mask=m_r, other=0.0)
+    r = 0
+    while (r < MAX_ROUNDS) & (tl.min(done.to(tl.int32), axis=0) == 0):
+        if r > 0:
+            u = tl.rand(seed, rows * MAX_ROUNDS + r)
+        target = u * z
+        # (1) the first entry above `low` whose running mass exceeds u * Z (else the last one)
+        run = tl.zeros([ROWS], dtype=tl.float32)
+        first = tl.full([ROWS], V, dtype=tl.int32)
+        last = tl.full([ROWS], -1, dtype=tl.int32)
+        for t in range(NUM_TILES):
+            offs, m, x = _tile(x_ptr, row_off, m_s & ~done, t, V, BLOCK)
+            w = tl.where(x > low[:, None], x, 0.0)
+            cdf = tl.cumsum(w, axis=1) + run[:, None]
+            hit = (cdf > target[:, None]) & (w > 0.0)
+            first = tl.minimum(first, tl.min(tl.where(hit, offs[None, :], V), axis=1))
+            last = tl.maximum(last, tl.max(tl.where(w > 0.0, offs[None, :], -1), axis=1))
+            run += tl.sum(w, axis=1)
+        j = tl.where(first < V, first, tl.maximum(last, 0))
+        p_j = tl.load(x_ptr + row_off + j, mask=m_s & ~done, other=0.0).to(tl.float32)
+        mid = (p_j + high) * 0.5
+        # (2) the masses above p_j and above the midpoint
+        above_j = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+        above_mid = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+        for t in range(NUM_TILES):
+            offs, m, x = _tile(x_ptr, row_off, m_s & ~done, t, V, BLOCK)
+            above_j += tl.where(x > p_j[:, None], x, 0.0)
+            above_mid += tl.where(x > mid[:, None], x, 0.0)
+        mass_j = tl.sum(above_j, axis=1)
+        mass_mid = tl.sum(above_mid, axis=1)
+        accept = ~done & ((mass_j < top_p) | (p_raw >= 1.0) | (run <= 0.0))
+        sample = tl.where(accept | (~done & (r == MAX_ROUNDS - 1)), j, sample)
+        # rejected: tau lies in (p_j, mid] or above mid
+        to_mid = ~done & ~accept & (mass_mid >= top_p)
+        to_j = ~done & ~accept & ~to_mid
+        low = tl.where(to_j, p_j, tl.where(to_mid, mid, low))
+        high = tl.where(to_j, mid, high)
+        z = tl.where(to_j, mass_j, tl.where(to_mid, mass_mid, z))
+        done = done | accept
+        r += 1
+    tl.store(out_ptr + rows, sample, mask=m_r)
