@@ -29,6 +29,7 @@
 #                parts need ../shared/flashinfer-tests copied to .fit (carry it)
 #   groups-a     tritoninfer bench sampling and mla, --quick (speed against FlashInfer, same process)
 #   groups-b     tritoninfer bench pod, sparse and rope-append, --quick
+#   transformers benchmarks/bench_transformers.py (generate, generate_batch against sdpa; #26's numbers)
 #   warm-fi      FlashInfer's sampling module JIT-compiled, to run beside test parts before bench-sampling
 #   warm-GROUP   tritoninfer bench GROUP --quick beside the test parts, numbers discarded: FlashInfer's
 #                JIT variants compiled before the timed bench-GROUP (POD's took over 90 s)
@@ -121,6 +122,9 @@ case "$part" in
       PYTHONPATH=/tmp/site:$PWD timeout $((limit / $#)) python3 -m tritoninfer bench $g --quick --out "$out" \
         > "$out/bench-$g.log" 2>&1 || true
     done ;;
+  transformers)
+    PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 benchmarks/bench_transformers.py --out "$out/transformers.md" \
+      > "$out/transformers.log" 2>&1 || true ;;
   warm-fi)
     # FlashInfer JIT-compiles its sampling module on first use (a minute on a fresh machine): done here,
     # beside the test parts, so that a bench-sampling after them times kernels, not the compiler
