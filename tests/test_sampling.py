@@ -380,7 +380,7 @@ def test_compacted_path_matches_full_path(monkeypatch, device, tiles):
         "top_p_renorm": lambda: sampling.top_p_renorm_probs(probs, p_rows),
         "mask_logits": lambda: sampling.top_k_mask_logits(torch.log(probs), k_rows),
     }
-    # top-p's overflow rows take the rejection sampler (test_top_p_rejection): the digit passes here
+    # overflowing top-k/top-p rows take the rejection sampler (test_rejection_sampler): the passes here
     monkeypatch.setattr(sampling, "_REJECTION", False)
     seen = spy_compaction(monkeypatch)
     results = {}
@@ -406,36 +406,51 @@ def test_compacted_path_matches_full_path(monkeypatch, device, tiles):
 
 
 @pytest.mark.parametrize("cap", [0, 12])
-def test_top_p_rejection(monkeypatch, device, cap):
-    """Top-p rows the compaction does not finish (all with ``_CAP = 0``; the flat ones with a small cap)
-    are sampled by rejection: frequencies follow the renormalised top-p set for scalar and per-row
-    ``top_p``, through ``indices`` that do not repeat rows, ``top_p = 1`` and a tiny ``top_p``
-    (greedy); an all-zero row samples 0; the same generator state gives the same samples."""
+def test_rejection_sampler(monkeypatch, device, cap):
+    """Top-k, top-p and joint rows the compaction does not finish (all with ``_CAP = 0``; the flat ones
+    with a small cap) are sampled by rejection: frequencies follow the renormalised kept set for scalar
+    and per-row parameters, ``top_p = 1``, ``k >= vocab`` and ties at the k-th value; ``indices`` that
+    do not repeat rows; a tiny ``top_p`` is greedy; an all-zero row samples 0; the same generator
+    state gives the same samples. (It fails with one round: samples outside the kept set.)"""
     monkeypatch.setattr(sampling, "_CAP", cap)
     launched = []
-    rejection = sampling._TOP_P_REJECTION
-    monkeypatch.setattr(sampling, "_TOP_P_REJECTION",
-                        type("Spy", (), {"__getitem__": lambda self, g: launched.append(g) or rejection[g]})())
+    launcher = sampling._REJECTION_SAMPLE
+    monkeypatch.setattr(sampling, "_REJECTION_SAMPLE",
+                        type("Spy", (), {"__getitem__": lambda self, g: launched.append(g) or launcher[g]})())
     g = torch.Generator().manual_seed(4)
     flat = normalize(torch.rand(2, 64, generator=g) + 0.5)  # ~every entry a candidate: overflows cap 12
     probs = torch.cat([crafted_probs(64, "cpu"), flat]).to(device)
     n = probs.shape[0]
-    reps = N_DRAWS
-    rows = probs.repeat(reps, 1)
-    for p in (0.62, torch.tensor([0.5, 0.62, 0.8, 0.3, 0.9], device=device).repeat(reps), 1.0):
+    rows = probs.repeat(N_DRAWS, 1)
+    p_rows = torch.tensor([0.5, 0.62, 0.8, 0.3, 0.9], device=device)
+    k_rows = torch.tensor([2, 3, 64, 5, 9], device=device)
+    cases = {
+        "top_p": (lambda: sampling.top_p_sampling_from_probs(rows, 0.62),
+                  reference.top_p_sampling_distribution(probs, 0.62)),
+        "top_p_rows": (lambda: sampling.top_p_sampling_from_probs(rows, p_rows.repeat(N_DRAWS)),
+                       reference.top_p_sampling_distribution(probs, p_rows)),
+        "top_p_1": (lambda: sampling.top_p_sampling_from_probs(rows, 1.0),
+                    reference.top_p_sampling_distribution(probs, 1.0)),
+        "top_k_rows": (lambda: sampling.top_k_sampling_from_probs(rows, k_rows.repeat(N_DRAWS)),
+                       reference.top_k_sampling_distribution(probs, k_rows)),
+        "joint": (lambda: sampling.top_k_top_p_sampling_from_probs(rows, 4, 0.7, filter_apply_order="joint"),
+                  reference.top_k_top_p_sampling_distribution(probs, 4, 0.7, "joint")),
+        # top_k_first: the overflowing rows renormalised to their top-k, then top-p by rejection
+        "top_k_first": (lambda: sampling.top_k_top_p_sampling_from_probs(rows, 4, 0.7),
+                        reference.top_k_top_p_sampling_distribution(probs, 4, 0.7, "top_k_first")),
+    }
+    for name, (call, dists) in cases.items():
         launched.clear()
-        samples = sampling.top_p_sampling_from_probs(rows, p)
-        assert launched, "the rejection sampler did not run"
-        p_src = p if not isinstance(p, torch.Tensor) else p[:n]
-        dists = reference.top_p_sampling_distribution(probs, p_src)
+        samples = call()
+        assert launched, f"{name}: the rejection sampler did not run"
         for r in range(n):
-            check_frequencies(samples[r::n], dists[r], what=f"top_p={p if isinstance(p, float) else 'rows'} row {r}")
-    # indices that permute the rows (no row shared: not the per-source passes)
+            check_frequencies(samples[r::n], dists[r], what=f"{name} row {r}")
     perm = torch.randperm(n, generator=g).to(device=device, dtype=torch.int32)
     samples = sampling.top_p_sampling_from_probs(probs, 1e-7, indices=perm)
     assert torch.equal(samples.long(), probs[perm.long()].argmax(-1))
     zero = torch.zeros(3, 64, device=device)
     assert sampling.top_p_sampling_from_probs(zero, 0.7).tolist() == [0, 0, 0]
+    assert sampling.top_k_sampling_from_probs(zero, 5).tolist() == [0, 0, 0]
     a = sampling.top_p_sampling_from_probs(rows, 0.5, generator=torch.Generator(device=device).manual_seed(9))
     b = sampling.top_p_sampling_from_probs(rows, 0.5, generator=torch.Generator(device=device).manual_seed(9))
     assert torch.equal(a, b)

@@ -65,7 +65,7 @@ _RENORM_WRITE = CachedLauncher(_k.renorm_write_kernel)
 _BOUND_PASS = CachedLauncher(_k.bound_pass_kernel)
 _COMPACT = CachedLauncher(_k.compact_kernel)
 _COMPACT_FINISH = CachedLauncher(_k.compact_finish_kernel)
-_TOP_P_REJECTION = CachedLauncher(_k.top_p_rejection_kernel)
+_REJECTION_SAMPLE = CachedLauncher(_k.rejection_sample_kernel)
 _SOFTMAX = CachedLauncher(_k.softmax_kernel)
 _CHAIN = CachedLauncher(_k.chain_speculative_kernel)
 
@@ -104,10 +104,10 @@ _CAP = 4096
 # 5M samples of one row through ``indices``) gets a smaller cap, and below _MIN_CAP none (full passes)
 _COMPACT_BYTES = 1 << 30
 _MIN_CAP = 256
-# Top-p alone (no top-k, min-p or logits): the rows the compaction does not finish are sampled by
-# rejection (``top_p_rejection_kernel``, ~1-3 rounds of two reads, one launch) instead of the 8 digit
-# passes + mass + pick; False: the passes (tests compare both). Draws sharing a source row keep the
-# passes, which then run once per source row.
+# Top-k, top-p and joint top-k/top-p sampling of probabilities: the rows the compaction does not
+# finish are sampled by rejection (``rejection_sample_kernel``, ~1-3 rounds of two reads, one launch)
+# instead of the digit passes + mass + pick (6-10 launches); False: the passes (tests compare both).
+# Draws sharing a source row keep the passes, which then run once per source row.
 _REJECTION = True
 _MAX_ROUNDS = 64
 # the finish's chunk of candidates ([CBLOCK, 16] one-hot in the top-p rounds, as the search tile)
@@ -452,16 +452,16 @@ def _launch_sample(x: torch.Tensor, indices: Optional[torch.Tensor], u: torch.Te
         _renorm_passes(x, r, k_arr, None, k_val, 1.0, True, False, False,
                        gate=(src_flag, 0) if gate is not None else None)
         x, k_arr, k_val, use_k = r, None, 0, False
-    if use_p and not (use_k or use_min_p or is_logits) and _REJECTION \
+    if (use_k or use_p) and not (use_min_p or is_logits) and _REJECTION \
             and not _per_source(indices, by_source, gate, batch, num_rows):
         rows, block, tiles, warps = _tiles(vocab, batch, search=False)
         gate_arr, gate_min = gate if gate is not None else (None, 0)
         # the seed of the later rounds' uniforms: the bits of u[0] (drawn from the caller's generator)
-        _TOP_P_REJECTION[(cdiv(batch, rows),)](
-            x, indices, p_arr, u, u, out, gate_arr, p_val, batch, num_rows, vocab, x.stride(0), gate_min,
-            HAS_INDICES=indices is not None, GATE=gate is not None, P_ARR=p_arr is not None,
-            PARAM_BY_SOURCE=by_source, MAX_ROUNDS=_MAX_ROUNDS, ROWS=rows, BLOCK=block, NUM_TILES=tiles,
-            num_warps=warps)
+        _REJECTION_SAMPLE[(cdiv(batch, rows),)](
+            x, indices, k_arr, p_arr, u, u, out, gate_arr, k_val, p_val, batch, num_rows, vocab, x.stride(0),
+            gate_min, HAS_INDICES=indices is not None, GATE=gate is not None, USE_K=use_k, USE_P=use_p,
+            K_ARR=k_arr is not None, P_ARR=p_arr is not None, PARAM_BY_SOURCE=by_source, MAX_ROUNDS=_MAX_ROUNDS,
+            ROWS=rows, BLOCK=block, NUM_TILES=tiles, num_warps=warps)
         return
     _sample_passes(split, x, indices, u, out, k_arr, p_arr, k_val, p_val, is_logits, use_k, use_p, use_min_p,
                    by_source, gate, max_part)

@@ -27,7 +27,8 @@ sampler, a loop inside one launch):
   (entries that can pass the filters) into ``[B, cap]``, where one program a row finishes the
   searches and the sample (``compact_finish_kernel``); the passes above run afterwards, gated, for
   the rows with more than ``cap`` candidates only (section "compaction" below). Top-p alone samples
-  those rows by rejection instead (``top_p_rejection_kernel``, one program a row).
+  those rows by rejection instead (``rejection_sample_kernel``, one program a row), as do top-k
+  and joint top-k/top-p sampling of probabilities.
 
 Row ``i`` of the output reads source row ``indices[i]`` when ``HAS_INDICES`` (rows sharing a
 distribution); source ids outside ``[0, n_src)`` read nothing (an all-zero row: sample 0).
@@ -859,27 +860,39 @@ def chain_speculative_kernel(
 
 
 @triton.jit
-def top_p_rejection_kernel(
-    x_ptr, idx_ptr, p_ptr, u_ptr, seed_ptr, out_ptr, gate_ptr,
-    p_val, B, n_src, V, stride_x, gate_min,
-    HAS_INDICES: tl.constexpr, GATE: tl.constexpr, P_ARR: tl.constexpr, PARAM_BY_SOURCE: tl.constexpr,
+def rejection_sample_kernel(
+    x_ptr, idx_ptr, k_ptr, p_ptr, u_ptr, seed_ptr, out_ptr, gate_ptr,
+    k_val, p_val, B, n_src, V, stride_x, gate_min,
+    HAS_INDICES: tl.constexpr, GATE: tl.constexpr, USE_K: tl.constexpr, USE_P: tl.constexpr,
+    K_ARR: tl.constexpr, P_ARR: tl.constexpr, PARAM_BY_SOURCE: tl.constexpr,
     MAX_ROUNDS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
 ):
-    """Top-p sampling of whole rows by rejection with two pivots (FlashInfer's method), one program
-    for ``ROWS`` rows: a first read for the row's mass ``Z`` and max; then rounds of (1) an
-    inverse-CDF sample ``j`` among the entries above ``low`` (``u[row]`` in round 0, then
-    ``tl.rand(seed, row * MAX_ROUNDS + round)``), (2) the masses above ``p_j`` and above ``(p_j + high)
-    / 2``. ``j`` is kept, and returned, when the mass above ``p_j`` is below ``top_p`` (the kept set is
-    ``{p >= tau}``, so the accepted sample is distributed as the renormalised top-p set); otherwise
-    ``low`` rises to ``p_j`` or the midpoint (both below ``tau``: no kept entry is ever dropped) and
-    ``Z`` becomes the mass above it. Rows with a mass of at least ~0.9 in their top-p set take ~1.1
-    rounds, two reads each. After ``MAX_ROUNDS`` rejections a row keeps its last sample (never seen:
-    each round halves ``high - low`` or accepts). ``GATE``: only rows with ``gate[row] > gate_min``."""
+    """Top-k (``USE_K``), top-p (``USE_P``) or joint top-k/top-p sampling of whole rows by rejection
+    with two pivots (FlashInfer's method), one program for ``ROWS`` rows: a first read for the row's
+    mass ``Z`` and max; then rounds of (1) an inverse-CDF sample ``j`` among the entries above ``low``
+    (``u[row]`` in round 0, then ``tl.rand(seed, row * MAX_ROUNDS + round)``), (2) the mass (and with
+    ``USE_K`` the count) of the entries above ``p_j`` and above ``mid = (p_j + high) / 2``. ``j`` is
+    kept, and returned, when fewer than ``k`` entries and less than ``top_p`` of mass lie above it
+    (the kept set is ``{p >= tau}``, so the accepted sample follows the renormalised kept set);
+    otherwise ``tau`` is above ``mid`` (``low = mid``) or in ``(p_j, mid]`` (``low = p_j``, ``high =
+    mid``): no kept entry is dropped, and ``Z`` becomes the mass above the new ``low``. A row whose
+    kept set holds most of its mass accepts in round 0 most of the time. After ``MAX_ROUNDS``
+    rejections a row keeps its last sample (never seen: each round halves ``high - low`` or accepts).
+    ``GATE``: only rows with ``gate[row] > gate_min``."""
     rows, m_r, src, row_off, m_s = _gated_rows(B, n_src, idx_ptr, stride_x, gate_ptr, gate_min, HAS_INDICES, GATE,
                                                ROWS)
-    # top_p <= 0 keeps the largest entries only; >= 1 every entry (accepted in round 0)
-    p_raw = _param(p_ptr, p_val, rows, src, m_r, P_ARR, PARAM_BY_SOURCE).to(tl.float32)
-    top_p = tl.maximum(p_raw, 1e-30)
+    # top_p <= 0 keeps the largest entries only, >= 1 every entry; k <= 0 or >= V: no top-k filter
+    p_on = rows < 0
+    top_p = tl.full([ROWS], 1.0, tl.float32)
+    if USE_P:
+        p_raw = _param(p_ptr, p_val, rows, src, m_r, P_ARR, PARAM_BY_SOURCE).to(tl.float32)
+        p_on = p_raw < 1.0
+        top_p = tl.maximum(p_raw, 1e-30)
+    k_on = rows < 0
+    k = tl.full([ROWS], 0, tl.int32)
+    if USE_K:
+        k = _param(k_ptr, k_val, rows, src, m_r, K_ARR, PARAM_BY_SOURCE).to(tl.int32)
+        k_on = (k > 0) & (k < V)
     seed = tl.load(seed_ptr).to(tl.int32, bitcast=True)
     z_lanes = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
     mx_lanes = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
@@ -914,23 +927,33 @@ def top_p_rejection_kernel(
         j = tl.where(first < V, first, tl.maximum(last, 0))
         p_j = tl.load(x_ptr + row_off + j, mask=m_s & ~done, other=0.0).to(tl.float32)
         mid = (p_j + high) * 0.5
-        # (2) the masses above p_j and above the midpoint
-        above_j = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
-        above_mid = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+        # (2) the mass (and count) of the entries above p_j and above mid
+        mass_j = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+        mass_mid = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+        cnt_j = tl.zeros([ROWS, BLOCK], dtype=tl.int32)
+        cnt_mid = tl.zeros([ROWS, BLOCK], dtype=tl.int32)
         for t in range(NUM_TILES):
             offs, m, x = _tile(x_ptr, row_off, m_s & ~done, t, V, BLOCK)
-            above_j += tl.where(x > p_j[:, None], x, 0.0)
-            above_mid += tl.where(x > mid[:, None], x, 0.0)
-        mass_j = tl.sum(above_j, axis=1)
-        mass_mid = tl.sum(above_mid, axis=1)
-        accept = ~done & ((mass_j < top_p) | (p_raw >= 1.0) | (run <= 0.0))
+            mass_j += tl.where(x > p_j[:, None], x, 0.0)
+            mass_mid += tl.where(x > mid[:, None], x, 0.0)
+            if USE_K:
+                cnt_j += (m & (x > p_j[:, None])).to(tl.int32)
+                cnt_mid += (m & (x > mid[:, None])).to(tl.int32)
+        above_j = tl.sum(mass_j, axis=1)
+        above_mid = tl.sum(mass_mid, axis=1)
+        keep = ~p_on | (above_j < top_p)
+        below_mid = p_on & (above_mid >= top_p)
+        if USE_K:
+            keep = keep & (~k_on | (tl.sum(cnt_j, axis=1) < k))
+            below_mid = below_mid | (k_on & (tl.sum(cnt_mid, axis=1) >= k))
+        # a row with no mass above `low` (an all-zero row) keeps its fallback sample
+        accept = ~done & (keep | (run <= 0.0))
         sample = tl.where(accept | (~done & (r == MAX_ROUNDS - 1)), j, sample)
-        # rejected: tau lies in (p_j, mid] or above mid
-        to_mid = ~done & ~accept & (mass_mid >= top_p)
-        to_j = ~done & ~accept & ~to_mid
+        to_mid = ~done & ~accept & below_mid
+        to_j = ~done & ~accept & ~below_mid
         low = tl.where(to_j, p_j, tl.where(to_mid, mid, low))
         high = tl.where(to_j, mid, high)
-        z = tl.where(to_j, mass_j, tl.where(to_mid, mass_mid, z))
+        z = tl.where(to_j, above_j, tl.where(to_mid, above_mid, z))
         done = done | accept
         r += 1
     tl.store(out_ptr + rows, sample, mask=m_r)
