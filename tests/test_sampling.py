@@ -405,25 +405,28 @@ def test_compacted_path_matches_full_path(monkeypatch, device, tiles):
     assert keep[idx.long(), s][has_mass].all() and (s[~has_mass] == 0).all()
 
 
-@pytest.mark.parametrize("cap", [0, 12])
-def test_rejection_sampler(monkeypatch, device, cap):
+@pytest.mark.parametrize("cap,block", [(0, None), (12, None), (0, 16)], ids=["all-rows", "overflow", "3-tiles"])
+def test_rejection_sampler(monkeypatch, device, cap, block):
     """Top-k, top-p and joint rows the compaction does not finish (all with ``_CAP = 0``; the flat ones
     with a small cap) are sampled by rejection: frequencies follow the renormalised kept set for scalar
     and per-row parameters, ``top_p = 1``, ``k >= vocab`` and ties at the k-th value; ``indices`` that
     do not repeat rows; a tiny ``top_p`` is greedy; an all-zero row samples 0; the same generator
-    state gives the same samples. (It fails with one round: samples outside the kept set.)"""
+    state gives the same samples. (It fails with one round: samples outside the kept set.) Rows of
+    48 entries: one masked tile, or three tiles of 16 (the lane gather across tiles)."""
     monkeypatch.setattr(sampling, "_CAP", cap)
+    if block:
+        monkeypatch.setattr(sampling, "_INTERP_MAX_BLOCK", block)
     launched = []
     launcher = sampling._REJECTION_SAMPLE
     monkeypatch.setattr(sampling, "_REJECTION_SAMPLE",
                         type("Spy", (), {"__getitem__": lambda self, g: launched.append(g) or launcher[g]})())
     g = torch.Generator().manual_seed(4)
-    flat = normalize(torch.rand(2, 64, generator=g) + 0.5)  # ~every entry a candidate: overflows cap 12
-    probs = torch.cat([crafted_probs(64, "cpu"), flat]).to(device)
+    flat = normalize(torch.rand(2, 48, generator=g) + 0.5)  # ~every entry a candidate: overflows cap 12
+    probs = torch.cat([crafted_probs(48, "cpu"), flat]).to(device)
     n = probs.shape[0]
     rows = probs.repeat(N_DRAWS, 1)
     p_rows = torch.tensor([0.5, 0.62, 0.8, 0.3, 0.9], device=device)
-    k_rows = torch.tensor([2, 3, 64, 5, 9], device=device)
+    k_rows = torch.tensor([2, 3, 48, 5, 9], device=device)
     cases = {
         "top_p": (lambda: sampling.top_p_sampling_from_probs(rows, 0.62),
                   reference.top_p_sampling_distribution(probs, 0.62)),
@@ -448,7 +451,7 @@ def test_rejection_sampler(monkeypatch, device, cap):
     perm = torch.randperm(n, generator=g).to(device=device, dtype=torch.int32)
     samples = sampling.top_p_sampling_from_probs(probs, 1e-7, indices=perm)
     assert torch.equal(samples.long(), probs[perm.long()].argmax(-1))
-    zero = torch.zeros(3, 64, device=device)
+    zero = torch.zeros(3, 48, device=device)
     assert sampling.top_p_sampling_from_probs(zero, 0.7).tolist() == [0, 0, 0]
     assert sampling.top_k_sampling_from_probs(zero, 5).tolist() == [0, 0, 0]
     a = sampling.top_p_sampling_from_probs(rows, 0.5, generator=torch.Generator(device=device).manual_seed(9))

@@ -301,7 +301,7 @@ def sampling_cases():
     for name, use_k, use_p in (("topk", True, False), ("topp", False, True), ("joint", True, True)):
         cases[f"rejection-{name}"] = (ks.rejection_sample_kernel, dict(
             HAS_INDICES=True, GATE=True, USE_K=use_k, USE_P=use_p, K_ARR=use_k, P_ARR=use_p, PARAM_BY_SOURCE=False,
-            MAX_ROUNDS=64, **row_stream))
+            MAX_ROUNDS=64, TILES_P2=64, **row_stream))
     cases["softmax"] = (ks.softmax_kernel, dict(T_ARR=True, **row_stream))
     cases["chain-speculative"] = (ks.chain_speculative_kernel, dict(N=4, **row_stream))
     return cases

@@ -461,7 +461,7 @@ def _launch_sample(x: torch.Tensor, indices: Optional[torch.Tensor], u: torch.Te
             x, indices, k_arr, p_arr, u, u, out, gate_arr, k_val, p_val, batch, num_rows, vocab, x.stride(0),
             gate_min, HAS_INDICES=indices is not None, GATE=gate is not None, USE_K=use_k, USE_P=use_p,
             K_ARR=k_arr is not None, P_ARR=p_arr is not None, PARAM_BY_SOURCE=by_source, MAX_ROUNDS=_MAX_ROUNDS,
-            ROWS=rows, BLOCK=block, NUM_TILES=tiles, num_warps=warps)
+            ROWS=rows, BLOCK=block, NUM_TILES=tiles, TILES_P2=next_pow2(tiles), num_warps=warps)
         return
     _sample_passes(split, x, indices, u, out, k_arr, p_arr, k_val, p_val, is_logits, use_k, use_p, use_min_p,
                    by_source, gate, max_part)

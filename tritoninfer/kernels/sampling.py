@@ -866,19 +866,26 @@ def rejection_sample_kernel(
     HAS_INDICES: tl.constexpr, GATE: tl.constexpr, USE_K: tl.constexpr, USE_P: tl.constexpr,
     K_ARR: tl.constexpr, P_ARR: tl.constexpr, PARAM_BY_SOURCE: tl.constexpr,
     MAX_ROUNDS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
+    TILES_P2: tl.constexpr,
 ):
     """Top-k (``USE_K``), top-p (``USE_P``) or joint top-k/top-p sampling of whole rows by rejection
-    with two pivots (FlashInfer's method), one program for ``ROWS`` rows: a first read for the row's
-    mass ``Z`` and max; then rounds of (1) an inverse-CDF sample ``j`` among the entries above ``low``
-    (``u[row]`` in round 0, then ``tl.rand(seed, row * MAX_ROUNDS + round)``), (2) the mass (and with
-    ``USE_K`` the count) of the entries above ``p_j`` and above ``mid = (p_j + high) / 2``. ``j`` is
-    kept, and returned, when fewer than ``k`` entries and less than ``top_p`` of mass lie above it
-    (the kept set is ``{p >= tau}``, so the accepted sample follows the renormalised kept set);
-    otherwise ``tau`` is above ``mid`` (``low = mid``) or in ``(p_j, mid]`` (``low = p_j``, ``high =
-    mid``): no kept entry is dropped, and ``Z`` becomes the mass above the new ``low``. A row whose
-    kept set holds most of its mass accepts in round 0 most of the time. After ``MAX_ROUNDS``
-    rejections a row keeps its last sample (never seen: each round halves ``high - low`` or accepts).
-    ``GATE``: only rows with ``gate[row] > gate_min``."""
+    with two pivots (FlashInfer's method), one program for ``ROWS`` rows.
+
+    The row is read as ``NUM_TILES`` tiles of ``BLOCK`` lanes, and each lane keeps the sum of its
+    entries' weights above ``low`` (no cross-lane work in the loops). A round: (1) an inverse-CDF
+    sample ``j`` of the entries above ``low`` in lane-major order (any fixed order samples the same
+    distribution): one scan over the lane sums finds the lane where the running mass passes ``u *
+    Z``, one gather of that lane's ``NUM_TILES`` entries and a scan find the entry; (2) one read for
+    the mass (and with ``USE_K`` the count) of the entries above ``p_j`` and above ``mid = (p_j +
+    high) / 2``, per lane. ``j`` is kept, and returned, when fewer than ``k`` entries and less than
+    ``top_p`` of mass lie above it (the kept set is ``{p >= tau}``, so the accepted sample follows
+    the renormalised kept set, ties included); otherwise ``tau`` is above ``mid`` (``low = mid``) or
+    in ``(p_j, mid]`` (``low = p_j``, ``high = mid``): no kept entry is dropped, and the lane masses
+    above the new ``low`` are the ones just read. So a row costs one read plus one a round; a row
+    whose kept set holds most of its mass accepts in round 0 most of the time. Round 0 uses
+    ``u[row]``, later rounds ``tl.rand(seed, row * MAX_ROUNDS + round)``. After ``MAX_ROUNDS``
+    rejections a row keeps its last sample (never seen: each round halves ``high - low`` or
+    accepts). ``GATE``: only rows with ``gate[row] > gate_min``."""
     rows, m_r, src, row_off, m_s = _gated_rows(B, n_src, idx_ptr, stride_x, gate_ptr, gate_min, HAS_INDICES, GATE,
                                                ROWS)
     # top_p <= 0 keeps the largest entries only, >= 1 every entry; k <= 0 or >= V: no top-k filter
@@ -894,14 +901,16 @@ def rejection_sample_kernel(
         k = _param(k_ptr, k_val, rows, src, m_r, K_ARR, PARAM_BY_SOURCE).to(tl.int32)
         k_on = (k > 0) & (k < V)
     seed = tl.load(seed_ptr).to(tl.int32, bitcast=True)
-    z_lanes = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+    lanes = tl.arange(0, BLOCK)
+    tiles = tl.arange(0, TILES_P2)
+    # [ROWS, BLOCK]: each lane's mass above `low` (0 to start), and the row max
+    lane_w = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
     mx_lanes = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
     if tl.max(m_r.to(tl.int32), axis=0) > 0:
         for t in range(NUM_TILES):
             offs, m, x = _tile(x_ptr, row_off, m_s, t, V, BLOCK)
-            z_lanes += tl.where(x > 0.0, x, 0.0)
+            lane_w += tl.where(x > 0.0, x, 0.0)
             mx_lanes = tl.maximum(mx_lanes, x)
-    z = tl.sum(z_lanes, axis=1)
     low = tl.zeros([ROWS], dtype=tl.float32)
     high = tl.max(mx_lanes, axis=1)
     done = ~m_r
@@ -911,23 +920,27 @@ def rejection_sample_kernel(
     while (r < MAX_ROUNDS) & (tl.min(done.to(tl.int32), axis=0) == 0):
         if r > 0:
             u = tl.rand(seed, rows * MAX_ROUNDS + r)
-        target = u * z
-        # (1) the first entry above `low` whose running mass exceeds u * Z (else the last one)
-        run = tl.zeros([ROWS], dtype=tl.float32)
-        first = tl.full([ROWS], V, dtype=tl.int32)
-        last = tl.full([ROWS], -1, dtype=tl.int32)
-        for t in range(NUM_TILES):
-            offs, m, x = _tile(x_ptr, row_off, m_s & ~done, t, V, BLOCK)
-            w = tl.where(x > low[:, None], x, 0.0)
-            cdf = tl.cumsum(w, axis=1) + run[:, None]
-            hit = (cdf > target[:, None]) & (w > 0.0)
-            first = tl.minimum(first, tl.min(tl.where(hit, offs[None, :], V), axis=1))
-            last = tl.maximum(last, tl.max(tl.where(w > 0.0, offs[None, :], -1), axis=1))
-            run += tl.sum(w, axis=1)
-        j = tl.where(first < V, first, tl.maximum(last, 0))
+        # (1) the lane, then the tile, where the lane-major running mass first exceeds u * Z
+        total = tl.sum(lane_w, axis=1)
+        target = u * total
+        cum = tl.cumsum(lane_w, axis=1)
+        hit_lane = tl.min(tl.where((cum > target[:, None]) & (lane_w > 0.0), lanes[None, :], BLOCK), axis=1)
+        last_lane = tl.max(tl.where(lane_w > 0.0, lanes[None, :], -1), axis=1)
+        lane = tl.where(hit_lane < BLOCK, hit_lane, tl.maximum(last_lane, 0))
+        before = tl.sum(tl.where(lanes[None, :] == lane[:, None], cum - lane_w, 0.0), axis=1)
+        # [ROWS, TILES_P2]: the lane's entries, one a tile
+        col = tiles[None, :] * BLOCK + lane[:, None]
+        m_col = (m_s & ~done)[:, None] & (tiles < NUM_TILES)[None, :] & (col < V)
+        x_col = tl.load(x_ptr + row_off[:, None] + col, mask=m_col, other=0.0).to(tl.float32)
+        w_col = tl.where(x_col > low[:, None], x_col, 0.0)
+        hit = (tl.cumsum(w_col, axis=1) > (target - before)[:, None]) & (w_col > 0.0)
+        first_t = tl.min(tl.where(hit, tiles[None, :], TILES_P2), axis=1)
+        last_t = tl.max(tl.where(w_col > 0.0, tiles[None, :], -1), axis=1)
+        tile = tl.where(first_t < TILES_P2, first_t, tl.maximum(last_t, 0))
+        j = tile * BLOCK + lane
         p_j = tl.load(x_ptr + row_off + j, mask=m_s & ~done, other=0.0).to(tl.float32)
         mid = (p_j + high) * 0.5
-        # (2) the mass (and count) of the entries above p_j and above mid
+        # (2) per lane, the mass (and count) of the entries above p_j and above mid
         mass_j = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
         mass_mid = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
         cnt_j = tl.zeros([ROWS, BLOCK], dtype=tl.int32)
@@ -939,21 +952,19 @@ def rejection_sample_kernel(
             if USE_K:
                 cnt_j += (m & (x > p_j[:, None])).to(tl.int32)
                 cnt_mid += (m & (x > mid[:, None])).to(tl.int32)
-        above_j = tl.sum(mass_j, axis=1)
-        above_mid = tl.sum(mass_mid, axis=1)
-        keep = ~p_on | (above_j < top_p)
-        below_mid = p_on & (above_mid >= top_p)
+        keep = ~p_on | (tl.sum(mass_j, axis=1) < top_p)
+        below_mid = p_on & (tl.sum(mass_mid, axis=1) >= top_p)
         if USE_K:
             keep = keep & (~k_on | (tl.sum(cnt_j, axis=1) < k))
             below_mid = below_mid | (k_on & (tl.sum(cnt_mid, axis=1) >= k))
         # a row with no mass above `low` (an all-zero row) keeps its fallback sample
-        accept = ~done & (keep | (run <= 0.0))
+        accept = ~done & (keep | (total <= 0.0))
         sample = tl.where(accept | (~done & (r == MAX_ROUNDS - 1)), j, sample)
         to_mid = ~done & ~accept & below_mid
         to_j = ~done & ~accept & ~below_mid
         low = tl.where(to_j, p_j, tl.where(to_mid, mid, low))
         high = tl.where(to_j, mid, high)
-        z = tl.where(to_j, above_j, tl.where(to_mid, above_mid, z))
+        lane_w = tl.where(to_j[:, None], mass_j, tl.where(to_mid[:, None], mass_mid, lane_w))
         done = done | accept
         r += 1
     tl.store(out_ptr + rows, sample, mask=m_r)
