@@ -193,7 +193,8 @@ def run_sweep(functions: Sequence[str], batches: Sequence[int], vocabs: Sequence
                     call = want if p == "torch" else library_call(libs[p], name)
                     try:
                         row.check = _check(name, xs[0], call(xs[0]), want) if p != "torch" else "peer"
-                        t = measure(lambda i: call(xs[i]), device=device, mode="graph", ncopies=copies, cfg=timing)
+                        t = measure(lambda i, xs=xs: call(xs[i]), device=device, mode="graph", ncopies=copies,
+                                    cfg=timing)
                     except Exception as exc:  # one provider's failure is its row's, the sweep goes on
                         row.check = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''}"
                         continue
