@@ -82,9 +82,10 @@ _GPU_BLOCK_STREAM = 2048
 # [segments, 256] partials stay small enough to re-read in every program). Not yet tuned on a GPU.
 _GPU_PROGRAMS_PER_SM = 8
 _GPU_MIN_SEGMENT = 4096
-# The per-row arrays of segment partials are at least this wide: Triton 3.6's scan lowering asserts
-# (ScanOpToLLVM, on the GPU; the CPU build compiles it) on a [1, n] cumsum whose n is below the
-# elements a thread holds in the layout it inherits from the tiles (4), seen on the H200 at n = 1, 2.
+# The per-row arrays of segment partials (and the rejection sampler's per-tile gather) are at least
+# this wide: Triton 3.6's scan lowering asserts (ScanOpToLLVM, on the GPU; the CPU build compiles it)
+# on a [1, n] cumsum whose n is below the elements a thread holds in the layout it inherits from the
+# tiles (4), seen on the H200 at n = 1, 2.
 _GPU_MIN_SEGS_P2 = 8
 # Under the interpreter each op costs about the same whatever its size: whole rows, many rows per
 # program (the search's [ROWS, BLOCK, 16] intermediate stays near this many elements).
@@ -461,7 +462,8 @@ def _launch_sample(x: torch.Tensor, indices: Optional[torch.Tensor], u: torch.Te
             x, indices, k_arr, p_arr, u, u, out, gate_arr, k_val, p_val, batch, num_rows, vocab, x.stride(0),
             gate_min, HAS_INDICES=indices is not None, GATE=gate is not None, USE_K=use_k, USE_P=use_p,
             K_ARR=k_arr is not None, P_ARR=p_arr is not None, PARAM_BY_SOURCE=by_source, MAX_ROUNDS=_MAX_ROUNDS,
-            ROWS=rows, BLOCK=block, NUM_TILES=tiles, TILES_P2=next_pow2(tiles), num_warps=warps)
+            ROWS=rows, BLOCK=block, NUM_TILES=tiles, TILES_P2=max(next_pow2(tiles), _GPU_MIN_SEGS_P2),
+            num_warps=warps)
         return
     _sample_passes(split, x, indices, u, out, k_arr, p_arr, k_val, p_val, is_logits, use_k, use_p, use_min_p,
                    by_source, gate, max_part)
