@@ -688,6 +688,38 @@ def test_gpu_realistic_vocab():
 
 
 @pytest.mark.gpu
+def test_gpu_rejection_sampler_flat_rows():
+    """On the GPU, the bench's flat rows (top-p 0.9 needs 5-7K entries, above the compaction's cap):
+    every row goes through the rejection sampler, eagerly and captured in a CUDA graph; every sample
+    lies in the kept set (torch's sort-based masks); the graph's replays draw new samples."""
+    torch.manual_seed(0)
+    batch, vocab = 256, 128256
+    probs = torch.softmax(torch.randn(batch, vocab, device="cuda") * 3, -1)
+    rows = torch.arange(batch, device="cuda")
+    keep_p = reference.top_p_keep_mask(probs, 0.9)
+    keep_joint = keep_p & reference.top_k_keep_mask(probs, 6000)
+    assert (keep_p.sum(-1) > sampling._CAP).all()
+    for _ in range(5):
+        assert keep_p[rows, sampling.top_p_sampling_from_probs(probs, 0.9).long()].all()
+        s = sampling.top_k_top_p_sampling_from_probs(probs, 6000, 0.9, filter_apply_order="joint").long()
+        assert keep_joint[rows, s].all()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        sampling.top_p_sampling_from_probs(probs, 0.9)
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        out = sampling.top_p_sampling_from_probs(probs, 0.9)
+    seen = []
+    for _ in range(5):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert keep_p[rows, out.long()].all()
+        seen.append(out.clone())
+    assert any(not torch.equal(seen[0], x) for x in seen[1:])
+
+
+@pytest.mark.gpu
 def test_gpu_cuda_graph_capture():
     """A sampling step (softmax with temperature, joint top-k/top-p) captured in a CUDA graph: no
     host synchronisation inside, and each replay draws new numbers from the default generator."""
