@@ -12,8 +12,9 @@ sampled. Within the kept set the sample follows the probabilities renormalised, 
 to exactly 1.
 
 Randomness: each output row uses uniform numbers drawn with ``torch.rand`` from ``generator`` (the
-device's default generator when ``None``) on the device, then read by the kernel; the same generator
-state gives the same samples, and nothing synchronises with the host (a sampling step can be
+device's default generator when ``None``) on the device, then read by the kernel (the rejection
+sampler's later rounds draw in-kernel Philox numbers seeded from those); the same generator state
+gives the same samples, and nothing synchronises with the host (a sampling step can be
 captured in a CUDA graph; with the default generator each replay draws new numbers, a generator of
 your own must be registered with the graph, ``torch.cuda.CUDAGraph.register_generator_state``). ``check_nan=True`` synchronises: it reads the input on the host to raise
 on NaN (and checks ``indices`` bounds). ``deterministic`` is accepted: the kernels are always
