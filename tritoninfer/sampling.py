@@ -434,8 +434,8 @@ def _launch_sample(x: torch.Tensor, indices: Optional[torch.Tensor], u: torch.Te
     with uniform ``u[i]``; ``k_arr``/``p_arr`` per-row parameters or ``k_val``/``p_val`` for all rows
     (``p`` is top-p's or min-p's). ``top_k_first``: top-p sampling of the top-k-renormalised rows
     (parameters by source row). With a filter, rows with at most ``_CAP`` candidates are finished on
-    their compacted copy and the full passes run (gated, every launch still made: fixed shapes, no
-    host sync) for the rest."""
+    their compacted copy; the rest take the rejection sampler (top-k / top-p of probabilities, one
+    launch) or the full passes (gated, every launch still made: fixed shapes, no host sync)."""
     _device.check_launchable(x.device, "sampling")
     num_rows, vocab = x.shape
     batch = out.shape[0]
