@@ -588,6 +588,39 @@ def test_edge_cases(device):
     assert_close(out, reference.top_k_renorm_probs(probs, 3), torch.float32)
 
 
+def test_indices_outside_the_rows_read_nothing(device):
+    """Source ids outside ``[0, num_rows)`` (not checked without ``check_nan``) read no input row and
+    no entry of a per-source parameter tensor (an id of 2**30 used to index the parameter arrays: a
+    segmentation fault under the interpreter): those outputs are 0, the others sample their rows."""
+    probs = crafted_probs(50, device)
+    idx = torch.tensor([0, 2, 2**30, -5, 1], dtype=torch.int32, device=device)
+    k = torch.tensor([3, 4, 5], dtype=torch.int32, device=device)
+    p = torch.tensor([0.5, 0.6, 0.7], device=device)
+    t = torch.tensor([0.5, 1.0, 2.0], device=device)
+    valid = torch.tensor([0, 2, 1])
+    for cap in (4096, 0):
+        sampling._CAP, saved = cap, sampling._CAP
+        try:
+            for name, s, keep in (
+                    ("top_k", sampling.top_k_sampling_from_probs(probs, k, indices=idx),
+                     reference.top_k_keep_mask(probs, k)),
+                    ("joint", sampling.top_k_top_p_sampling_from_probs(probs, k, p, indices=idx,
+                                                                       filter_apply_order="joint"),
+                     reference.top_k_keep_mask(probs, k) & reference.top_p_keep_mask(probs, p)),
+                    ("min_p", sampling.min_p_sampling_from_probs(probs, p, indices=idx),
+                     reference.min_p_keep_mask(probs, p))):
+                s = s.long().cpu()
+                assert (s[2:4] == 0).all(), name
+                assert keep.cpu()[valid, s[[0, 1, 4]]].all(), name
+        finally:
+            sampling._CAP = saved
+    logits = torch.log(probs)
+    s = sampling.sampling_from_logits(logits / t[:, None], indices=idx).long().cpu()
+    assert (s[2:4] == 0).all() and (probs.cpu()[valid, s[[0, 1, 4]]] > 0).all()
+    with pytest.raises(ValueError, match="no rows"):
+        sampling.top_k_sampling_from_probs(probs[:0], 3, indices=idx[:1])
+
+
 def test_bad_input(device):
     probs = crafted_probs(16, device)
     with pytest.raises(ValueError, match="probs: expected dtype"):

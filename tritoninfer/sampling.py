@@ -154,6 +154,8 @@ def _check_indices(indices, num_rows: int, device: torch.device, check: bool) ->
         raise ValueError(f"indices: expected dtype int32 or int64, got {indices.dtype}")
     if indices.device != device:
         raise ValueError(f"indices: expected a tensor on {device}, got one on {indices.device}")
+    if num_rows == 0 and indices.numel():
+        raise ValueError("indices: the input has no rows to index")
     if check and indices.numel() and (bool((indices < 0).any()) or bool((indices >= num_rows).any())):
         raise ValueError(f"indices: values must lie in [0, {num_rows}) (the rows of the input)")
     return indices.shape[0]

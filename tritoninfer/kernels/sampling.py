@@ -68,6 +68,9 @@ def _rows(B, n_src, idx_ptr, stride_x, HAS_INDICES: tl.constexpr, ROWS: tl.const
     else:
         src = rows.to(tl.int64)
     m_s = m_r & (src >= 0) & (src < n_src)
+    # a source id outside [0, n_src) reads nothing: row 0's offsets (every load of it is masked by
+    # m_s), and row 0 of the per-source parameter arrays
+    src = tl.where(m_s, src, 0)
     return rows, m_r, src, src * stride_x, m_s
 
 
