@@ -25,8 +25,9 @@ log = logging.getLogger("tritoninfer.route")
 
 # TRITONINFER_HOPPER_PREFILL=0 keeps every prefill on the attention core; =force sends every plan the
 # Gluon kernel can compute there whatever its query lengths (to measure both sides of HOPPER_MIN_LEN).
-HOPPER_PREFILL = os.environ.get("TRITONINFER_HOPPER_PREFILL", "1") != "0"
-HOPPER_FORCE = os.environ.get("TRITONINFER_HOPPER_PREFILL", "1") == "force"
+_HOPPER_MODE = os.environ.get("TRITONINFER_HOPPER_PREFILL", "1")
+HOPPER_PREFILL = _HOPPER_MODE != "0"
+HOPPER_FORCE = _HOPPER_MODE == "force"
 # mean query tokens per request from which a plan takes the Gluon kernel, by (paged, causal): the
 # shortest measured faster than the core on the same KV (benchmarks/NOTES.md, session 6; the paged core
 # is slower than the ragged one, so paged plans switch earlier)

@@ -370,10 +370,10 @@ def _compact(split: _Split, x, indices, batch, cap: int, k_arr, p_arr, k_val, p_
     cnt_part = torch.empty((batch, segs, int(_k.K_BINS)), dtype=torch.int32, device=dev)
     sum_part = torch.empty((batch, segs), dtype=torch.float32, device=dev) if use_p else None
     max_part = torch.empty((batch, segs), dtype=torch.float32, device=dev) if use_min_p else None
-    search = split.stream()  # a histogram and sums: the streaming tile (one histogram call a tile)
+    tiles = split.stream()  # a histogram and sums: the streaming tile (one histogram call a tile)
     _BOUND_PASS[split.grid](x, indices, cnt_part, sum_part, max_part, batch, num_rows, vocab, x.stride(0), segs,
-                            HAS_INDICES=has_idx, NEED_SUM=use_p, NEED_MAX=use_min_p, ROWS=search["ROWS"],
-                            BLOCK=search["BLOCK"], NUM_TILES=search["NUM_TILES"], num_warps=search["num_warps"])
+                            HAS_INDICES=has_idx, NEED_SUM=use_p, NEED_MAX=use_min_p, ROWS=tiles["ROWS"],
+                            BLOCK=tiles["BLOCK"], NUM_TILES=tiles["NUM_TILES"], num_warps=tiles["num_warps"])
     ncand = torch.empty(batch, dtype=torch.int32, device=dev)
     cval = torch.empty((batch, cap), dtype=torch.float32, device=dev)
     cid = torch.empty((batch, cap), dtype=torch.int32, device=dev)
