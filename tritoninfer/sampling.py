@@ -112,6 +112,10 @@ _MIN_CAP = 256
 # Draws sharing a source row keep the passes, which then run once per source row.
 _REJECTION = True
 _MAX_ROUNDS = 64
+# ... and from this many rows every row goes to the rejection sampler, without the compaction first:
+# a row then costs 1 + rounds reads either way, but the compaction's bound pass and copy are two
+# reads more for rows it cannot finish (flat rows' top-p sets are thousands of entries)
+_REJECTION_ONLY_ROWS = 64
 # the finish's chunk of candidates ([CBLOCK, 16] one-hot in the top-p rounds, as the search tile)
 _GPU_BLOCK_FINISH = 512
 
@@ -444,6 +448,9 @@ def _launch_sample(x: torch.Tensor, indices: Optional[torch.Tensor], u: torch.Te
     split = _Split(vocab, batch, x.device)
     gate = max_part = None
     cap = _compact_cap(batch)
+    by_rejection = (use_k or use_p) and not (use_min_p or is_logits or top_k_first) and _REJECTION
+    if by_rejection and batch >= _REJECTION_ONLY_ROWS and not _per_source(indices, by_source, None, batch, num_rows):
+        cap = 0  # enough rows to fill the GPU with one program a row: the compaction's two reads are spent
     if (use_k or use_p or use_min_p) and cap:
         src_flag = torch.zeros(num_rows, dtype=torch.int32, device=x.device) if top_k_first else None
         done = _compact(split, x, indices, batch, cap, k_arr, p_arr, k_val, p_val, use_k, use_p, use_min_p,

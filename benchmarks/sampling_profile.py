@@ -1,0 +1,93 @@
+"""Kernel-by-kernel device time of the sampling functions (``torch.profiler``) and their CUDA-graph
+replay time, for tritoninfer (with a few settings of its routing knobs) and FlashInfer, on rows of
+``softmax(randn * scale)``. Used to find what a sampling call spends its time on
+(``benchmarks/NOTES.md``, sampling).
+
+    PYTHONPATH=. python benchmarks/sampling_profile.py [--batch 1 64 256] [--scale 3 6] [--knob NAME=VALUE ...]
+
+``--knob`` sets a module constant of ``tritoninfer.sampling`` (e.g. ``_REJECTION_ONLY_ROWS=1000000``)
+for a second set of rows; run it with another tree on PYTHONPATH to compare versions.
+"""
+import argparse
+
+import torch
+import triton.testing
+
+import tritoninfer
+from tritoninfer import sampling
+
+try:
+    import flashinfer.sampling as fi
+except Exception:  # noqa: BLE001
+    fi = None
+
+VOCAB = 128256
+
+
+def kernel_times(fn, n=10):
+    """{kernel name: (launches a call, mean µs a launch)}."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    rows = {}
+    for e in p.events():
+        if e.device_type.name == "CUDA":
+            rows.setdefault(e.name[:40], []).append(e.device_time)
+    return {k: (round(len(v) / n, 1), round(sum(v) / len(v), 1)) for k, v in rows.items()}
+
+
+def calls(lib, probs):
+    return {
+        "joint k50 p0.9": lambda: lib.top_k_top_p_sampling_from_probs(probs, 50, 0.9),
+        "top_p 0.9": lambda: lib.top_p_sampling_from_probs(probs, 0.9),
+        "top_k 50": lambda: lib.top_k_sampling_from_probs(probs, 50),
+        "top_k_renorm 50": lambda: lib.top_k_renorm_probs(probs, 50),
+        "top_p_renorm 0.9": lambda: lib.top_p_renorm_probs(probs, 0.9),
+        "from_probs": lambda: lib.sampling_from_probs(probs),
+        "min_p 0.05": lambda: lib.min_p_sampling_from_probs(probs, 0.05),
+    }
+
+
+def graph_us(fn):
+    return triton.testing.do_bench_cudagraph(fn, rep=30) * 1e3
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--scale", type=float, nargs="+", default=[3.0])
+    ap.add_argument("--knob", nargs="*", default=[])
+    ap.add_argument("--only", nargs="*", default=None, help="function names (keys of calls())")
+    ap.add_argument("--no-fi", action="store_true")
+    args = ap.parse_args()
+    knobs = [dict(kv.split("=") for kv in [k]) for k in args.knob]
+    print(f"tritoninfer from {tritoninfer.__file__}", flush=True)
+    for scale in args.scale:
+        for batch in args.batch:
+            torch.manual_seed(0)
+            probs = torch.softmax(torch.randn(batch, VOCAB, device="cuda") * scale, -1)
+            ours, peer = calls(sampling, probs), calls(fi, probs) if fi is not None and not args.no_fi else {}
+            for name in ours:
+                if args.only and name not in args.only:
+                    continue
+                line = f"scale {scale} batch {batch} {name}:"
+                if name in peer:
+                    line += f" FI {graph_us(peer[name]):.1f} µs;"
+                line += f" ours {graph_us(ours[name]):.1f} µs {kernel_times(ours[name])}"
+                for knob in knobs:
+                    saved = {k: getattr(sampling, k) for k in knob}
+                    for k, v in knob.items():
+                        setattr(sampling, k, type(saved[k])(int(v) if isinstance(saved[k], (bool, int)) else v))
+                    line += f"; {knob}: {graph_us(ours[name]):.1f} µs {kernel_times(ours[name])}"
+                    for k, v in saved.items():
+                        setattr(sampling, k, v)
+                print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
