@@ -22,6 +22,7 @@
 #                the sampling tests synchronise after every call, and many processes time-slice the GPU)
 #   tests-sampling  pytest -m gpu on the sampling, logits-processor and demo-sampling tests
 #   fit-lp       FlashInfer's own tests for the logits processor alone (2 workers)
+#   fit-multi-item  ... test_hopper.py's multi-item scoring cases only
 #   fit-hopper   ... for test_hopper.py and test_batch_prefill_kernels.py (4 workers)
 #   sampling-profile  benchmarks/sampling_profile.py: kernel breakdown of each sampling function, with
 #                and without the compaction before the rejection sampler, FlashInfer beside
@@ -106,10 +107,13 @@ case "$part" in
     fit_run fit 4 tests/utils/test_sampling.py tests/utils/test_logits_processor.py ;;
   fit-lp)
     fit_run fit-lp 2 tests/utils/test_logits_processor.py ;;
+  fit-multi-item)
+    fit_run fit-multi-item 4 tests/attention/test_hopper.py -k multi_item ;;
   fit-hopper)
     fit_run fit-hopper 4 tests/attention/test_hopper.py tests/attention/test_batch_prefill_kernels.py ;;
   sampling-profile)
     PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 benchmarks/sampling_profile.py --knob _REJECTION_ONLY_ROWS=1000000 \
+      ${PROFILE_ARGS:-} \
       > "$out/sampling-profile.log" 2>&1 || true ;;
   fit-sink-mla)
     fit_run fit-sink-mla 2 tests/attention/test_attention_sink.py tests/attention/test_deepseek_mla.py ;;

@@ -42,14 +42,17 @@ def kernel_times(fn, n=10):
 
 
 def calls(lib, probs):
+    # a generator made before capture: FlashInfer makes one per call without it, which capture refuses
+    g = torch.Generator(device=probs.device).manual_seed(0)
     return {
-        "joint k50 p0.9": lambda: lib.top_k_top_p_sampling_from_probs(probs, 50, 0.9),
-        "top_p 0.9": lambda: lib.top_p_sampling_from_probs(probs, 0.9),
-        "top_k 50": lambda: lib.top_k_sampling_from_probs(probs, 50),
+        "joint k50 p0.9": lambda: lib.top_k_top_p_sampling_from_probs(probs, 50, 0.9, filter_apply_order="joint",
+                                                                      generator=g),
+        "top_p 0.9": lambda: lib.top_p_sampling_from_probs(probs, 0.9, generator=g),
+        "top_k 50": lambda: lib.top_k_sampling_from_probs(probs, 50, generator=g),
         "top_k_renorm 50": lambda: lib.top_k_renorm_probs(probs, 50),
         "top_p_renorm 0.9": lambda: lib.top_p_renorm_probs(probs, 0.9),
-        "from_probs": lambda: lib.sampling_from_probs(probs),
-        "min_p 0.05": lambda: lib.min_p_sampling_from_probs(probs, 0.05),
+        "from_probs": lambda: lib.sampling_from_probs(probs, generator=g),
+        "min_p 0.05": lambda: lib.min_p_sampling_from_probs(probs, 0.05, generator=g),
     }
 
 

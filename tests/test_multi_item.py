@@ -256,8 +256,6 @@ BAD = [
     (dict(token_pos_in_items_len=19), ValueError, "token_pos_in_items_len: request 0 has 20 tokens"),
     (dict(token_pos_in_items_len=0), ValueError, "token_pos_in_items_len: expected a positive int"),
     (dict(token_pos_in_items_len=True), ValueError, "token_pos_in_items_len: expected a positive int"),
-    (dict(token_pos_in_items_ptr=torch.zeros(30, dtype=torch.int32)), ValueError,
-     "token_pos_in_items_ptr: the requests' segments"),
     (dict(token_pos_in_items_ptr=torch.zeros(2, 40, dtype=torch.int32)), ValueError,
      "token_pos_in_items_ptr: expected a 1-D tensor"),
     (dict(max_item_len_ptr=None), ValueError, "max_item_len_ptr: multi-item scoring needs"),
@@ -273,6 +271,41 @@ BAD = [
 def test_bad_arguments_are_named(overrides, error, message):
     with pytest.raises(error, match=message):
         _plan_paged(**overrides)
+
+
+def test_short_token_positions_read_zeros():
+    """A ``token_pos_in_items_ptr`` shorter than the last request's segment (FlashInfer's hopper tests
+    pass one 4 entries short; FlashInfer reads past it) gives the output of the same tensor padded with
+    zeros; a one-request batch may pass 0-d ``prefix_len_ptr`` / ``max_item_len_ptr``."""
+    case = CASES[1]
+    kv = testing.make_paged_kv(case.kv_lens, 4, 2, 32, device=DEVICE)
+    q, qo_indptr = testing.random_qo(case.qo_lens, 8, 32, device=DEVICE)
+    args = _args(case, "cpu")
+    full = args["token_pos_in_items_ptr"]
+    # the last element any query reads: the end of the last segment with tokens after its prefix
+    end = max(i * args["token_pos_in_items_len"] + kv - p for i, (kv, p) in enumerate(zip(case.kv_lens, case.prefix))
+              if kv > p)
+    padded = full.clone()
+    padded[end - 3:] = 0
+    assert (full[end - 3:end] != 0).any()
+    outs = []
+    for pos in (full[:end - 3], padded):
+        wrapper = BatchPrefillWithPagedKVCacheWrapper(testing.make_workspace(1 << 20, DEVICE))
+        wrapper.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 8, 2, 32, 4,
+                     **{**args, "token_pos_in_items_ptr": pos})
+        outs.append(wrapper.run(q, kv.cache))
+    assert torch.equal(outs[0], outs[1])
+    kv1 = testing.make_paged_kv(case.kv_lens[:1], 4, 2, 32, device=DEVICE)
+    q1, qo1 = testing.random_qo(case.qo_lens[:1], 8, 32, device=DEVICE)
+    one = dict(prefix_len_ptr=args["prefix_len_ptr"][0], token_pos_in_items_ptr=full[:args["token_pos_in_items_len"]],
+               token_pos_in_items_len=args["token_pos_in_items_len"], max_item_len_ptr=args["max_item_len_ptr"][0])
+    wrapper = BatchPrefillWithPagedKVCacheWrapper(testing.make_workspace(1 << 20, DEVICE))
+    wrapper.plan(qo1, kv1.kv_indptr, kv1.kv_indices, kv1.kv_last_page_len, 8, 2, 32, 4, **one)
+    out0d = wrapper.run(q1, kv1.cache)
+    wrapper.plan(qo1, kv1.kv_indptr, kv1.kv_indices, kv1.kv_last_page_len, 8, 2, 32, 4,
+                 **{**one, "prefix_len_ptr": one["prefix_len_ptr"].reshape(1),
+                    "max_item_len_ptr": one["max_item_len_ptr"].reshape(1)})
+    assert torch.equal(out0d, wrapper.run(q1, kv1.cache))
 
 
 def test_cuda_graph_mode_is_not_implemented():

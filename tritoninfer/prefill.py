@@ -146,6 +146,10 @@ def _multi_item_args(prefix_len_ptr, token_pos_in_items_ptr, token_pos_in_items_
             or token_pos_in_items_len < 1:
         raise ValueError(f"token_pos_in_items_len: expected a positive int (each request's padded length in "
                          f"token_pos_in_items_ptr), got {token_pos_in_items_len!r}")
+    # a one-request batch may pass its prefix length and longest item as 0-d tensors (FlashInfer's
+    # tests do: the kernel reads element 0 either way)
+    prefix_len_ptr, max_item_len_ptr = (t.reshape(1) if isinstance(t, torch.Tensor) and t.dim() == 0 else t
+                                        for t in (prefix_len_ptr, max_item_len_ptr))
     for name, t in (("prefix_len_ptr", prefix_len_ptr), ("token_pos_in_items_ptr", token_pos_in_items_ptr),
                     ("max_item_len_ptr", max_item_len_ptr)):
         check_tensor(t, name, ndim=1, dtype=_INT_DTYPES)
@@ -181,12 +185,13 @@ def _multi_item_arrays(mi: _MultiItem, qo_lens: np.ndarray, kv_lens: np.ndarray,
                          f"token_pos_in_items_len = {length}")
     starts = np.arange(batch, dtype=np.int64) * length
     need = int((starts + after)[after > 0].max(initial=0))
-    if mi.token_pos.numel() < need:
-        raise ValueError(f"token_pos_in_items_ptr: the requests' segments of token_pos_in_items_len = {length} "
-                         f"need {need} elements, got {mi.token_pos.numel()}")
     if need >= 2 ** 31:
         raise ValueError(f"token_pos_in_items_ptr: {need} elements exceed the kernel's int32 offsets")
     token_pos = mi.token_pos.to(device=device, dtype=torch.int32).contiguous()
+    if token_pos.numel() < need:
+        # FlashInfer reads past the end of a short tensor (its own tests pass one whose last request's
+        # segment is a few entries short); here the missing entries are 0, never memory outside it
+        token_pos = torch.cat([token_pos, token_pos.new_zeros(need - token_pos.numel())])
     return token_pos, np.stack([starts - prefix, prefix], axis=1)
 
 
@@ -571,7 +576,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             Asynchronous host-to-device copies of the plan.
         prefix_len_ptr : Optional[torch.Tensor]
             Multi-item scoring (all four arguments together; ``None`` / 0: off). Integer (FlashInfer:
-            uint32) ``[batch]``, any device: request i's first ``prefix_len_ptr[i]`` sequence positions
+            uint32) ``[batch]`` (0-d for one request), any device: request i's first ``prefix_len_ptr[i]`` sequence positions
             are its shared prefix (often the cached part, ``kv_len - qo_len``), the rest are items,
             each a delimiter followed by its tokens. The mask is then causal whatever ``causal`` says:
             the query at sequence position ``p = kv_len - qo_len + j`` sees key ``k <= p`` iff
@@ -585,7 +590,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             position ``p`` within its item, 0 at each delimiter (items of 3, 2, 4 tokens:
             ``[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4, 0]``, zero-padded to ``token_pos_in_items_len``). Only
             the segments' first ``kv_len - prefix_len`` elements are read, so the last segment may be
-            shorter. Copied by ``plan()`` (later changes to the tensor do not reach ``run()``).
+            shorter; a tensor too short for them reads 0 past its end (FlashInfer reads past the
+            tensor). Copied by ``plan()`` (later changes to the tensor do not reach ``run()``).
         token_pos_in_items_len : int
             Each request's padded segment length in ``token_pos_in_items_ptr``; at least
             ``kv_len - prefix_len`` of every request (``ValueError`` otherwise).
