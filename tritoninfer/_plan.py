@@ -135,6 +135,7 @@ def kv_split_chunk(
     fixed_split_size: Optional[int],
     disable_split_kv: bool,
     programs_per_sm: int = 2,
+    merge_positions: int = 0,
 ) -> Optional[int]:
     """KV positions per split, or None for no split.
 
@@ -145,6 +146,12 @@ def kv_split_chunk(
     Cutting requests finer than needed to fill the slots only adds merges, but cutting them so
     that the last wave is full pays: 512 equal programs on 396 slots take two full-length waves,
     while 1536 programs of a third of the length take four waves of a third.
+
+    ``merge_positions``: what merging one split's partial state costs the merging program, in KV
+    positions of reading (MLA: a [64, 512] float32 state is ~114 positions of its 1,152-byte latent
+    rows). With it, a request's splits also cost that many positions each, and chunks that cut the
+    longest request into 2-64 pieces are candidates too: the fewest splits that fill the GPU can
+    leave one program merging 64 states alone.
     """
     if disable_split_kv or kv_lens.size == 0:
         return None
@@ -161,15 +168,19 @@ def kv_split_chunk(
     if total == 0:
         return None
     best, best_time = None, max(longest, -(-all_pairs // slots) * total / all_pairs)
-    for waves in range(1, 9):
-        chunk = max(2 * block_n, math.ceil(total / (waves * slots)))
+    chunks = [max(2 * block_n, math.ceil(total / (waves * slots))) for waves in range(1, 9)]
+    if merge_positions:
+        chunks += [-(-longest // pieces) for pieces in (2, 4, 8, 16, 32, 64)]
+    for chunk in chunks:
         chunk = math.ceil(chunk / block_n) * block_n
         if chunk >= longest:
             continue
         # programs after the cut: exact for equal lengths, an upper bound otherwise (host time
         # matters here: plan() runs every step)
         items = all_pairs * -(-longest // chunk) if shortest == longest else -(-total // chunk) + all_pairs
-        t = max(chunk, -(-items // slots) * total / items) + block_n  # + a merge, about one tile
+        # + a merge: about one tile, or the merging program's reads of every split's state
+        merge = -(-longest // chunk) * merge_positions if merge_positions else block_n
+        t = max(chunk, -(-items // slots) * total / items) + merge
         if t < best_time * 0.97:  # a split must win clearly: partial states are not free
             best, best_time = chunk, t
     return best

@@ -113,6 +113,24 @@ def mla_tiles(num_heads: int, avg_q_len: float, kv_fp8: bool = False) -> Tiles:
                  mask_free_tiles=block_m < 64 and not kv_fp8)
 
 
+def merge_positions(block_m: int, head_dim_ckv: int, head_dim_kpe: int, kv_dtype: torch.dtype) -> int:
+    """What merging one split's partial state costs the merging program, in latent-cache positions
+    (``_plan.kv_split_chunk``): the [block_m, head_dim_ckv] float32 state's bytes over what one
+    position costs a program, the larger of its ckv + kpe bytes and ``_POSITION_BYTES_PER_ROW``
+    times its rows (the dots). 26 at DeepSeek's dims, whatever the rows: one 8K request at 128 heads
+    then takes 16 splits, not the 64 that fill the SMs (whose merge cost ~190 of its 200 µs)."""
+    state = block_m * head_dim_ckv * 4
+    row = (head_dim_ckv + head_dim_kpe) * torch.empty((), dtype=kv_dtype).element_size()
+    return cdiv(state, max(row, _POSITION_BYTES_PER_ROW * block_m))
+
+
+# A position's cost to a 64-row program, as bytes read at the merge's rate: measured on the H200
+# (session 11, bench mla): 64 x 8K at 128 heads (no splits) runs 0.112 µs a position; 1 x 8K in 64
+# splits spends ~2.9 µs a merged [64, 512] state (128 KB): a position costs what ~5 KB of merge
+# reads cost, 79 bytes a row.
+_POSITION_BYTES_PER_ROW = 79
+
+
 @dataclasses.dataclass(frozen=True)
 class MLAStep:
     """What one ``plan()`` of an MLA wrapper fixed; ``run()`` reads this and nothing else of the plan."""
@@ -305,7 +323,8 @@ class _MLAPlanner:
         work = plan_work(qo_lens=qo_lens, kv_lens=kv_lens, tiles=tiles, num_qo_heads=num_heads,
                          num_kv_heads=tiles.row_tiles, head_dim_vo=head_dim_ckv, page_size=page_size,
                          fixed_split_size=None, disable_split_kv=False, workspace_bytes=workspace_bytes,
-                         num_sms=self._num_sms, graph=graph, heaviest_first=bool(causal))
+                         num_sms=self._num_sms, graph=graph, heaviest_first=bool(causal),
+                         merge_positions=merge_positions(tiles.block_m, head_dim_ckv, head_dim_kpe, kv_dtype))
         plan, (kv_indptr_d,) = upload_plan(self._uploader, graph, work, kv_lens, qo, [kvp], non_blocking=True)
         if kv_indices_device is None:
             kv_indices_device = kv_indices.to(self.device, torch.int32, non_blocking=True)
