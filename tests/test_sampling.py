@@ -575,6 +575,27 @@ def test_logits_and_probs_paths_agree(device):
         assert (a == b).float().mean() >= min_match, order
 
 
+@pytest.mark.parametrize("batch", [8, 64], ids=["compacted", "rejection-only"])
+def test_top_k_first_is_top_p_of_the_top_k_renorm(device, batch):
+    """FlashInfer's logits-processor tests compare, for one generator state and exactly: probs
+    ``top_k_first`` with ``top_p_sampling_from_probs(top_k_renorm_probs(probs))``, and logits
+    ``top_k_first`` with ``top_p_sampling_from_probs(softmax(top_k_mask_logits(logits)))``; below and
+    above ``_REJECTION_ONLY_ROWS`` (where top-p sampling takes the rejection sampler's order)."""
+    logits = torch.randn(batch, 111, device=device) * 5
+    probs = torch.softmax(logits, -1)
+
+    def gen():
+        return torch.Generator(device=device).manual_seed(5)
+
+    fused = sampling.top_k_top_p_sampling_from_probs(probs, 10, 0.6, generator=gen())
+    composed = sampling.top_p_sampling_from_probs(sampling.top_k_renorm_probs(probs, 10), 0.6, generator=gen())
+    assert torch.equal(fused, composed)
+    fused = sampling.top_k_top_p_sampling_from_logits(logits, 10, 0.6, generator=gen())
+    composed = sampling.top_p_sampling_from_probs(torch.softmax(sampling.top_k_mask_logits(logits, 10), -1), 0.6,
+                                                  generator=gen())
+    assert torch.equal(fused, composed)
+
+
 def test_edge_cases(device):
     probs = crafted_probs(16, device)
     # one-entry vocabulary, empty batch

@@ -264,6 +264,9 @@ def sampling_cases():
         gate = dict(flags, GATE=name != "plain")
         cases[f"sample-mass-{name}"] = (ks.sample_mass_kernel, dict(gate, **stream))
         cases[f"sample-pick-{name}"] = (ks.sample_pick_kernel, dict(gate, PER_SOURCE=False, **stream))
+    # plain sampling's pick: a 4,096-entry segment in one tile (sampling._Split.pick)
+    cases["sample-pick-plain-one-tile"] = (ks.sample_pick_kernel, dict(plain, GATE=False, PER_SOURCE=False, ROWS=1,
+                                                                       SEGS_P2=64, BLOCK=4096, NUM_TILES=1))
     cases["sample-pick-per-source"] = (ks.sample_pick_kernel, dict(joint, GATE=False, PER_SOURCE=True, **stream))
     cases["max-pass"] = (ks.max_pass_kernel, dict(HAS_INDICES=True, ROWS=1, BLOCK=2048, NUM_TILES=2))
     radix = {k: joint[k] for k in ("HAS_INDICES", "USE_K", "USE_P", "K_ARR", "P_ARR", "PARAM_BY_SOURCE")}

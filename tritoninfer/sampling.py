@@ -82,6 +82,8 @@ _GPU_BLOCK_STREAM = 2048
 # load-latency bound: 8 resident programs hide it), but no segment shorter than this (a pass's
 # [segments, 256] partials stay small enough to re-read in every program). Not yet tuned on a GPU.
 _GPU_PROGRAMS_PER_SM = 8
+# the pick's largest single tile (``_Split.pick``)
+_GPU_BLOCK_PICK = 4096
 _GPU_MIN_SEGMENT = 4096
 # The per-row arrays of segment partials (and the rejection sampler's per-tile gather) are at least
 # this wide: Triton 3.6's scan lowering asserts (ScanOpToLLVM, on the GPU; the CPU build compiles it)
@@ -283,7 +285,9 @@ class _Split:
     """How the segmented kernels cover ``[rows, vocab]``: ``ROWS`` rows a program, ``segs`` segments
     of ``seg_len`` entries a row (grid ``(cdiv(rows, ROWS), segs)``), and each kind of pass's tile."""
 
-    def __init__(self, vocab: int, rows: int, device: torch.device):
+    def __init__(self, vocab: int, rows: int, device: torch.device, short: bool = False):
+        """``short``: the shortest segments whatever the batch (plain sampling: its pick scans one
+        segment a row in one tile, and the mass pass has no per-segment combine to pay for)."""
         if _device.is_interpreter():
             self.seg_len = min(next_pow2(vocab), _INTERP_MAX_SEGMENT)
             self.block_stream = self.block_search = min(self.seg_len, _INTERP_MAX_BLOCK)
@@ -294,8 +298,9 @@ class _Split:
             self.rows = max(1, min(next_pow2(rows), _INTERP_ELEMS // per_row))
             self.warps_stream = self.warps_search = 4
         else:
-            segs = max(1, min(cdiv(_GPU_PROGRAMS_PER_SM * _device.num_sms(device), rows),
-                                   cdiv(vocab, _GPU_MIN_SEGMENT)))
+            segs = cdiv(vocab, _GPU_MIN_SEGMENT)
+            if not short:
+                segs = max(1, min(cdiv(_GPU_PROGRAMS_PER_SM * _device.num_sms(device), rows), segs))
             align = min(_GPU_BLOCK_STREAM, next_pow2(vocab))
             self.seg_len = cdiv(cdiv(vocab, segs), align) * align
             self.segs = cdiv(vocab, self.seg_len)
@@ -310,6 +315,14 @@ class _Split:
     def stream(self) -> dict:
         return dict(ROWS=self.rows, SEGS_P2=self.segs_p2, BLOCK=self.block_stream,
                     NUM_TILES=self.seg_len // self.block_stream, num_warps=self.warps_stream)
+
+    def pick(self) -> dict:
+        """The pick's tile: the whole segment when it is at most ``_GPU_BLOCK_PICK`` entries (one load,
+        one scan, one reduction: the tile loop's scan-and-reduce chain cost ~8 µs a tile on the H200)."""
+        if _device.is_interpreter() or self.seg_len > _GPU_BLOCK_PICK:
+            return self.stream()
+        return dict(ROWS=self.rows, SEGS_P2=self.segs_p2, BLOCK=self.seg_len, NUM_TILES=1,
+                    num_warps=self.warps_stream)
 
     def search(self) -> dict:
         return dict(ROWS=self.rows, SEGS_P2=self.segs_p2, BLOCK=self.block_search,
@@ -441,15 +454,25 @@ def _launch_sample(x: torch.Tensor, indices: Optional[torch.Tensor], u: torch.Te
     (``p`` is top-p's or min-p's). ``top_k_first``: top-p sampling of the top-k-renormalised rows
     (parameters by source row). With a filter, rows with at most ``_CAP`` candidates are finished on
     their compacted copy; the rest take the rejection sampler (top-k / top-p of probabilities, one
-    launch) or the full passes (gated, every launch still made: fixed shapes, no host sync)."""
+    launch) or the full passes (gated, every launch still made: fixed shapes, no host sync). From
+    ``_REJECTION_ONLY_ROWS`` rows the rejection sampler takes every row of the functions it serves,
+    and ``top_k_first`` is literally ``top_p`` sampling of ``top_k_renorm_probs``: the compacted
+    finish and the rejection sampler pick different entries for one uniform (index order against
+    lane-major), and FlashInfer's tests want ``top_k_first`` to pick exactly what that composition
+    picks (and the logits version, ``top_p`` sampling of the masked softmax, on 99 % of draws)."""
     _device.check_launchable(x.device, "sampling")
     num_rows, vocab = x.shape
     batch = out.shape[0]
-    split = _Split(vocab, batch, x.device)
+    split = _Split(vocab, batch, x.device, short=not (use_k or use_p or use_min_p))
     gate = max_part = None
     cap = _compact_cap(batch)
-    by_rejection = (use_k or use_p) and not (use_min_p or is_logits or top_k_first) and _REJECTION
-    if by_rejection and batch >= _REJECTION_ONLY_ROWS and not _per_source(indices, by_source, None, batch, num_rows):
+    rejection_only = _REJECTION and batch >= _REJECTION_ONLY_ROWS \
+        and not _per_source(indices, by_source, None, batch, num_rows)
+    if top_k_first and rejection_only:
+        r = torch.empty((num_rows, vocab), dtype=torch.float32, device=x.device)
+        _launch_renorm(x, r, k_arr, None, k_val, 1.0, True, False, False)
+        x, k_arr, k_val, use_k, top_k_first = r, None, 0, False, False
+    if rejection_only and (use_k or use_p) and not (use_min_p or is_logits):
         cap = 0  # enough rows to fill the GPU with one program a row: the compaction's two reads are spent
     if (use_k or use_p or use_min_p) and cap:
         src_flag = torch.zeros(num_rows, dtype=torch.int32, device=x.device) if top_k_first else None
@@ -509,13 +532,12 @@ def _sample_passes(split: _Split, x, indices, u, out, k_arr, p_arr, k_val, p_val
     _SAMPLE_MASS[passes.grid](x, idx, k_arr, p_arr, *scratch, max_part, z_part, gate_arr,
                               k_val, p_val, n, num_rows, vocab, x.stride(0), passes.segs, gate_min,
                               HAS_INDICES=idx is not None, **flags, **passes.stream())
-    # the pick's rows a program come from the outputs' split; its segments are the passes' (the same
-    # segment length under the interpreter, one row a program on the GPU)
-    grid = (cdiv(batch, split.rows), 1) if per_source else split.grid
-    _SAMPLE_PICK[grid](x, indices, u, out, k_arr, p_arr, *scratch, max_part, z_part, gate_arr,
+    # the pick's rows a program come from the outputs' split, each scanning its owner segment of the
+    # passes' split (the same segment length under the interpreter, one row a program on the GPU)
+    _SAMPLE_PICK[(cdiv(batch, split.rows), 1)](x, indices, u, out, k_arr, p_arr, *scratch, max_part, z_part, gate_arr,
                        k_val, p_val, batch, num_rows, vocab, x.stride(0), passes.segs, gate_min,
                        HAS_INDICES=indices is not None, PER_SOURCE=per_source, **flags,
-                       **dict(passes.stream(), ROWS=split.rows))
+                       **dict(passes.pick(), ROWS=split.rows))
 
 
 @_ops.custom_op("sample", mutates_args=("out",))

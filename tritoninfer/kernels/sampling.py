@@ -344,12 +344,12 @@ def sample_pick_kernel(
     K_ARR: tl.constexpr, P_ARR: tl.constexpr, PARAM_BY_SOURCE: tl.constexpr, PER_SOURCE: tl.constexpr,
     ROWS: tl.constexpr, SEGS_P2: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
 ):
-    """``out[i]`` (int32): the first kept entry whose running kept mass exceeds ``u[i] * Z``. Every
-    program derives the same owner segment from ``z_part`` (the first whose running total exceeds
-    ``u * Z``; when rounding leaves none, the last with mass; with no mass at all, segment 0, which
-    then writes entry 0); only the owner scans and writes. ``PER_SOURCE`` (grid ``(rows, 1)``): the
-    state and ``z_part`` are per source row, and each program scans its own owner segment."""
-    rows, m_r, row_off, m_s, seg, lo_k, lo_p, pivot, shift_max, srow, m_st = _sample_setup(
+    """``out[i]`` (int32): the first kept entry whose running kept mass exceeds ``u[i] * Z``. Grid
+    ``(row blocks, 1)``: each program finds its rows' owner segments from ``z_part`` (the first whose
+    running total exceeds ``u * Z``; when rounding leaves none, the last with mass; with no mass at
+    all, segment 0, which then writes entry 0) and scans them. ``PER_SOURCE``: the state and
+    ``z_part`` are per source row."""
+    rows, m_r, row_off, m_s, _, lo_k, lo_p, pivot, shift_max, srow, m_st = _sample_setup(
         x_ptr, idx_ptr, k_ptr, p_ptr, k_state, k_part, p_state, p_part, max_part, gate_ptr, k_val, p_val, B, n_src,
         V, stride_x, n_segs, gate_min, HAS_INDICES, GATE, IS_LOGITS, USE_K, USE_P, USE_MIN_P, K_ARR, P_ARR,
         PARAM_BY_SOURCE, PER_SOURCE, ROWS, SEGS_P2)
@@ -361,13 +361,8 @@ def sample_pick_kernel(
     target = tl.load(u_ptr + rows, mask=m_r, other=0.0) * tl.sum(zs, axis=1)
     hit_seg = tl.min(tl.where(cum > target[:, None], s[None, :], SEGS_P2), axis=1)
     last_seg = tl.max(tl.where(zs > 0.0, s[None, :], 0), axis=1)
-    owner = tl.where(hit_seg < SEGS_P2, hit_seg, last_seg)
-    if PER_SOURCE:
-        own = owner
-        mine = m_r
-    else:
-        own = tl.zeros_like(owner) + seg
-        mine = m_r & (owner == seg)
+    own = tl.where(hit_seg < SEGS_P2, hit_seg, last_seg)
+    mine = m_r
     run = tl.sum(tl.where(s[None, :] < own[:, None], zs, 0.0), axis=1)
     first = tl.full([ROWS], V, dtype=tl.int32)
     last = tl.full([ROWS], -1, dtype=tl.int32)
