@@ -245,3 +245,41 @@ def test_driver_path_runs_and_matches_reference(kind, monkeypatch):
     torch.cuda.synchronize()
     assert len(driver_calls) > eager_calls
     testing.assert_close(out, expected(q), torch.bfloat16)
+
+
+def test_cached_launcher_takes_the_driver_path_from_a_keys_second_call(monkeypatch):
+    """``CachedLauncher`` (the ops' launcher: sampling, norm, rope, ...): a specialisation's first call
+    compiles through Triton, its later calls go through ``cuLaunchKernel`` with that call's grid and
+    values (``None`` arguments are constexprs, no slot); a launch hook sends a call back to Triton's
+    launcher. A fake ``cuLaunchKernel`` decodes what it gets."""
+    from tritoninfer import _device, _driver, _launch
+
+    signature = {"x": "*fp32", "idx": "constexpr", "n": "i32", "scale": "fp32", "one": "constexpr",
+                 "BLOCK": "constexpr"}
+    seen, compiled, triton_path = [], [], []
+
+    def fake_launch(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        seen.append(((gx, gy, gz), _decode(params, "QifQQ")))
+        return 0
+
+    monkeypatch.setattr(_device, "is_interpreter", lambda: False)
+    monkeypatch.setattr(_launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(_launch, "_current_index", lambda: 0)
+    monkeypatch.setattr(_launch, "_run", lambda *args: triton_path.append(args[1]))
+    monkeypatch.setattr(_driver, "available", lambda: True)
+    monkeypatch.setattr(_driver, "launch_kernel", lambda: fake_launch)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
+    launcher = _launch.CachedLauncher(None)
+    monkeypatch.setattr(launcher, "compile_and_launch",
+                        lambda grid, args, kwargs: compiled.append(grid) or (_FakeCompiled(signature), (64,)))
+    x, x2 = torch.empty(64), torch.empty(64)
+    launcher[(5,)](x, None, 4096, 0.5, 1, BLOCK=64)
+    assert compiled == [(5,)] and not seen
+    launcher[(7, 2)](x2, None, 8192, 2.0, 1, BLOCK=64)
+    assert seen == [((7, 2, 1), [x2.data_ptr(), 8192, 2.0, 0, 0])] and not triton_path
+    # another specialisation (n divisible by 16 -> not): compiled, then its own driver launch
+    launcher[(3,)](x, None, 4095, 1.0, 1, BLOCK=64)
+    assert compiled == [(5,), (3,)]
+    monkeypatch.setattr(_launch, "_no_hooks", lambda: False)
+    launcher[(4,)](x, None, 4096, 0.5, 1, BLOCK=64)
+    assert triton_path == [(4,)] and len(seen) == 1

@@ -3,8 +3,10 @@
 ``kernel[grid](*args, **kwargs)`` costs ~90 µs of host time on the H200 host for the attention
 kernel's 63 arguments (binding and specialising every argument, the cache-key hash, launch
 metadata), against ~24 µs for the compiled launcher alone (``benchmarks/NOTES.md``, session 3).
-``CachedLauncher`` keeps the compiled kernel of each specialisation and calls its launcher
-directly when a later call has the same specialisation.
+``CachedLauncher`` keeps the compiled kernel of each specialisation; a later call with the same
+specialisation goes through ``DriverLaunch`` (below) with that call's grid and values, or, where the
+driver path cannot take it (bools, profiler hooks, scratch memory), calls Triton's compiled launcher
+directly.
 
 The specialisation key holds the facts Triton specialises on, so a hit never reuses a kernel
 compiled for another specialisation (``tests/test_launch.py`` checks the two agree): a tensor's
@@ -62,6 +64,11 @@ def _args_key(args: tuple) -> tuple:
                   if type(a) is int else _arg_key(a) for a in args])
 
 
+# False: ``CachedLauncher`` calls Triton's compiled launcher on every hit (the driver path off, for
+# comparisons; ``BoundLaunch`` keeps its own)
+CACHED_DRIVER_PATH = True
+
+
 class CachedLauncher:
     """``launcher[grid](*args, **kwargs)``, as ``kernel[grid](...)``.
 
@@ -72,6 +79,9 @@ class CachedLauncher:
     def __init__(self, kernel: triton.runtime.JITFunction) -> None:
         self.kernel = kernel
         self._compiled: Dict[Tuple, Tuple[Any, tuple]] = {}
+        # per specialisation key: (DriverLaunch, HeadKinds), or None where the driver path cannot
+        # take the kernel or its arguments (built at the key's second call)
+        self._driver: Dict[Tuple, Optional[Tuple["DriverLaunch", "HeadKinds"]]] = {}
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
@@ -100,10 +110,31 @@ class CachedLauncher:
         if hit is None:
             if len(self._compiled) >= 256:
                 self._compiled.clear()
+                self._driver.clear()
             self._compiled[key] = self.compile_and_launch(grid, args, kwargs)
+            return
+        fast = self._driver.get(key, _UNBUILT) if CACHED_DRIVER_PATH else None
+        if fast is _UNBUILT:
+            fast = self._driver[key] = self._driver_launch(hit, grid, args, device)
+        if fast is not None and type(grid) is tuple and _no_hooks():
+            launch, kinds = fast
+            launch([t.data_ptr() for t in kinds.tensors(args)], kinds.ints(args), kinds.floats(args), (),
+                   grid + (1,) * (3 - len(grid)))
             return
         compiled, tail = hit
         _run(compiled, grid, device, args, args, tail)
+
+    @staticmethod
+    def _driver_launch(hit, grid, args: tuple, device: int) -> Optional[Tuple["DriverLaunch", "HeadKinds"]]:
+        """The driver path for the later calls of one specialisation: every call of a key has the
+        same kinds of arguments (tensors, ints, floats, ``None``), so they are found once. ``None``
+        where an argument is of another kind (bools, TMA boxes, subclasses) or ``DriverLaunch``
+        refuses the kernel."""
+        kinds = HeadKinds.of(args, allow_none=True)
+        if kinds is None or kinds.positions["b"] or type(grid) is not tuple:
+            return None
+        launch = DriverLaunch.build(hit, grid + (1,) * (3 - len(grid)), args, (), device)
+        return None if launch is None else (launch, kinds)
 
 
 class TmaBox(NamedTuple):
@@ -250,7 +281,9 @@ class HeadKinds:
     __hash__ = None
 
     @staticmethod
-    def of(head: tuple) -> Optional["HeadKinds"]:
+    def of(head: tuple, allow_none: bool = False) -> Optional["HeadKinds"]:
+        """``allow_none``: a ``None`` argument (a constexpr parameter to Triton, no parameter slot)
+        is kind ``n``, picked by no getter."""
         kinds = []
         for a in head:
             t = type(a)
@@ -262,6 +295,8 @@ class HeadKinds:
                 kinds.append("f")
             elif t is TmaBox:
                 kinds.append("b")
+            elif a is None and allow_none:
+                kinds.append("n")
             else:  # None, bools, subclasses: Triton's path
                 return None
         return HeadKinds(tuple(kinds))
@@ -309,7 +344,9 @@ class DriverLaunch:
         values = list(head) + list(tail) + list(constexprs)
         if len(signature) != len(values) or not all(isinstance(ty, str) for ty in signature):
             return None
-        kinds = HeadKinds.of(head)
+        kinds = HeadKinds.of(head, allow_none=True)
+        if kinds is None or any(a is None and ty != "constexpr" for a, ty in zip(head, signature)):
+            return None
         tma_meta = list(getattr(meta, "tensordesc_meta", None) or [])
         # the head buffer packs the call's pointers, ints, floats and TMA boxes' shapes and strides,
         # in that order: its format, and which head position each packed item comes from
@@ -372,14 +409,15 @@ class DriverLaunch:
         self.launch = _driver.launch_kernel()
         return self
 
-    def __call__(self, ptrs: list, ints: tuple, floats: tuple, boxes: tuple) -> None:
+    def __call__(self, ptrs: list, ints: tuple, floats: tuple, boxes: tuple, grid: Optional[tuple] = None) -> None:
+        """``grid``: this call's (3-D) grid, else the one it was built with."""
         if boxes:
             self._set_maps(boxes)
             self.head_format.pack_into(self.head_buffer, 0, *ptrs, *ints, *floats,
                                        *[x for b in boxes for x in (*b.shape, *b.strides)])
         else:
             self.head_format.pack_into(self.head_buffer, 0, *ptrs, *ints, *floats)
-        gx, gy, gz = self.grid
+        gx, gy, gz = grid or self.grid
         if gx * gy * gz == 0:
             return
         result = self.launch(self.function, gx, gy, gz, self.block, 1, 1, self.shared,
@@ -402,6 +440,9 @@ class DriverLaunch:
                                      box.strides, meta["block_size"], meta["elem_size"], meta["swizzle"], False)
                 self.maps[key] = tensor_map
             self.params[self.box_slots[n]] = tensor_map.address
+
+
+_UNBUILT = object()
 
 
 def _current_index() -> int:
