@@ -22,6 +22,7 @@
 #                the sampling tests synchronise after every call, and many processes time-slice the GPU)
 #   tests-sampling  pytest -m gpu on the sampling, logits-processor and demo-sampling tests
 #   fit-lp       FlashInfer's own tests for the logits processor alone (2 workers)
+#   fit-lp-vs    ... the logits processor's pipeline-against-function cases only (exact sample equality)
 #   fit-multi-item  ... test_hopper.py's multi-item scoring cases only
 #   fit-hopper   ... for test_hopper.py and test_batch_prefill_kernels.py (4 workers)
 #   sampling-profile  benchmarks/sampling_profile.py: kernel breakdown of each sampling function, with
@@ -107,6 +108,8 @@ case "$part" in
     fit_run fit 4 tests/utils/test_sampling.py tests/utils/test_logits_processor.py ;;
   fit-lp)
     fit_run fit-lp 2 tests/utils/test_logits_processor.py ;;
+  fit-lp-vs)
+    fit_run fit-lp-vs 4 tests/utils/test_logits_processor.py -k VsSamplingOps ;;
   fit-multi-item)
     fit_run fit-multi-item 4 tests/attention/test_hopper.py -k multi_item ;;
   fit-hopper)
