@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tritoninfer
-from tritoninfer import reference
+from tritoninfer import mla, reference
 from tritoninfer.mla import (
     BatchDecodeMlaWithPagedKVCacheWrapper,
     BatchMLAPagedAttentionWrapper,
@@ -119,12 +119,20 @@ def test_mla_one_masked_loop(monkeypatch, causal):
     assert_lse_close(lse, ref_lse, dtype=torch.bfloat16)
 
 
-def test_mla_split_kv_merges_and_lse_base_e():
-    """A long request on few SMs is split; the last split merges the group in the same launch."""
+@pytest.mark.parametrize("merge_pass,columns", [(False, 32), (True, 32), (True, 16), (True, 8)],
+                         ids=["fused", "pass-one-chunk", "pass-2-chunks", "pass-4-chunks"])
+def test_mla_split_kv_merges_and_lse_base_e(monkeypatch, merge_pass, columns):
+    """A long request on few SMs is split; its states are merged by the last split to arrive (fused)
+    or by a second launch where each split merges a share of the value columns (groups of 2 and 4
+    splits: with 2 chunks some splits merge nothing, with 4 some merge two)."""
+    monkeypatch.setattr(mla, "_MERGE_PASS", merge_pass)
+    monkeypatch.setattr(mla, "_MERGE_COLUMNS", columns)
     c = make_case([2, 1], [150, 90], 4, 32, 16, 4, torch.float16)
     w = BatchMLAPagedAttentionWrapper(make_workspace(WS, DEVICE))
     plan(w, c, 4, 4, True, 0.2, torch.float16)
     assert w._step.device_plan.has_splits
+    splits = w._step.device_plan.work[:, 5].cpu()
+    assert {2, 4} <= set(splits.tolist()), splits.tolist()
     out, lse = w.run(c["q_nope"], c["q_pe"], c["ckv"], c["kpe"], return_lse=True, return_lse_base_on_e=True)
     ref_o, ref_lse = ref_of(c, 0.2, True)
     assert_close(out, ref_o, torch.float16)

@@ -141,21 +141,27 @@ def test_build_work_reuses_layouts_without_sharing_them():
         assert (cached.work[:, 3] <= grown[cached.work[:, 0]]).all() and cached.work[:, 3].max() == grown.max()
 
 
-def test_split_chunk_counts_the_merge_of_wide_states():
-    """MLA's [64, 512] float32 partial states cost their merging program ~26 latent positions each
-    (``mla.merge_positions``): one 8K request at 128 heads (2 row blocks, one program an SM) then
-    takes 16 splits, where the one-tile merge estimate fills the 132 SMs with 64."""
+def test_split_chunk_counts_the_merge_of_wide_states(monkeypatch):
+    """MLA's [64, 512] float32 partial states cost a merging program ~26 latent positions each
+    (``mla.merge_positions``): merged by one program (the fused merge), one 8K request at 128 heads
+    (2 row blocks, one program an SM) takes 16 splits, where the one-tile merge estimate fills the 132
+    SMs with 64; with the merge pass (16 programs share a merge's columns) it keeps the 64."""
     import torch
 
     from tritoninfer import mla
 
     kv, q_tiles = np.array([8192]), np.array([1])
-    cost = mla.merge_positions(64, 512, 64, torch.bfloat16)
-    assert cost == 26
-    plain = _plan.kv_split_chunk(kv, q_tiles, 2, 132, 32, 64, None, False, programs_per_sm=1)
-    wide = _plan.kv_split_chunk(kv, q_tiles, 2, 132, 32, 64, None, False, programs_per_sm=1, merge_positions=cost)
-    assert -(-8192 // plain) == 64 and -(-8192 // wide) == 16
+    monkeypatch.setattr(mla, "_MERGE_PASS", False)
+    fused = mla.merge_positions(64, 512, 64, torch.bfloat16)
+    monkeypatch.setattr(mla, "_MERGE_PASS", True)
+    shared = mla.merge_positions(64, 512, 64, torch.bfloat16)
+    assert (fused, shared) == (26, 2)
+    splits = {}
+    for name, cost in (("plain", 0), ("fused", fused), ("shared", shared)):
+        chunk = _plan.kv_split_chunk(kv, q_tiles, 2, 132, 32, 64, None, False, programs_per_sm=1, merge_positions=cost)
+        splits[name] = -(-8192 // chunk)
+    assert splits == {"plain": 64, "fused": 16, "shared": 64}
     # a batch that fills the SMs without splits keeps none either way
     many = np.full(64, 8192)
     assert _plan.kv_split_chunk(many, np.ones(64, np.int64), 2, 132, 32, 64, None, False, programs_per_sm=1,
-                                merge_positions=cost) is None
+                                merge_positions=fused) is None

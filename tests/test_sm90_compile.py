@@ -161,6 +161,12 @@ MLA_CASES = {
     "mla-32h-decode-e4m3": (32, 1, False, 1, False, "fp8e4nv"),  # 32 rows
     "mla-16h-q4-causal-e4m3": (16, 4, True, 64, True, "fp8e4nv"),  # 32 rows, causal
     "mla-16h-decode-e5m2": (16, 1, False, 1, False, "fp8e5"),
+    # the split-KV merge: fused in the attention launch (0), and the merge pass (2) after a launch
+    # that only writes the states (1, every case above)
+    "mla-128h-decode-fused-merge": (128, 1, False, 1, False, "bf16", 0),
+    "mla-128h-merge-pass": (128, 1, False, 64, True, "bf16", 2),
+    "mla-16h-merge-pass": (16, 1, False, 64, True, "bf16", 2),
+    "mla-128h-merge-pass-e4m3": (128, 1, False, 64, True, "fp8e4nv", 2),
 }
 
 
@@ -168,18 +174,15 @@ def compile_mla_case(name: str):
     """Compiles one MLA case for sm_90 with the GPU tiles of ``mla.mla_tiles`` and the constexprs its
     launcher binds."""
     from tritoninfer.kernels.mla import mla_fwd_kernel
-    from tritoninfer.mla import mla_tiles
+    from tritoninfer.mla import launch_constexprs, mla_tiles
 
-    heads, q_len, causal, page_size, write_lse, *kv = MLA_CASES[name]
-    kv = kv[0] if kv else "bf16"
+    heads, q_len, causal, page_size, write_lse, *rest = MLA_CASES[name]
+    kv = rest[0] if rest else "bf16"
+    merge_mode = rest[1] if len(rest) > 1 else 1
     tiles = mla_tiles(heads, q_len, kv != "bf16")
-    merge_dv = min(512, max(16, 4096 // tiles.block_m))
-    constexprs = dict(NUM_HEADS=heads, HEAD_DIM_CKV=512, HEAD_DIM_KPE=64, BLOCK_M=tiles.block_m,
-                      BLOCK_N=tiles.block_n, BLOCK_CKV=512, BLOCK_KPE=64, PAGE_SIZE=page_size, IS_CAUSAL=causal,
-                      WRITE_LSE=write_lse, DOT_DTYPE=tl.bfloat16 if kv == "bf16" else tl.float16, FOLD_SCALE=True,
-                      NUM_STAGES=tiles.num_stages, KV_AS_M=tiles.kv_as_m, MASK_FREE_TILES=tiles.mask_free_tiles,
-                      MERGE_DV_CHUNK=merge_dv, MERGE_SPLIT_BLOCK=max(1, min(8, 8192 // (tiles.block_m * merge_dv))),
-                      SCALE_Q_PE=kv != "bf16")
+    constexprs = launch_constexprs(heads, 512, 64, tiles, page_size, causal, write_lse,
+                                   tl.bfloat16 if kv == "bf16" else tl.float16, True, kv != "bf16", merge_mode)
+    del constexprs["num_warps"], constexprs["num_stages"]
     sig, attrs = {}, {}
     for i, p in enumerate(mla_fwd_kernel.params):
         n = p.name

@@ -11,8 +11,9 @@ The kernel (``kernels/mla.py``) lets one program take a block of (query token, h
 request and load each KV tile once for all of them, so the latent cache is read once per request
 and row block, not once per head. ``plan()`` does the host work (page-table checks, the split-KV
 decision and work list of ``_step.plan_work``, one upload); ``run()`` checks its tensors against the
-plan and launches once (the splits' partial states are merged inside the launch). ``run()`` never
-synchronises with the host.
+plan and launches the kernel, then, when the plan splits a request's KV, the kernel's merge pass
+(each split's program merges a share of the value columns of its group's partial states:
+``_MERGE_PASS``). ``run()`` never synchronises with the host.
 
 Beyond FlashInfer 0.5.3 (whose MLA refuses fp8): an fp8 latent cache, ``kv_data_type`` e4m3 (or
 e5m2), with per-tensor dequantisation scales given to ``run(ckv_scale=, kpe_scale=)``, the names and
@@ -114,14 +115,25 @@ def mla_tiles(num_heads: int, avg_q_len: float, kv_fp8: bool = False) -> Tiles:
 
 
 def merge_positions(block_m: int, head_dim_ckv: int, head_dim_kpe: int, kv_dtype: torch.dtype) -> int:
-    """What merging one split's partial state costs the merging program, in latent-cache positions
+    """What merging one split's partial state costs, in latent-cache positions of one program's work
     (``_plan.kv_split_chunk``): the [block_m, head_dim_ckv] float32 state's bytes over what one
     position costs a program, the larger of its ckv + kpe bytes and ``_POSITION_BYTES_PER_ROW``
-    times its rows (the dots). 26 at DeepSeek's dims, whatever the rows: one 8K request at 128 heads
-    then takes 16 splits, not the 64 that fill the SMs (whose merge cost ~190 of its 200 µs)."""
+    times its rows (the dots): 26 at DeepSeek's dims, whatever the rows. With the merge pass
+    (``_MERGE_PASS``) the value columns of a merge are shared by up to one split program a
+    ``_MERGE_COLUMNS``-column chunk (16 at 512), so a split costs that much less (2): one 8K request at
+    128 heads keeps the 64 splits that fill the SMs; with the fused merge (one program merges its
+    group alone) it takes 16."""
     state = block_m * head_dim_ckv * 4
     row = (head_dim_ckv + head_dim_kpe) * torch.empty((), dtype=kv_dtype).element_size()
-    return cdiv(state, max(row, _POSITION_BYTES_PER_ROW * block_m))
+    one = cdiv(state, max(row, _POSITION_BYTES_PER_ROW * block_m))
+    return cdiv(one, max(1, max(16, next_pow2(head_dim_ckv)) // _MERGE_COLUMNS)) if _MERGE_PASS else one
+
+
+# The split-KV merge: a launch of its own after the attention (True), each split program merging a
+# share of the value columns, or the fused one (False: the last split to arrive merges its group).
+_MERGE_PASS = True
+# the merge pass's columns a chunk (launch_constexprs)
+_MERGE_COLUMNS = 32
 
 
 # A position's cost to a 64-row program, as bytes read at the merge's rate: measured on the H200
@@ -156,7 +168,8 @@ class MLAStep:
 
 class MLALaunch:
     """The MLA kernel's launch with what one plan fixes bound (grid, plan tensors, workspace views,
-    constexprs); a call passes the query, cache, output and LSE tensors."""
+    constexprs), and its merge pass when the plan has splits; a call passes the query, cache, output
+    and LSE tensors to both."""
 
     def __init__(self, step: MLAStep, workspace: torch.Tensor, write_lse: bool, dot) -> None:
         plan, tiles, heads, d_ckv = step.device_plan, step.tiles, step.num_heads, step.head_dim_ckv
@@ -174,23 +187,23 @@ class MLALaunch:
             counters = plan.counters.get(plan.capacity * tiles.row_tiles)
         else:
             part_o = part_lse = counters = self.dummy  # never touched: every item writes its final output
-        block_ckv = max(16, next_pow2(d_ckv))
-        merge_dv = min(block_ckv, max(16, 4096 // tiles.block_m))
-        kwargs = dict(
-            NUM_HEADS=heads, HEAD_DIM_CKV=d_ckv, HEAD_DIM_KPE=step.head_dim_kpe, BLOCK_M=tiles.block_m,
-            BLOCK_N=tiles.block_n, BLOCK_CKV=block_ckv, BLOCK_KPE=max(16, next_pow2(step.head_dim_kpe)),
-            PAGE_SIZE=step.page_size, IS_CAUSAL=step.causal, WRITE_LSE=write_lse, DOT_DTYPE=dot,
-            FOLD_SCALE=step.sm_scale > 0, NUM_STAGES=tiles.num_stages, KV_AS_M=tiles.kv_as_m,
-            MASK_FREE_TILES=tiles.mask_free_tiles, SCALE_Q_PE=step.kv_dtype in FP8_DTYPES,
-            MERGE_DV_CHUNK=merge_dv,
-            MERGE_SPLIT_BLOCK=max(1, min(8, 8192 // (tiles.block_m * merge_dv))),
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        )
+        splits = plan.has_splits or plan.always_merge
+        merge_pass = splits and _MERGE_PASS
+        if merge_pass:
+            counters = self.dummy  # no arrival counters: the merge is its own launch
+        kwargs = launch_constexprs(heads, d_ckv, step.head_dim_kpe, tiles, step.page_size, step.causal, write_lse,
+                                   dot, step.sm_scale > 0, step.kv_dtype in FP8_DTYPES, 1 if merge_pass else 0)
         tail = (part_o, part_lse, counters, plan.work, plan.qo_indptr, step.kv_indptr, step.kv_indices, plan.kv_len,
                 plan.state_offset, fault_record(device), step.kv_indices.numel(), tiles.tile_tokens)
         self.keep = (workspace, step.kv_indptr, step.kv_indices)  # the identities in _launch's key stay alive
         self.needs_pages = plan.reads_kv
-        self.launch = _MLA.bind((tiles.row_tiles, plan.capacity), tail, kwargs)
+        grid = (tiles.row_tiles, plan.capacity)
+        self.launch = _MLA.bind(grid, tail, kwargs)
+        self.merge = None
+        if merge_pass:
+            self.merge = _MLA.bind(grid, tail, launch_constexprs(
+                heads, d_ckv, step.head_dim_kpe, tiles, step.page_size, step.causal, write_lse, dot,
+                step.sm_scale > 0, step.kv_dtype in FP8_DTYPES, 2))
         self.sm_scale_log2 = step.sm_scale / _LN2
 
     def __call__(self, q_nope, q_pe, ckv, kpe, out, lse, sm_scale_log2: float, lse_scale: float,
@@ -198,9 +211,32 @@ class MLALaunch:
         if self.needs_pages and ckv.shape[0] == 0:
             raise ValueError("ckv_cache: the cache has no pages, but the plan reads KV from it")
         lse_args = (lse, lse.stride(0), lse.stride(1)) if lse is not None else (self.dummy, 0, 0)
-        self.launch(q_nope, q_nope.stride(0), q_nope.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1),
-                    ckv, ckv.stride(0), ckv.stride(1), kpe, kpe.stride(0), kpe.stride(1), ckv.shape[0],
-                    out, out.stride(0), out.stride(1), *lse_args, sm_scale_log2, lse_scale, q_pe_scale, v_scale)
+        head = (q_nope, q_nope.stride(0), q_nope.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1),
+                ckv, ckv.stride(0), ckv.stride(1), kpe, kpe.stride(0), kpe.stride(1), ckv.shape[0],
+                out, out.stride(0), out.stride(1), *lse_args, sm_scale_log2, lse_scale, q_pe_scale, v_scale)
+        self.launch(*head)
+        if self.merge is not None:
+            self.merge(*head)
+
+
+def launch_constexprs(heads: int, d_ckv: int, d_kpe: int, tiles: Tiles, page_size: int, causal: bool,
+                      write_lse: bool, dot, fold_scale: bool, scale_q_pe: bool, merge_mode: int) -> dict:
+    """The MLA kernel's compile-time arguments (``kernels/mla.py``; ``merge_mode`` its ``MERGE_MODE``).
+    The merge pass (2) takes ``_MERGE_COLUMNS``-column chunks: a 512-wide state's 16 chunks spread
+    over up to 16 split programs; the fused merge (0) 4,096 / rows columns, one program walking them."""
+    block_ckv = max(16, next_pow2(d_ckv))
+    merge_dv = min(block_ckv, _MERGE_COLUMNS if merge_mode == 2 else max(16, 4096 // tiles.block_m))
+    return dict(
+        NUM_HEADS=heads, HEAD_DIM_CKV=d_ckv, HEAD_DIM_KPE=d_kpe, BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n, BLOCK_CKV=block_ckv, BLOCK_KPE=max(16, next_pow2(d_kpe)),
+        PAGE_SIZE=page_size, IS_CAUSAL=causal, WRITE_LSE=write_lse, DOT_DTYPE=dot,
+        FOLD_SCALE=fold_scale, NUM_STAGES=tiles.num_stages, KV_AS_M=tiles.kv_as_m,
+        MASK_FREE_TILES=tiles.mask_free_tiles, SCALE_Q_PE=scale_q_pe,
+        MERGE_DV_CHUNK=merge_dv,
+        # (the merge pass at 16 rows spilled 16 bytes with 8 states a step)
+        MERGE_SPLIT_BLOCK=max(1, min(4 if merge_mode == 2 else 8, 8192 // (tiles.block_m * merge_dv))),
+        MERGE_MODE=merge_mode, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
 
 
 def out_dtype(q_dtype: torch.dtype) -> torch.dtype:

@@ -12,9 +12,11 @@ program. Its per-tensor scales are folded: ``ckv_scale`` into ``sm_scale_log2`` 
 output), ``kpe_scale / ckv_scale`` into ``q_pe`` on load (``SCALE_Q_PE``), so the loop is unchanged.
 
 Work items are the attention core's (``_plan.py``: request, first query token, kv_start, kv_end,
-split, splits, group). A request whose KV is split writes fp32 partial states; the last split of a
-group to arrive merges the group (the same arrival-counter scheme as ``kernels/attention.py``), so a
-run is one launch. Page ids and page-table ranges from the caller are bounded here and reported to
+split, splits, group). A request whose KV is split writes fp32 partial states, merged either by the
+last split of a group to arrive (``MERGE_MODE`` 0: the arrival-counter scheme of
+``kernels/attention.py``, one launch) or by a second launch over the same work list (``MERGE_MODE``
+1, then 2), where each split's program merges its share of the value columns: a [64, 512] float32
+state is 128 KB, and one program merging 64 of them alone took ~190 µs on the H200. Page ids and page-table ranges from the caller are bounded here and reported to
 the fault record (``kernels/faults.py``), never followed outside the tensors.
 """
 
@@ -76,14 +78,15 @@ def mla_tile(m_i, l_i, acc, bad_page, q_nope, q_pe, start, hi, diag,
 
 @triton.jit
 def mla_merge(o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, lse_scale, v_scale,
-              part_o_ptr, part_lse_ptr, first, num_splits, o_rows, lse_rows, head, row_ok,
-              NUM_HEADS: tl.constexpr, HEAD_DIM_CKV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_CKV: tl.constexpr,
+              part_o_ptr, part_lse_ptr, first, num_splits, o_rows, lse_rows, head, row_ok, chunk_lo, chunk_hi,
+              NUM_HEADS: tl.constexpr, HEAD_DIM_CKV: tl.constexpr, BLOCK_M: tl.constexpr,
               DV_CHUNK: tl.constexpr, SPLIT_BLOCK: tl.constexpr, WRITE_LSE: tl.constexpr):
     """The final output of the block's rows from their ``num_splits`` partial states (``first``
-    [BLOCK_M]: each row's first state), ``DV_CHUNK`` value columns at a time. The states were written
-    by other programs of this launch: loaded through L2 (``.cg``), never from a stale L1 line."""
+    [BLOCK_M]: each row's first state), ``DV_CHUNK`` value columns at a time, chunks ``chunk_lo`` to
+    ``chunk_hi`` (the LSE with chunk 0). The states were written by other programs (of this launch,
+    or of the previous one): loaded through L2 (``.cg``), never from a stale L1 line."""
     offs_s = tl.arange(0, SPLIT_BLOCK)
-    for chunk in tl.static_range(BLOCK_CKV // DV_CHUNK):
+    for chunk in range(chunk_lo, chunk_hi):
         offs_d = chunk * DV_CHUNK + tl.arange(0, DV_CHUNK)
         d_ok = offs_d < HEAD_DIM_CKV
         m_i, l_i, acc = merge_split_columns(part_o_ptr, part_lse_ptr, first, num_splits, NUM_HEADS, head, row_ok,
@@ -91,8 +94,9 @@ def mla_merge(o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, strid
         o, lse = finalize(m_i, l_i, acc, 0.0, v_scale, False)
         tl.store(o_ptr + o_rows[:, None] + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & d_ok[None, :])
-        if WRITE_LSE and chunk == 0:
-            tl.store(lse_ptr + lse_rows, lse * lse_scale, mask=row_ok)
+        if WRITE_LSE:
+            if chunk == 0:
+                tl.store(lse_ptr + lse_rows, lse * lse_scale, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["num_pages", "num_indices"])
@@ -123,9 +127,13 @@ def mla_fwd_kernel(
     PAGE_SIZE: tl.constexpr, IS_CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_DTYPE: tl.constexpr,
     FOLD_SCALE: tl.constexpr, NUM_STAGES: tl.constexpr, KV_AS_M: tl.constexpr, MASK_FREE_TILES: tl.constexpr,
     MERGE_DV_CHUNK: tl.constexpr, MERGE_SPLIT_BLOCK: tl.constexpr, SCALE_Q_PE: tl.constexpr,
+    MERGE_MODE: tl.constexpr,
 ):
     """Grid ``(row programs, work items)``: the row programs of one item are neighbours in launch
-    order, so their reads of the same KV tiles meet in L2."""
+    order, so their reads of the same KV tiles meet in L2. ``MERGE_MODE``: 0, a split item writes its
+    partial state and the last of its group merges them; 1, it only writes it; 2 (the launch after a
+    1), no attention: the item's program merges chunks ``split * c .. (split + 1) * c`` of its rows'
+    value columns (``c`` = the chunks over the splits, rounded up)."""
     i_rows = tl.program_id(0)
     i_item = tl.program_id(1)
     w = work_ptr + i_item * 7
@@ -155,6 +163,18 @@ def mla_fwd_kernel(
     offs_c = tl.arange(0, BLOCK_CKV)
     offs_p = tl.arange(0, BLOCK_KPE)
     q_tok = (q_start + tok).to(tl.int64)
+    o_rows = q_tok * stride_o_tok + head.to(tl.int64) * stride_o_head
+    lse_rows = q_tok * stride_lse_tok + head.to(tl.int64) * stride_lse_head
+    if MERGE_MODE == 2:
+        if num_splits > 1:
+            chunks: tl.constexpr = BLOCK_CKV // MERGE_DV_CHUNK
+            share = (chunks + num_splits - 1) // num_splits
+            first = tl.load(state_offset_ptr + req) + tok * num_splits
+            mla_merge(o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, lse_scale, v_scale,
+                      part_o_ptr, part_lse_ptr, first, num_splits, o_rows, lse_rows, head, row_ok,
+                      tl.minimum(split * share, chunks), tl.minimum((split + 1) * share, chunks),
+                      NUM_HEADS, HEAD_DIM_CKV, BLOCK_M, MERGE_DV_CHUNK, MERGE_SPLIT_BLOCK, WRITE_LSE)
+        return
     # [BLOCK_M, BLOCK_CKV]
     q_nope = tl.load(q_nope_ptr + (q_tok * stride_qn_tok + head * stride_qn_head)[:, None] + offs_c[None, :],
                      mask=row_ok[:, None] & (offs_c < HEAD_DIM_CKV)[None, :], other=0.0).to(DOT_DTYPE)
@@ -216,8 +236,6 @@ def mla_fwd_kernel(
                 True, IS_CAUSAL, FOLD_SCALE, KV_AS_M)
     report_bad_pages(err_ptr, bad_page, num_pages, req)
 
-    o_rows = q_tok * stride_o_tok + head.to(tl.int64) * stride_o_head
-    lse_rows = q_tok * stride_lse_tok + head.to(tl.int64) * stride_lse_head
     if num_splits == 1:
         o, lse = finalize(m_i, l_i, acc, 0.0, v_scale, False)
         tl.store(o_ptr + o_rows[:, None] + offs_c[None, :], o.to(o_ptr.dtype.element_ty),
@@ -232,13 +250,15 @@ def mla_fwd_kernel(
         tl.store(part_o_ptr + st_row[:, None] * HEAD_DIM_CKV + offs_c[None, :], o,
                  mask=row_ok[:, None] & (offs_c < HEAD_DIM_CKV)[None, :])
         tl.store(part_lse_ptr + st_row, lse, mask=row_ok)
-        # the last split of the group to arrive merges them all: every thread's stores are done
-        # (barrier) before one thread's release; its acquire orders the other splits' stores first
-        tl.debug_barrier()
-        group = tl.load(w + 6)
-        counter = counter_ptr + group.to(tl.int64) * tl.num_programs(0) + i_rows
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-            tl.store(counter, 0)  # every split has arrived: nothing else reads it in this launch
-            mla_merge(o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, lse_scale, v_scale,
-                      part_o_ptr, part_lse_ptr, first, num_splits, o_rows, lse_rows, head, row_ok,
-                      NUM_HEADS, HEAD_DIM_CKV, BLOCK_M, BLOCK_CKV, MERGE_DV_CHUNK, MERGE_SPLIT_BLOCK, WRITE_LSE)
+        if MERGE_MODE == 0:
+            # the last split of the group to arrive merges them all: every thread's stores are done
+            # (barrier) before one thread's release; its acquire orders the other splits' stores first
+            tl.debug_barrier()
+            group = tl.load(w + 6)
+            counter = counter_ptr + group.to(tl.int64) * tl.num_programs(0) + i_rows
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                tl.store(counter, 0)  # every split has arrived: nothing else reads it in this launch
+                mla_merge(o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, lse_scale,
+                          v_scale, part_o_ptr, part_lse_ptr, first, num_splits, o_rows, lse_rows, head, row_ok,
+                          0, BLOCK_CKV // MERGE_DV_CHUNK, NUM_HEADS, HEAD_DIM_CKV, BLOCK_M, MERGE_DV_CHUNK,
+                          MERGE_SPLIT_BLOCK, WRITE_LSE)
