@@ -91,6 +91,10 @@ def tiles(monkeypatch, request):
     elif request.param == "segs64":
         monkeypatch.setattr(sampling, "_INTERP_MAX_BLOCK", 16)
         monkeypatch.setattr(sampling, "_INTERP_MAX_SEGMENT", 64)
+    elif request.param == "segs64x2":
+        # two tiles a segment: the loops that load four tiles a step must not read the next segment
+        monkeypatch.setattr(sampling, "_INTERP_MAX_BLOCK", 32)
+        monkeypatch.setattr(sampling, "_INTERP_MAX_SEGMENT", 64)
     return request.param
 
 
@@ -347,7 +351,7 @@ def spy_compaction(monkeypatch) -> list:
     return seen
 
 
-@pytest.mark.parametrize("tiles", ["one_tile", "segs64"], indirect=True)
+@pytest.mark.parametrize("tiles", ["one_tile", "segs64", "segs64x2"], indirect=True)
 def test_compacted_path_matches_full_path(monkeypatch, device, tiles):
     """The compacted finish (``_CAP`` large), the full passes (``_CAP = 0``) and a mix (a small cap:
     peaked rows compacted, flat rows overflowing, in one batch) give the same samples for the same

@@ -266,11 +266,16 @@ def sampling_cases():
     for name, flags in (("plain", plain), ("topk-topp", joint), ("minp", minp)):
         gate = dict(flags, GATE=name != "plain")
         cases[f"sample-mass-{name}"] = (ks.sample_mass_kernel, dict(gate, **stream))
-        cases[f"sample-pick-{name}"] = (ks.sample_pick_kernel, dict(gate, PER_SOURCE=False, **stream))
-    # plain sampling's pick: a 4,096-entry segment in one tile (sampling._Split.pick)
+        cases[f"sample-pick-{name}"] = (ks.sample_pick_kernel, dict(gate, PER_SOURCE=False, TILES_P2=8, **stream))
+    # plain sampling's pick: a 4,096-entry segment in one tile (sampling._Split.pick); a long segment
     cases["sample-pick-plain-one-tile"] = (ks.sample_pick_kernel, dict(plain, GATE=False, PER_SOURCE=False, ROWS=1,
-                                                                       SEGS_P2=64, BLOCK=4096, NUM_TILES=1))
-    cases["sample-pick-per-source"] = (ks.sample_pick_kernel, dict(joint, GATE=False, PER_SOURCE=True, **stream))
+                                                                       SEGS_P2=64, BLOCK=4096, NUM_TILES=1,
+                                                                       TILES_P2=8))
+    cases["sample-pick-minp-13-tiles"] = (ks.sample_pick_kernel, dict(minp, GATE=True, PER_SOURCE=False, ROWS=1,
+                                                                      SEGS_P2=8, BLOCK=2048, NUM_TILES=13,
+                                                                      TILES_P2=16))
+    cases["sample-pick-per-source"] = (ks.sample_pick_kernel, dict(joint, GATE=False, PER_SOURCE=True, TILES_P2=8,
+                                                                   **stream))
     cases["max-pass"] = (ks.max_pass_kernel, dict(HAS_INDICES=True, ROWS=1, BLOCK=2048, NUM_TILES=2))
     radix = {k: joint[k] for k in ("HAS_INDICES", "USE_K", "USE_P", "K_ARR", "P_ARR", "PARAM_BY_SOURCE")}
     radix["GATE"] = True

@@ -288,6 +288,7 @@ class _Split:
     def __init__(self, vocab: int, rows: int, device: torch.device, short: bool = False):
         """``short``: the shortest segments whatever the batch (plain sampling: its pick scans one
         segment a row in one tile, and the mass pass has no per-segment combine to pay for)."""
+        self.short = short
         if _device.is_interpreter():
             self.seg_len = min(next_pow2(vocab), _INTERP_MAX_SEGMENT)
             self.block_stream = self.block_search = min(self.seg_len, _INTERP_MAX_BLOCK)
@@ -317,12 +318,14 @@ class _Split:
                     NUM_TILES=self.seg_len // self.block_stream, num_warps=self.warps_stream)
 
     def pick(self) -> dict:
-        """The pick's tile: the whole segment when it is at most ``_GPU_BLOCK_PICK`` entries (one load,
-        one scan, one reduction: the tile loop's scan-and-reduce chain cost ~8 µs a tile on the H200)."""
-        if _device.is_interpreter() or self.seg_len > _GPU_BLOCK_PICK:
-            return self.stream()
-        return dict(ROWS=self.rows, SEGS_P2=self.segs_p2, BLOCK=self.seg_len, NUM_TILES=1,
-                    num_warps=self.warps_stream)
+        """The pick's tiles (``sample_pick_kernel``): the compaction's (its candidates are in the
+        same lane-major order), or for plain sampling (``short``, no compaction) the whole segment
+        when it is at most ``_GPU_BLOCK_PICK`` entries: one load, then index order."""
+        tiles = self.stream()
+        if self.short and not _device.is_interpreter() and self.seg_len <= _GPU_BLOCK_PICK:
+            tiles.update(BLOCK=self.seg_len, NUM_TILES=1)
+        tiles["TILES_P2"] = max(next_pow2(tiles["NUM_TILES"]), _GPU_MIN_SEGS_P2)
+        return tiles
 
     def search(self) -> dict:
         return dict(ROWS=self.rows, SEGS_P2=self.segs_p2, BLOCK=self.block_search,
