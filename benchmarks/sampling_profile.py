@@ -1,5 +1,5 @@
-"""Kernel-by-kernel device time of the sampling functions (``torch.profiler``) and their CUDA-graph
-replay time, for tritoninfer (with a few settings of its routing knobs) and FlashInfer, on rows of
+"""Kernel-by-kernel device time of the sampling functions (``torch.profiler``) and their eager time
+(``triton.testing.do_bench``: back-to-back calls), for tritoninfer (with a few settings of its routing knobs) and FlashInfer, on rows of
 ``softmax(randn * scale)``. Used to find what a sampling call spends its time on
 (``benchmarks/NOTES.md``, sampling).
 
@@ -9,12 +9,16 @@ replay time, for tritoninfer (with a few settings of its routing knobs) and Flas
 for a second set of rows; run it with another tree on PYTHONPATH to compare versions.
 """
 import argparse
+import sys
 
 import torch
 import triton.testing
 
-import tritoninfer
-from tritoninfer import sampling
+sys.path.insert(0, "benchmarks")
+from cascade_profile import kernel_times  # noqa: E402
+
+import tritoninfer  # noqa: E402
+from tritoninfer import sampling  # noqa: E402
 
 try:
     import flashinfer.sampling as fi
@@ -22,23 +26,6 @@ except Exception:  # noqa: BLE001
     fi = None
 
 VOCAB = 128256
-
-
-def kernel_times(fn, n=10):
-    """{kernel name: (launches a call, mean µs a launch)}."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-    rows = {}
-    for e in p.events():
-        if e.device_type.name == "CUDA":
-            rows.setdefault(e.name[:40], []).append(e.device_time)
-    return {k: (round(len(v) / n, 1), round(sum(v) / len(v), 1)) for k, v in rows.items()}
 
 
 def calls(lib, probs):

@@ -854,3 +854,17 @@ def test_grid_dry_run_and_one_part_end_to_end(tmp_path, capsys):
     assert {r["provider"] for r in rows} == {"tritoninfer", "flashinfer-tc", "flashinfer-cc", "reference"}
     _check_rows(rows)
     assert all(r["best_peer"] == "" for r in rows)
+
+
+def test_sampling_table_notes_say_how_a_row_was_timed():
+    """A row timed another way than by graph replays (a peer whose calls cannot be captured) says so
+    under the table; a table without such rows has no notes."""
+    from tritoninfer.bench import sampling as bench_sampling
+
+    plain = bench_sampling.Row("top_p_sampling_from_probs", 64, 128256, "tritoninfer", 40.0)
+    noted = bench_sampling.Row("top_p_sampling_from_probs", 64, 128256, "flashinfer", 70.0,
+                               note="graph capture failed: RuntimeError; time: the kernels' device time")
+    assert bench_sampling.notes([plain]) == ""
+    text = bench_sampling.notes([plain, noted])
+    assert "top_p_sampling_from_probs 64 × 128256, flashinfer: graph capture failed" in text
+    assert "tritoninfer" not in text
