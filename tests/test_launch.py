@@ -283,3 +283,36 @@ def test_cached_launcher_takes_the_driver_path_from_a_keys_second_call(monkeypat
     monkeypatch.setattr(_launch, "_no_hooks", lambda: False)
     launcher[(4,)](x, None, 4096, 0.5, 1, BLOCK=64)
     assert triton_path == [(4,)] and len(seen) == 1
+
+
+@pytest.mark.gpu
+def test_ops_take_the_driver_path_from_the_second_call(monkeypatch):
+    """The ops' launcher (``CachedLauncher``): RMSNorm and plain sampling (whose kernels take ``None``
+    arguments) launch through ``cuLaunchKernel`` from a specialisation's second call, with new
+    tensors and another grid, and still give the reference's result and valid samples; with the
+    switch off they take Triton's launcher."""
+    from tritoninfer import _launch, norm, reference, sampling
+
+    driver_calls = []
+    original = _launch.DriverLaunch.__call__
+
+    def counting(self, *args):
+        driver_calls.append(self.function)
+        return original(self, *args)
+
+    monkeypatch.setattr(_launch.DriverLaunch, "__call__", counting)
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(4096, generator=g).to("cuda", torch.bfloat16)
+    for rows in (8, 8, 24):
+        x = torch.randn(rows, 4096, generator=g).to("cuda", torch.bfloat16)
+        torch.testing.assert_close(norm.rmsnorm(x, w), reference.rmsnorm(x, w), atol=2e-2, rtol=2e-2)
+    assert len(driver_calls) == 2
+    probs = torch.softmax(torch.randn(16, 32000, generator=g).cuda(), -1)
+    for _ in range(3):
+        s = sampling.sampling_from_probs(probs).long()
+        assert (probs[torch.arange(16, device="cuda"), s] > 0).all()
+    assert len(driver_calls) >= 2 + 2 * 2  # the mass and pick kernels' second and third calls
+    monkeypatch.setattr(_launch, "CACHED_DRIVER_PATH", False)
+    before = len(driver_calls)
+    norm.rmsnorm(x, w)
+    assert len(driver_calls) == before
