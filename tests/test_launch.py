@@ -263,8 +263,9 @@ def test_cached_launcher_takes_the_driver_path_from_a_keys_second_call(monkeypat
         return 0
 
     monkeypatch.setattr(_device, "is_interpreter", lambda: False)
-    monkeypatch.setattr(_launch, "_current_device", lambda: 0)
-    monkeypatch.setattr(_launch, "_current_index", lambda: 0)
+    # the CPU tensors' device (-1) plays the current CUDA device
+    monkeypatch.setattr(_launch, "_current_device", lambda: -1)
+    monkeypatch.setattr(_launch, "_current_index", lambda: -1)
     monkeypatch.setattr(_launch, "_run", lambda *args: triton_path.append(args[1]))
     monkeypatch.setattr(_driver, "available", lambda: True)
     monkeypatch.setattr(_driver, "launch_kernel", lambda: fake_launch)
@@ -280,9 +281,17 @@ def test_cached_launcher_takes_the_driver_path_from_a_keys_second_call(monkeypat
     # another specialisation (n divisible by 16 -> not): compiled, then its own driver launch
     launcher[(3,)](x, None, 4095, 1.0, 1, BLOCK=64)
     assert compiled == [(5,), (3,)]
+    # a tensor on another device than the current one: Triton's launcher (which refuses it)
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 3)
+    launcher[(6,)](x, None, 4096, 0.5, 1, BLOCK=64)
+    assert triton_path == [(6,)] and len(seen) == 1
+    monkeypatch.undo()
+    monkeypatch.setattr(_device, "is_interpreter", lambda: False)
+    monkeypatch.setattr(_launch, "_current_device", lambda: -1)
+    monkeypatch.setattr(_launch, "_run", lambda *args: triton_path.append(args[1]))
     monkeypatch.setattr(_launch, "_no_hooks", lambda: False)
     launcher[(4,)](x, None, 4096, 0.5, 1, BLOCK=64)
-    assert triton_path == [(4,)] and len(seen) == 1
+    assert triton_path == [(6,), (4,)] and len(seen) == 1
 
 
 @pytest.mark.gpu
@@ -306,6 +315,9 @@ def test_ops_take_the_driver_path_from_the_second_call(monkeypatch):
     for rows in (8, 8, 24):
         x = torch.randn(rows, 4096, generator=g).to("cuda", torch.bfloat16)
         torch.testing.assert_close(norm.rmsnorm(x, w), reference.rmsnorm(x, w), atol=2e-2, rtol=2e-2)
+    assert len(driver_calls) == 2
+    with pytest.raises((ValueError, RuntimeError)):  # a CPU weight: refused, never launched with its address
+        norm.rmsnorm(x, w.cpu())
     assert len(driver_calls) == 2
     probs = torch.softmax(torch.randn(16, 32000, generator=g).cuda(), -1)
     for _ in range(3):

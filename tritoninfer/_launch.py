@@ -118,9 +118,13 @@ class CachedLauncher:
             fast = self._driver[key] = self._driver_launch(hit, grid, args, device)
         if fast is not None and type(grid) is tuple and _no_hooks():
             launch, kinds = fast
-            launch([t.data_ptr() for t in kinds.tensors(args)], kinds.ints(args), kinds.floats(args), (),
-                   grid + (1,) * (3 - len(grid)))
-            return
+            tensors = kinds.tensors(args)
+            # a tensor on another device (a CPU one by mistake) keeps Triton's launcher, which refuses
+            # it: the key does not hold devices, and the driver would take any address
+            if all(t.get_device() == device for t in tensors):
+                launch([t.data_ptr() for t in tensors], kinds.ints(args), kinds.floats(args), (),
+                       grid + (1,) * (3 - len(grid)))
+                return
         compiled, tail = hit
         _run(compiled, grid, device, args, args, tail)
 
