@@ -64,18 +64,6 @@ def _prompts(n: int, lo: int, hi: int, vocab: int, seed: int):
     return [torch.randint(1, vocab, (int(k),), generator=g).tolist() for k in lens]
 
 
-def _left_pad(prompts, device):
-    import torch
-
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros((len(prompts), width), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    return ids.to(device), mask.to(device)
-
-
 def _cuda_ms(fn, repeats: int) -> float:
     import torch
 
@@ -125,6 +113,7 @@ def main(argv=None) -> int:
 
     import tritoninfer
     import tritoninfer.integrations.transformers  # noqa: F401  registers "tritoninfer"
+    from tritoninfer.demo.hf_transformers import left_pad
 
     if not torch.cuda.is_available():
         print("bench_transformers.py needs a CUDA GPU", file=sys.stderr)
@@ -146,14 +135,14 @@ def main(argv=None) -> int:
             if "prefill" in parts:
                 for b in batches:
                     prompts = _prompts(b, args.prompt_len // 2, args.prompt_len, vocab, seed=b)
-                    ids, mask = _left_pad(prompts, device)
+                    ids, mask = left_pad(prompts, device)
                     ms = _cuda_ms(lambda: model(ids, attention_mask=mask, logits_to_keep=1), args.repeats)
                     rows.append((impl, "prefill", f"batch {b} x <= {args.prompt_len}", f"{ms:.2f} ms",
                                  f"{int(mask.sum()) / ms * 1e3:,.0f} prompt tok/s", ""))
             if "generate" in parts:
                 for b in batches:
                     prompts = _prompts(b, args.prompt_len // 2, args.prompt_len, vocab, seed=100 + b)
-                    ids, mask = _left_pad(prompts, device)
+                    ids, mask = left_pad(prompts, device)
                     kw = dict(attention_mask=mask, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                               do_sample=False, pad_token_id=0)
                     model.generate(ids, **dict(kw, max_new_tokens=4, min_new_tokens=4))  # warm-up

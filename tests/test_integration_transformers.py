@@ -13,7 +13,6 @@ On the CPU the models are tiny (2 layers, hidden 64, sequences of ~10 tokens) so
 interpreter runs the file in well under a minute; ``gpu`` tests use realistic shapes in bf16.
 """
 
-import copy
 import subprocess
 import sys
 
@@ -25,6 +24,7 @@ transformers = pytest.importorskip(
     reason="the transformers integration needs Hugging Face transformers >= 5.24 (pip install 'tritoninfer[transformers]')")
 
 import tritoninfer.integrations.transformers as ti  # noqa: E402
+from tritoninfer.demo.hf_transformers import model_configs, model_pair  # noqa: E402
 from tritoninfer.testing import rel_error, tolerance  # noqa: E402
 
 # float32 models run attention on float16 copies (tritoninfer's kernels take fp16/bf16 queries),
@@ -43,42 +43,8 @@ F32_REFERENCE = {"gpt_oss"}
 
 
 def _configs(big: bool = False):
-    """name -> (config, model class, reference attention implementation)."""
-    if big:  # Llama-3-8B-like attention shapes (32/8 heads, head_dim 128), few layers
-        common = dict(vocab_size=32000, hidden_size=4096, intermediate_size=8192, num_hidden_layers=2,
-                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192)
-        window = 256
-    else:
-        common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
-        window = 4
-    # larger weights than the default init make attention sharp, so masks and windows matter
-    common["initializer_range"] = 0.02 if big else 0.1
-    alternating = ["sliding_attention", "full_attention"]
-    t = transformers
-    llama3_rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64 if not big else 8192}
-    gemma2 = dict(common, head_dim=256, num_attention_heads=4 if not big else 16, num_key_value_heads=2 if not big else 8)
-    return {
-        "llama3": (t.LlamaConfig(**common, rope_parameters=llama3_rope), t.LlamaForCausalLM, "sdpa"),
-        "qwen3": (t.Qwen3Config(**common), t.Qwen3ForCausalLM, "sdpa"),
-        "mistral": (t.MistralConfig(**common, sliding_window=window), t.MistralForCausalLM, "sdpa"),
-        "gemma2": (t.Gemma2Config(**gemma2, query_pre_attn_scalar=64, attn_logit_softcapping=2.0 if not big else 50.0,
-                                  final_logit_softcapping=30.0, sliding_window=window, layer_types=alternating),
-                   t.Gemma2ForCausalLM, "eager"),
-        "gemma3": (t.Gemma3TextConfig(**dict(common, head_dim=32 if not big else 256), query_pre_attn_scalar=32,
-                                      sliding_window=window, layer_types=alternating),
-                   t.Gemma3ForCausalLM, "sdpa"),
-        # gpt-oss routes every token to all 4 experts here. Top-k routing is discontinuous: where a
-        # token's k-th and (k+1)-th router logits are within rounding of each other, a rounding
-        # difference anywhere before them (two correct bf16 attentions differ by ~1 ulp) picks other
-        # experts and that token's logits jump by ~40 %, so a bf16 comparison measured routing flips,
-        # not attention (0.09 from eager for an exact float32-softmax attention at the GPU test's
-        # shapes with top-2 of 4). With all experts the routing weights are a smooth softmax.
-        "gpt_oss": (t.GptOssConfig(**dict(common, max_position_embeddings=131072), num_local_experts=4,
-                                   num_experts_per_tok=4, sliding_window=window, layer_types=alternating),
-                    t.GptOssForCausalLM, "eager"),
-    }
+    """name -> (config, model class, reference attention implementation): the demo's models."""
+    return model_configs(big)
 
 
 MODELS = list(_configs())
@@ -86,18 +52,9 @@ MODELS = list(_configs())
 
 def _pair(name, dtype=torch.float32, device="cpu", big=False):
     """(tritoninfer model, reference model) with the same random weights."""
-    cfg, cls, ref_impl = _configs(big)[name]
-    torch.manual_seed(0)
-    ref = cls._from_config(copy.deepcopy(cfg), attn_implementation=ref_impl)
-    if name == "gpt_oss":  # sinks start as torch.empty in the model; give them values that matter
-        with torch.no_grad():
-            for layer in ref.model.layers:
-                layer.self_attn.sinks.normal_(0.0, 1.0)
-    ref = ref.to(device=device, dtype=dtype).eval()
-    ours = cls._from_config(copy.deepcopy(cfg), attn_implementation=ti.ATTN_IMPLEMENTATION).to(device=device, dtype=dtype)
-    ours.load_state_dict(ref.state_dict())
-    ours.eval()
-    assert ours.config._attn_implementation == "tritoninfer" and ref.config._attn_implementation == ref_impl
+    ours, ref, _ = model_pair(name, dtype, torch.device(device), big)
+    assert ours.config._attn_implementation == "tritoninfer"
+    assert ref.config._attn_implementation == _configs(big)[name][2]
     return ours, ref
 
 

@@ -167,6 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", metavar="PATH",
                    help="a local Hugging Face Llama/Qwen2/Mistral checkpoint folder (config.json + *.safetensors); "
                         "prompts are random token ids")
+    g.add_argument("--hf", metavar="CONFIG_OR_PATH",
+                   help="serve a Hugging Face transformers model with attn_implementation='tritoninfer' through its "
+                        "generate_batch (continuous batching): llama3, qwen3, mistral, gemma2, gemma3 or gpt_oss "
+                        "(random weights; tiny without a GPU, 32/8-head 2-layer shapes with one) or a local "
+                        "checkpoint folder; --check compares with transformers' own attention on the same weights "
+                        "(needs pip install 'tritoninfer[transformers]')")
     g = p.add_argument_group("sampling (default: greedy argmax; any option below turns --sampling on)")
     g.add_argument("--sampling", action="store_true",
                    help="sample each token with tritoninfer's sampling kernels (softmax with temperature, then "
@@ -218,6 +224,12 @@ def parse_args(argv: List[str], on_gpu: Optional[bool] = None) -> argparse.Names
                          "FlashInfer 0.5.3)")
         if args.use_tensor_cores:
             parser.error("--use-tensor-cores: a decode-wrapper option; --arch deepseek uses the MLA wrapper")
+    if args.hf is not None:
+        given = [o for o in shape_opts + ("model", "sampling_seed", "temperature", "top_k", "top_p", "min_p")
+                 if getattr(args, o) is not None] + (["arch"] if deepseek else []) + (["sampling"] if args.sampling else [])
+        if given:
+            parser.error(f"--hf: the model and its greedy generation come from transformers; drop "
+                         f"--{given[0].replace('_', '-')}")
     if args.model is not None:
         given = [o for o in shape_opts if getattr(args, o) is not None]
         if given:
@@ -312,7 +324,34 @@ def make_workload(args, vocab: int) -> List[Tuple[List[int], int]]:
     return [(rng.integers(0, vocab, size=int(n)).tolist(), int(g)) for n, g in zip(lens, gens)]
 
 
+def run_hf(args) -> int:
+    """``--hf``: a transformers model on tritoninfer's attention (``hf_transformers.py``)."""
+    from . import hf_transformers
+
+    workload = make_workload(args, vocab=1 << 30)
+    try:
+        lines, status = hf_transformers.run(args, [p for p, _ in workload], [g for _, g in workload])
+    except ImportError as exc:
+        print(f"tritoninfer demo --hf: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"tritoninfer demo: {exc}", file=sys.stderr)
+        return 2
+    print("tritoninfer demo: a Hugging Face transformers model on tritoninfer's attention")
+    if args.interpreter:
+        print("  NOTE: no CUDA GPU: a tiny model through the Triton interpreter (throughput means nothing here).")
+    for line in lines:
+        print("  " + line)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("# tritoninfer demo --hf\n\n" + "".join(f"- {line}\n" for line in lines))
+        print(f"summary written to {args.out}")
+    return status
+
+
 def run(args) -> int:
+    if args.hf is not None:
+        return run_hf(args)
     from .hf import load_checkpoint
     from .model import DTYPES, LlamaModel, ModelConfig, random_weights
     from .reference import DenseReference, MLADenseReference
