@@ -46,3 +46,15 @@ def test_hf_bad_arguments(capsys):
         assert main(["--hf", "llama3", *extra]) == 2
         assert f"--hf: the model and its greedy generation come from transformers; drop {extra[0]}" in \
             capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["llama3", "gemma2"])
+def test_gpu_hf_serves_and_checks(capsys, name):
+    """On a GPU: the realistic shapes (32/8 heads, head_dim 128; Gemma 2 head_dim 256, soft cap) in
+    bf16 through generate_batch, checked against transformers' own attention."""
+    status = main(["--hf", name, "--check", "--num-requests", "8", "--prompt-len", "64-512", "--gen-len", "8",
+                   "--quiet"])
+    text = capsys.readouterr().out
+    assert status == 0, text
+    assert text.count(": ok") == 2, text
