@@ -448,7 +448,7 @@ def test_rejection_sampler(monkeypatch, device, cap, block, only_rows):
                        reference.top_k_sampling_distribution(probs, k_rows)),
         "joint": (lambda: sampling.top_k_top_p_sampling_from_probs(rows, 4, 0.7, filter_apply_order="joint"),
                   reference.top_k_top_p_sampling_distribution(probs, 4, 0.7, "joint")),
-        # top_k_first: the overflowing rows renormalised to their top-k, then top-p by rejection
+        # top_k_first: the top-k renorm, then top-p of the renormalised rows by rejection
         "top_k_first": (lambda: sampling.top_k_top_p_sampling_from_probs(rows, 4, 0.7),
                         reference.top_k_top_p_sampling_distribution(probs, 4, 0.7, "top_k_first")),
     }

@@ -295,14 +295,12 @@ def sampling_cases():
     # the compaction: bound pass, copy, finish (sampling and renorm) for each bound rule
     cases["bound-pass"] = (ks.bound_pass_kernel, dict(HAS_INDICES=True, NEED_SUM=True, NEED_MAX=True, ROWS=1,
                                                       BLOCK=2048, NUM_TILES=2))
-    rules = {"topk": dict(USE_K=True, USE_P=False, USE_MIN_P=False, TOP_K_FIRST=False, K_ARR=True, P_ARR=False),
-             "topp": dict(USE_K=False, USE_P=True, USE_MIN_P=False, TOP_K_FIRST=False, K_ARR=False, P_ARR=True),
-             "joint": dict(USE_K=True, USE_P=True, USE_MIN_P=False, TOP_K_FIRST=False, K_ARR=True, P_ARR=True),
-             "topkfirst": dict(USE_K=True, USE_P=True, USE_MIN_P=False, TOP_K_FIRST=True, K_ARR=False, P_ARR=False),
-             "minp": dict(USE_K=False, USE_P=False, USE_MIN_P=True, TOP_K_FIRST=False, K_ARR=False, P_ARR=True)}
+    rules = {"topk": dict(USE_K=True, USE_P=False, USE_MIN_P=False, K_ARR=True, P_ARR=False),
+             "topp": dict(USE_K=False, USE_P=True, USE_MIN_P=False, K_ARR=False, P_ARR=True),
+             "joint": dict(USE_K=True, USE_P=True, USE_MIN_P=False, K_ARR=True, P_ARR=True),
+             "minp": dict(USE_K=False, USE_P=False, USE_MIN_P=True, K_ARR=False, P_ARR=True)}
     for name, rule in rules.items():
-        cases[f"compact-{name}"] = (ks.compact_kernel, dict(rule, HAS_INDICES=True, FLAG_SRC=rule["TOP_K_FIRST"],
-                                                            PARAM_BY_SOURCE=True, **stream))
+        cases[f"compact-{name}"] = (ks.compact_kernel, dict(rule, HAS_INDICES=True, PARAM_BY_SOURCE=True, **stream))
         cases[f"compact-finish-{name}"] = (ks.compact_finish_kernel, dict(rule, HAS_INDICES=True, RENORM=False,
                                                                           PARAM_BY_SOURCE=True, ROWS=1, SEGS_P2=32,
                                                                           CBLOCK=512))

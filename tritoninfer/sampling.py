@@ -379,8 +379,7 @@ def _compact_cap(batch: int) -> int:
 
 
 def _compact(split: _Split, x, indices, batch, cap: int, k_arr, p_arr, k_val, p_val, use_k: bool, use_p: bool,
-             use_min_p: bool, by_source: bool, top_k_first: bool = False, u=None, out=None,
-             src_flag=None) -> _Compacted:
+             use_min_p: bool, by_source: bool, u=None, out=None) -> _Compacted:
     """The bound pass, the compaction and the finish (the sample into ``out``, or with ``out`` None
     the renorm thresholds) of every row with at most ``cap`` (> 0) candidates."""
     num_rows, vocab = x.shape
@@ -397,11 +396,11 @@ def _compact(split: _Split, x, indices, batch, cap: int, k_arr, p_arr, k_val, p_
     ncand = torch.empty(batch, dtype=torch.int32, device=dev)
     cval = torch.empty((batch, cap), dtype=torch.float32, device=dev)
     cid = torch.empty((batch, cap), dtype=torch.int32, device=dev)
-    flags = dict(USE_K=use_k, USE_P=use_p, USE_MIN_P=use_min_p, TOP_K_FIRST=top_k_first, K_ARR=k_arr is not None,
+    flags = dict(USE_K=use_k, USE_P=use_p, USE_MIN_P=use_min_p, K_ARR=k_arr is not None,
                  P_ARR=p_arr is not None, PARAM_BY_SOURCE=by_source)
-    _COMPACT[split.grid](x, indices, k_arr, p_arr, cnt_part, sum_part, max_part, ncand, src_flag, cval, cid,
+    _COMPACT[split.grid](x, indices, k_arr, p_arr, cnt_part, sum_part, max_part, ncand, cval, cid,
                          k_val, p_val, batch, num_rows, vocab, x.stride(0), segs, cap, HAS_INDICES=has_idx,
-                         FLAG_SRC=src_flag is not None, **flags, **split.stream())
+                         **flags, **split.stream())
     fin = None
     if out is None:
         fin = (torch.empty(batch, dtype=torch.int32, device=dev), torch.empty(batch, dtype=torch.int32, device=dev),
@@ -429,8 +428,7 @@ def _uniforms(n: int, device: torch.device, generator: Optional[torch.Generator]
 
 
 def _sample(x: torch.Tensor, indices, generator, *, is_logits=False, top_k: Optional[_Params] = None,
-            top_p: Optional[_Params] = None, min_p: Optional[_Params] = None,
-            top_k_first: bool = False) -> torch.Tensor:
+            top_p: Optional[_Params] = None, min_p: Optional[_Params] = None) -> torch.Tensor:
     num_rows, vocab = x.shape
     batch = num_rows if indices is None else indices.shape[0]
     out = torch.empty(batch, dtype=torch.int32, device=x.device)
@@ -444,51 +442,32 @@ def _sample(x: torch.Tensor, indices, generator, *, is_logits=False, top_k: Opti
         x, indices, u, out, top_k.arr if top_k is not None else None, p.arr if p is not None else None,
         top_k.val if top_k is not None and top_k.arr is None else 0,
         float(p.val) if p is not None and p.arr is None else 1.0,
-        is_logits, top_k is not None, top_p is not None, min_p is not None, _by_source(top_k, p), top_k_first)
+        is_logits, top_k is not None, top_p is not None, min_p is not None, _by_source(top_k, p))
     return out
 
 
 def _launch_sample(x: torch.Tensor, indices: Optional[torch.Tensor], u: torch.Tensor, out: torch.Tensor,
                    k_arr: Optional[torch.Tensor], p_arr: Optional[torch.Tensor], k_val: int, p_val: float,
-                   is_logits: bool, use_k: bool, use_p: bool, use_min_p: bool, by_source: bool,
-                   top_k_first: bool = False) -> None:
+                   is_logits: bool, use_k: bool, use_p: bool, use_min_p: bool, by_source: bool) -> None:
     """The sampling kernels over checked arguments: ``out[i]`` from row ``indices[i]`` (or ``i``) of ``x``
     with uniform ``u[i]``; ``k_arr``/``p_arr`` per-row parameters or ``k_val``/``p_val`` for all rows
-    (``p`` is top-p's or min-p's). ``top_k_first``: top-p sampling of the top-k-renormalised rows
-    (parameters by source row). With a filter, rows with at most ``_CAP`` candidates are finished on
+    (``p`` is top-p's or min-p's). With a filter, rows with at most ``_CAP`` candidates are finished on
     their compacted copy; the rest take the rejection sampler (top-k / top-p of probabilities, one
     launch) or the full passes (gated, every launch still made: fixed shapes, no host sync). From
-    ``_REJECTION_ONLY_ROWS`` rows the rejection sampler takes every row of the functions it serves,
-    and ``top_k_first`` is literally ``top_p`` sampling of ``top_k_renorm_probs``: the compacted
-    finish and the rejection sampler pick different entries for one uniform (index order against
-    lane-major), and FlashInfer's tests want ``top_k_first`` to pick exactly what that composition
-    picks (and the logits version, ``top_p`` sampling of the masked softmax, on 99 % of draws)."""
+    ``_REJECTION_ONLY_ROWS`` rows the rejection sampler takes every row of the functions it serves."""
     _device.check_launchable(x.device, "sampling")
     num_rows, vocab = x.shape
     batch = out.shape[0]
     split = _Split(vocab, batch, x.device, short=not (use_k or use_p or use_min_p))
     gate = max_part = None
     cap = _compact_cap(batch)
-    rejection_only = _REJECTION and batch >= _REJECTION_ONLY_ROWS \
-        and not _per_source(indices, by_source, None, batch, num_rows)
-    if top_k_first and rejection_only:
-        r = torch.empty((num_rows, vocab), dtype=torch.float32, device=x.device)
-        _launch_renorm(x, r, k_arr, None, k_val, 1.0, True, False, False)
-        x, k_arr, k_val, use_k, top_k_first = r, None, 0, False, False
-    if rejection_only and (use_k or use_p) and not (use_min_p or is_logits):
+    if _REJECTION and batch >= _REJECTION_ONLY_ROWS and (use_k or use_p) and not (use_min_p or is_logits) \
+            and not _per_source(indices, by_source, None, batch, num_rows):
         cap = 0  # enough rows to fill the GPU with one program a row: the compaction's two reads are spent
     if (use_k or use_p or use_min_p) and cap:
-        src_flag = torch.zeros(num_rows, dtype=torch.int32, device=x.device) if top_k_first else None
         done = _compact(split, x, indices, batch, cap, k_arr, p_arr, k_val, p_val, use_k, use_p, use_min_p,
-                        by_source, top_k_first, u, out, src_flag)
+                        by_source, u, out)
         gate, max_part = done.gate(), done.max_part
-    if top_k_first:
-        # the fallback: the renormalised source rows of the overflowed outputs (every row without the
-        # compaction), then their top-p sampling (the composition the compacted finish reproduces)
-        r = torch.empty((num_rows, vocab), dtype=torch.float32, device=x.device)
-        _renorm_passes(x, r, k_arr, None, k_val, 1.0, True, False, False,
-                       gate=(src_flag, 0) if gate is not None else None)
-        x, k_arr, k_val, use_k = r, None, 0, False
     if (use_k or use_p) and not (use_min_p or is_logits) and _REJECTION \
             and not _per_source(indices, by_source, gate, batch, num_rows):
         rows, block, tiles, warps = _tiles(vocab, batch, search=False)
@@ -546,11 +525,9 @@ def _sample_passes(split: _Split, x, indices, u, out, k_arr, p_arr, k_val, p_val
 @_ops.custom_op("sample", mutates_args=("out",))
 def _sample_op(x: torch.Tensor, indices: Optional[torch.Tensor], u: torch.Tensor, out: torch.Tensor,
                k_arr: Optional[torch.Tensor], p_arr: Optional[torch.Tensor], k_val: int, p_val: float,
-               is_logits: bool, use_k: bool, use_p: bool, use_min_p: bool, by_source: bool,
-               top_k_first: bool) -> None:
+               is_logits: bool, use_k: bool, use_p: bool, use_min_p: bool, by_source: bool) -> None:
     """``_launch_sample`` for torch.compile (``_ops.py``)."""
-    _launch_sample(x, indices, u, out, k_arr, p_arr, k_val, p_val, is_logits, use_k, use_p, use_min_p, by_source,
-                   top_k_first)
+    _launch_sample(x, indices, u, out, k_arr, p_arr, k_val, p_val, is_logits, use_k, use_p, use_min_p, by_source)
 
 
 def _renorm(x: torch.Tensor, *, top_k: Optional[_Params] = None, top_p: Optional[_Params] = None,
@@ -860,7 +837,9 @@ def top_k_top_p_sampling_from_probs(
         # per-output top-k: renormalise each output's own copy of its row
         probs, indices = probs.index_select(0, indices), None
         k.by_source = p.by_source = True
-    return _sample(probs, indices, generator, top_k=k, top_p=p, top_k_first=True)
+    # literally top-p sampling of the top-k renorm: FlashInfer's pipeline tests compare the two for
+    # equality, and the samplers' orders (compacted, rejection) differ between routes
+    return _sample(_renorm(probs, top_k=k), indices, generator, top_p=p)
 
 
 @_doc

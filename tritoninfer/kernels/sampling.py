@@ -512,9 +512,6 @@ def renorm_write_kernel(
 #   c, so the excluded bins are a prefix: bb = one past the last. top_p <= 0 counts as 1e-30.
 # - joint (key >= max(T, L')): max of the two bounds (each <= its threshold, so the max is <= the
 #   max of the thresholds).
-# - top_k_first (top-p on the top-k-renormalised row r): r is zero outside the top-k set, so the
-#   top-k bound covers every nonzero r; the top-p search on r then sees r's whole mass. Rows whose
-#   top-k is off (r = x) take the top-p bound of x.
 # - min-p (kept p >= min_p * max): the bin of key(min_p * max), the pivot computed as the full pass
 #   computes it.
 # A filter that is off for a row (k <= 0 or >= V, top_p >= 1) contributes bin 0 (everything).
@@ -556,7 +553,7 @@ def bound_pass_kernel(
 @triton.jit
 def _candidates(cnt_part, sum_part, max_part, k_ptr, p_ptr, k_val, p_val, rows, m_r, src, m_s, V, n_segs, seg,
                 SEG_LEN: tl.constexpr, USE_K: tl.constexpr, USE_P: tl.constexpr, USE_MIN_P: tl.constexpr,
-                TOP_K_FIRST: tl.constexpr, K_ARR: tl.constexpr, P_ARR: tl.constexpr, BY_SOURCE: tl.constexpr,
+                K_ARR: tl.constexpr, P_ARR: tl.constexpr, BY_SOURCE: tl.constexpr,
                 ROWS: tl.constexpr, SEGS_P2: tl.constexpr):
     """(int64 key bound [ROWS], candidates of the row (``key >= bound``), candidates in the segments
     before ``seg``): the bound bin of the comment above, from ``bound_pass_kernel``'s partials."""
@@ -595,8 +592,6 @@ def _candidates(cnt_part, sum_part, max_part, k_ptr, p_ptr, k_val, p_val, rows, 
         mx = _row_max(max_part, rows, m_r, n_segs, ROWS, SEGS_P2)
         pivot = tl.where(m_s, mx, 0.0) * _param(p_ptr, p_val, rows, src, m_r, P_ARR, BY_SOURCE).to(tl.float32)
         bb = (_ordered_key(pivot) >> 24) + 128
-    elif TOP_K_FIRST:
-        bb = tl.where(k_off, bp, bk)
     else:
         bb = tl.maximum(bk, bp)
     # per segment: [ROWS, SEGS_P2]
@@ -627,30 +622,27 @@ def _put_candidates(cval_ptr, cid_ptr, at, x, m, offs, lo):
 
 @triton.jit
 def compact_kernel(
-    x_ptr, idx_ptr, k_ptr, p_ptr, cnt_part, sum_part, max_part, ncand_ptr, flag_ptr, cval_ptr, cid_ptr,
+    x_ptr, idx_ptr, k_ptr, p_ptr, cnt_part, sum_part, max_part, ncand_ptr, cval_ptr, cid_ptr,
     k_val, p_val, B, n_src, V, stride_x, n_segs, cap,
-    HAS_INDICES: tl.constexpr, FLAG_SRC: tl.constexpr, USE_K: tl.constexpr, USE_P: tl.constexpr,
-    USE_MIN_P: tl.constexpr, TOP_K_FIRST: tl.constexpr, K_ARR: tl.constexpr, P_ARR: tl.constexpr,
+    HAS_INDICES: tl.constexpr, USE_K: tl.constexpr, USE_P: tl.constexpr,
+    USE_MIN_P: tl.constexpr, K_ARR: tl.constexpr, P_ARR: tl.constexpr,
     PARAM_BY_SOURCE: tl.constexpr, ROWS: tl.constexpr, SEGS_P2: tl.constexpr, BLOCK: tl.constexpr,
     NUM_TILES: tl.constexpr,
 ):
     """Copies the segment's candidates (``key >= bound``) of rows with at most ``cap`` of them to
     ``cval``/``cid`` ``[B, cap]`` (values, token ids) from the row's position for the segment on,
     in the segment's lane-major order (lane ``i % BLOCK`` of its tiles, then tile: the full pick's
-    order, ``sample_pick_kernel``); segment 0 stores ``ncand[row]`` (``> cap``: the row overflowed)
-    and, with ``FLAG_SRC``, sets ``flag[src] = 1`` for an overflowed row (the top_k_first fallback
-    renormalises source rows). Two reads of the segment: per-lane counts, one scan over the lanes,
+    order, ``sample_pick_kernel``); segment 0 stores ``ncand[row]`` (``> cap``: the row overflowed).
+    Two reads of the segment: per-lane counts, one scan over the lanes,
     then each lane writes at its own offset, with no scan a tile (a loop-carried scan a tile cost
     100-290 µs at 64-256 rows of 128K on the H200)."""
     rows, m_r, src, row_off, m_s = _rows(B, n_src, idx_ptr, stride_x, HAS_INDICES, ROWS)
     seg = tl.program_id(1)
     lo, count, pos = _candidates(cnt_part, sum_part, max_part, k_ptr, p_ptr, k_val, p_val, rows, m_r, src, m_s,
-                                 V, n_segs, seg, NUM_TILES * BLOCK, USE_K, USE_P, USE_MIN_P, TOP_K_FIRST,
+                                 V, n_segs, seg, NUM_TILES * BLOCK, USE_K, USE_P, USE_MIN_P,
                                  K_ARR, P_ARR, PARAM_BY_SOURCE, ROWS, SEGS_P2)
     if seg == 0:
         tl.store(ncand_ptr + rows, count, mask=m_r)
-        if FLAG_SRC:
-            tl.store(flag_ptr + src, tl.full([ROWS], 1, tl.int32), mask=m_s & (count > cap))
     fits = m_s & (count <= cap)
     c_row = rows.to(tl.int64) * cap
     if tl.max(fits.to(tl.int32), axis=0) > 0:
@@ -686,30 +678,17 @@ def _cload(cval_ptr, c_row, n, c, CBLOCK: tl.constexpr):
 
 
 @triton.jit
-def _cvalue(x, m, t, inv, k_off, TOP_K_FIRST: tl.constexpr):
-    """What the top-p search and the sampler see: ``x``, or with ``TOP_K_FIRST`` the
-    top-k-renormalised row (``renorm_write_kernel``'s values: ``x * (1 / Z)`` on the kept positive
-    entries, 0 elsewhere, ``x`` itself where top-k is off)."""
-    if TOP_K_FIRST:
-        kept = (_ordered_key(x) >= t[:, None]) & (x > 0.0)
-        v = tl.where(k_off[:, None], x, tl.where(kept, x * inv[:, None], 0.0))
-    else:
-        v = x
-    return tl.where(m, v, 0.0)
-
-
-@triton.jit
 def compact_finish_kernel(
     idx_ptr, u_ptr, out_ptr, k_ptr, p_ptr, max_part, ncand_ptr, cval_ptr, cid_ptr,
     fin_t_ptr, fin_p_ptr, fin_inv_ptr,
     k_val, p_val, B, n_src, V, n_segs, cap,
     HAS_INDICES: tl.constexpr, RENORM: tl.constexpr, USE_K: tl.constexpr, USE_P: tl.constexpr,
-    USE_MIN_P: tl.constexpr, TOP_K_FIRST: tl.constexpr, K_ARR: tl.constexpr, P_ARR: tl.constexpr,
+    USE_MIN_P: tl.constexpr, K_ARR: tl.constexpr, P_ARR: tl.constexpr,
     PARAM_BY_SOURCE: tl.constexpr, ROWS: tl.constexpr, SEGS_P2: tl.constexpr, CBLOCK: tl.constexpr,
 ):
     """The rows with ``ncand <= cap``, one program for ``ROWS`` rows over their compacted candidates:
-    the top-k threshold (8-bit digits, 4 rounds), the top-p threshold (4-bit digits, 8 rounds; on the
-    top-k-renormalised values with ``TOP_K_FIRST``), the same searches as the full passes; then, with
+    the top-k threshold (8-bit digits, 4 rounds), the top-p threshold (4-bit digits, 8 rounds), the
+    same searches as the full passes; then, with
     ``RENORM``, ``fin_t``/``fin_p``/``fin_inv`` (thresholds and ``1 / max(Z, 1e-8)``) for
     ``renorm_write_kernel``, else the inverse-CDF sample of ``u`` into ``out`` (``sample_pick_kernel``'s
     rule, in the copy's order, which is the pick's: the first kept candidate whose running mass
@@ -727,8 +706,6 @@ def compact_finish_kernel(
     bp = tl.arange(0, PB)
     t = tl.full([ROWS], _KEY_MIN, dtype=tl.int32)
     lp = tl.full([ROWS], _KEY_MIN, dtype=tl.int32)
-    inv = tl.full([ROWS], 1.0, dtype=tl.float32)
-    k_off = rows < 0
     if USE_K:
         k = _param(k_ptr, k_val, rows, src, m_r, K_ARR, PARAM_BY_SOURCE).to(tl.int32)
         k_off = (k <= 0) | (k >= V)
@@ -745,12 +722,6 @@ def compact_finish_kernel(
             digit = tl.max(tl.where((cum >= need_k[:, None]) & (bk[None, :] >= 1), bk[None, :], 0), axis=1)
             lo += digit.to(tl.int64) << (32 - (slot + 1) * K_BITS)
         t = tl.where(k_off, _KEY_MIN, lo.to(tl.int32))
-        if TOP_K_FIRST:
-            z = tl.zeros([ROWS, CBLOCK], dtype=tl.float32)
-            for c in range(n_chunks):
-                j, m, x = _cload(cval_ptr, c_row, n, c, CBLOCK)
-                z += tl.where((_ordered_key(x) >= t[:, None]) & (x > 0.0), x, 0.0)
-            inv = 1.0 / tl.maximum(tl.sum(z, axis=1), 1e-8)
     if USE_P:
         p = _param(p_ptr, p_val, rows, src, m_r, P_ARR, PARAM_BY_SOURCE).to(tl.float32)
         need_p = tl.maximum(p, 1e-30)
@@ -760,10 +731,9 @@ def compact_finish_kernel(
             mass_lanes = tl.zeros([ROWS, CBLOCK, PB], dtype=tl.float32)
             for c in range(n_chunks):
                 j, m, x = _cload(cval_ptr, c_row, n, c, CBLOCK)
-                v = _cvalue(x, m, t, inv, k_off, TOP_K_FIRST)
-                key = tl.where(m, _ordered_key(v), _KEY_MIN)
+                key = tl.where(m, _ordered_key(x), _KEY_MIN)
                 d = _digit(key, lo, slot, P_BITS, PB)
-                mass_lanes += tl.where(d[:, :, None] == bp[None, None, :], v[:, :, None], 0.0)
+                mass_lanes += tl.where(d[:, :, None] == bp[None, None, :], x[:, :, None], 0.0)
             cum = tl.cumsum(tl.sum(mass_lanes, axis=1), axis=1, reverse=True)
             digit = tl.max(tl.where((cum >= need_p[:, None]) & (bp[None, :] >= 1), bp[None, :], 0), axis=1)
             lo += digit.to(tl.int64) << (32 - (slot + 1) * P_BITS)
@@ -782,15 +752,10 @@ def compact_finish_kernel(
         if USE_MIN_P:
             mx = _row_max(max_part, rows, m_r, n_segs, ROWS, SEGS_P2)
             pivot = tl.where(m_s, mx, 0.0) * _param(p_ptr, p_val, rows, src, m_r, P_ARR, PARAM_BY_SOURCE).to(tl.float32)
-        # top_k_first: top-k is already in the renormalised values
-        t_w = t
-        if TOP_K_FIRST:
-            t_w = tl.full([ROWS], _KEY_MIN, dtype=tl.int32)
         z = tl.zeros([ROWS, CBLOCK], dtype=tl.float32)
         for c in range(n_chunks):
             j, m, x = _cload(cval_ptr, c_row, n, c, CBLOCK)
-            v = _cvalue(x, m, t, inv, k_off, TOP_K_FIRST)
-            z += _kept(v, m, t_w, lp, pivot, pivot, False, USE_K, USE_P, USE_MIN_P)
+            z += _kept(x, m, t, lp, pivot, pivot, False, USE_K, USE_P, USE_MIN_P)
         target = tl.load(u_ptr + rows, mask=m_r, other=0.0) * tl.sum(z, axis=1)
         # positions in the copy (the full pick's order, not the token ids'), then the token id there
         run = tl.zeros([ROWS], dtype=tl.float32)
@@ -798,8 +763,7 @@ def compact_finish_kernel(
         last = tl.full([ROWS], -1, dtype=tl.int32)
         for c in range(n_chunks):
             j, m, x = _cload(cval_ptr, c_row, n, c, CBLOCK)
-            v = _cvalue(x, m, t, inv, k_off, TOP_K_FIRST)
-            w = _kept(v, m, t_w, lp, pivot, pivot, False, USE_K, USE_P, USE_MIN_P)
+            w = _kept(x, m, t, lp, pivot, pivot, False, USE_K, USE_P, USE_MIN_P)
             cdf = tl.cumsum(w, axis=1) + run[:, None]
             hit = (cdf > target[:, None]) & (w > 0.0)
             first = tl.minimum(first, tl.min(tl.where(hit, j[None, :], cap), axis=1))
