@@ -55,6 +55,13 @@
 # passed; the 5M-draw cases were the slow ones); `fit-pod-ba` takes ~2 min; `fit-new-b` did not reach
 # test_hopper.py in 270 s; `tests-new-a1` ran 35 tests in 270 s. bench-sampling --quick ~150 s after
 # warm-fi; bench rope-append and sparse < 90 s each; bench pod > 90 s (FlashInfer's POD JIT: warm-pod).
+#
+# Measured in session 11: tests-sampling 127-197 s; fit + fit-sink-mla + tests-sampling + warm-fi + warm-pod
+# in parallel fit 320 s (fit reached neither TestLogitsPipeVsSamplingOps nor the 5M-draw cases: run
+# fit-lp-vs on its own); warm-pod did not finish FlashInfer's POD JIT in 250 s (bench-pod then timed out at
+# 75 s: time ours with BENCH_ARGS="--quick --providers tritoninfer-pod,tritoninfer-separate"); bench-sampling
+# --quick ~95 s after warm-fi; bench-mla --quick < 120 s after warm-mla; sampling-profile (64, 256 rows,
+# no FlashInfer) ~60 s. A fresh machine costs ~60-90 s of device time before the command starts.
 set -euo pipefail
 parts=${1:?part: tests-core | tests-new-a | tests-new-b | tests-rest | ab-merge | host | fit | fit-new-a | fit-new-b | groups-a | groups-b}
 out=$(realpath -m "${2:?output folder}")
