@@ -288,10 +288,9 @@ def sampling_cases():
         flags = dict(USE_K=use_k, USE_P=not use_k, K_ARR=use_k, P_ARR=not use_k)
         if not mask:
             cases[f"renorm-mass-{name}"] = (ks.renorm_mass_kernel, dict(flags, GATE=True, **stream))
-        cases[f"renorm-write-{name}"] = (ks.renorm_write_kernel, dict(flags, GATE=False, FIN=True, MASK_LOGITS=mask,
-                                                                      **stream))
-    cases["renorm-write-gated"] = (ks.renorm_write_kernel, dict(USE_K=True, USE_P=False, K_ARR=True, P_ARR=False,
-                                                                GATE=True, FIN=False, MASK_LOGITS=False, **stream))
+        cases[f"renorm-write-{name}"] = (ks.renorm_write_kernel, dict(flags, FIN=True, MASK_LOGITS=mask, **stream))
+    cases["renorm-write-all-rows"] = (ks.renorm_write_kernel, dict(USE_K=True, USE_P=False, K_ARR=True, P_ARR=False,
+                                                                   FIN=False, MASK_LOGITS=False, **stream))
     # the compaction: bound pass, copy, finish (sampling and renorm) for each bound rule
     cases["bound-pass"] = (ks.bound_pass_kernel, dict(HAS_INDICES=True, NEED_SUM=True, NEED_MAX=True, ROWS=1,
                                                       BLOCK=2048, NUM_TILES=2))

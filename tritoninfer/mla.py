@@ -124,7 +124,7 @@ def merge_positions(block_m: int, head_dim_ckv: int, head_dim_kpe: int, kv_dtype
     128 heads keeps the 64 splits that fill the SMs; with the fused merge (one program merges its
     group alone) it takes 16."""
     state = block_m * head_dim_ckv * 4
-    row = (head_dim_ckv + head_dim_kpe) * torch.empty((), dtype=kv_dtype).element_size()
+    row = (head_dim_ckv + head_dim_kpe) * kv_dtype.itemsize
     one = cdiv(state, max(row, _POSITION_BYTES_PER_ROW * block_m))
     return cdiv(one, max(1, max(16, next_pow2(head_dim_ckv)) // _MERGE_COLUMNS)) if _MERGE_PASS else one
 
@@ -184,13 +184,12 @@ class MLALaunch:
                                  f"the buffer has {workspace.numel()}")
             ws = workspace[: (workspace.numel() // 4) * 4].view(torch.float32)
             part_o, part_lse = ws[: states * heads * d_ckv], ws[states * heads * d_ckv: need]
-            counters = plan.counters.get(plan.capacity * tiles.row_tiles)
         else:
-            part_o = part_lse = counters = self.dummy  # never touched: every item writes its final output
-        splits = plan.has_splits or plan.always_merge
-        merge_pass = splits and _MERGE_PASS
-        if merge_pass:
-            counters = self.dummy  # no arrival counters: the merge is its own launch
+            part_o = part_lse = self.dummy  # never touched: every item writes its final output
+        merge_pass = (plan.has_splits or plan.always_merge) and _MERGE_PASS
+        # arrival counters only for the fused merge (the merge pass is its own launch)
+        fused = (plan.has_splits or plan.always_merge) and not merge_pass
+        counters = plan.counters.get(plan.capacity * tiles.row_tiles) if fused else self.dummy
         kwargs = launch_constexprs(heads, d_ckv, step.head_dim_kpe, tiles, step.page_size, step.causal, write_lse,
                                    dot, step.sm_scale > 0, step.kv_dtype in FP8_DTYPES, 1 if merge_pass else 0)
         tail = (part_o, part_lse, counters, plan.work, plan.qo_indptr, step.kv_indptr, step.kv_indices, plan.kv_len,

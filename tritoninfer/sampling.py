@@ -554,16 +554,9 @@ def _launch_renorm(x: torch.Tensor, out: torch.Tensor, k_arr: Optional[torch.Ten
     split = _Split(vocab, num_rows, x.device)
     cap = _compact_cap(num_rows)
     done = _compact(split, x, None, num_rows, cap, k_arr, p_arr, k_val, p_val, use_k, use_p, False, True) if cap else None
-    _renorm_passes(x, out, k_arr, p_arr, k_val, p_val, use_k, use_p, mask_logits, gate=done and done.gate(),
-                   fin=done and done.fin, split=split)
-
-
-def _renorm_passes(x: torch.Tensor, out: torch.Tensor, k_arr, p_arr, k_val, p_val, use_k: bool, use_p: bool,
-                   mask_logits: bool, gate=None, fin=None, split: Optional[_Split] = None) -> None:
-    """The full renorm passes for the rows with ``gate[0][row] > gate[1]``; the write covers every row
-    when ``fin`` (the other rows' thresholds) is given, else the gated rows only."""
-    num_rows, vocab = x.shape
-    split = split or _Split(vocab, num_rows, x.device)
+    # the full passes, gated to the rows the compaction left (every row without it); then one write of
+    # every row, the compacted ones with the finish's thresholds
+    gate, fin = (done.gate(), done.fin) if done else (None, None)
     scratch = _search_scratch(num_rows, split.segs, x.device, use_k, use_p)
     _radix_passes(split, x, None, k_arr, p_arr, k_val, p_val, num_rows, scratch, use_k, use_p, True, gate)
     gate_arr, gate_min = gate if gate is not None else (None, 0)
@@ -575,8 +568,7 @@ def _renorm_passes(x: torch.Tensor, out: torch.Tensor, k_arr, p_arr, k_val, p_va
                                  x.stride(0), split.segs, gate_min, GATE=gate is not None, **flags, **split.stream())
     _RENORM_WRITE[split.grid](x, out, k_arr, p_arr, *scratch, z_part, gate_arr, *(fin or (None, None, None)),
                               k_val, p_val, num_rows, vocab, x.stride(0), out.stride(0), split.segs, gate_min,
-                              GATE=gate is not None and fin is None, FIN=fin is not None, MASK_LOGITS=mask_logits,
-                              **flags, **split.stream())
+                              FIN=fin is not None, MASK_LOGITS=mask_logits, **flags, **split.stream())
 
 
 @_ops.custom_op("renorm", mutates_args=("out",))

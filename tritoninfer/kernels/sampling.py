@@ -440,7 +440,7 @@ def renorm_write_kernel(
     x_ptr, out_ptr, k_ptr, p_ptr, k_state, k_part, p_state, p_part, z_part, gate_ptr,
     fin_t_ptr, fin_p_ptr, fin_inv_ptr,
     k_val, p_val, B, V, stride_x, stride_o, n_segs, gate_min,
-    GATE: tl.constexpr, FIN: tl.constexpr, USE_K: tl.constexpr, USE_P: tl.constexpr, MASK_LOGITS: tl.constexpr,
+    FIN: tl.constexpr, USE_K: tl.constexpr, USE_P: tl.constexpr, MASK_LOGITS: tl.constexpr,
     K_ARR: tl.constexpr, P_ARR: tl.constexpr,
     ROWS: tl.constexpr, SEGS_P2: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
 ):
@@ -449,8 +449,8 @@ def renorm_write_kernel(
     elsewhere; with ``MASK_LOGITS`` the top-k logits themselves, ``-inf`` elsewhere. A row with
     ``k <= 0`` or ``k >= V`` is copied unchanged; ``top_p >= 1`` divides the row by its sum. With
     ``FIN``, rows that did not overflow (``gate[row] <= gate_min``) take their thresholds and ``1 / Z``
-    from ``fin_*`` (``compact_finish_kernel``'s); with ``GATE`` only the overflowed rows are written."""
-    rows, m_r, src, row_off, m_s = _gated_rows(B, B, x_ptr, stride_x, gate_ptr, gate_min, False, GATE, ROWS)
+    from ``fin_*`` (``compact_finish_kernel``'s)."""
+    rows, m_r, src, row_off, m_s = _gated_rows(B, B, x_ptr, stride_x, gate_ptr, gate_min, False, False, ROWS)
     seg = tl.program_id(1)
     out_off = rows.to(tl.int64) * stride_o
     lo_k, lo_p = _final_thresholds(k_state, k_part, p_state, p_part, rows, m_r, src, B, V, n_segs, seg,
@@ -612,11 +612,14 @@ def _is_candidate(x, m, lo):
 
 
 @triton.jit
-def _put_candidates(cval_ptr, cid_ptr, at, x, m, offs, lo):
-    """Stores a tile's candidates at each lane's next slot ``at``; returns the slots after them."""
+def _put_candidates(cval_ptr, cid_ptr, at, row_end, x, m, offs, lo):
+    """Stores a tile's candidates at each lane's next slot ``at``; returns the slots after them. The
+    slots come from the bound pass's counts and this pass's, which agree; a slot at or past the row's
+    end (``row_end`` [ROWS]) is still never written."""
     c = _is_candidate(x, m, lo)
-    tl.store(cval_ptr + at, x, mask=c)
-    tl.store(cid_ptr + at, tl.zeros_like(at).to(tl.int32) + offs[None, :], mask=c)
+    keep = c & (at < row_end[:, None])
+    tl.store(cval_ptr + at, x, mask=keep)
+    tl.store(cid_ptr + at, tl.zeros_like(at).to(tl.int32) + offs[None, :], mask=keep)
     return at + c.to(tl.int64)
 
 
@@ -662,10 +665,10 @@ def compact_kernel(
             o1, m1, x1 = _tile(x_ptr, row_off, fits & (t + 1 < NUM_TILES), seg * NUM_TILES + t + 1, V, BLOCK)
             o2, m2, x2 = _tile(x_ptr, row_off, fits & (t + 2 < NUM_TILES), seg * NUM_TILES + t + 2, V, BLOCK)
             o3, m3, x3 = _tile(x_ptr, row_off, fits & (t + 3 < NUM_TILES), seg * NUM_TILES + t + 3, V, BLOCK)
-            at = _put_candidates(cval_ptr, cid_ptr, at, x0, m0, o0, lo)
-            at = _put_candidates(cval_ptr, cid_ptr, at, x1, m1, o1, lo)
-            at = _put_candidates(cval_ptr, cid_ptr, at, x2, m2, o2, lo)
-            at = _put_candidates(cval_ptr, cid_ptr, at, x3, m3, o3, lo)
+            at = _put_candidates(cval_ptr, cid_ptr, at, c_row + cap, x0, m0, o0, lo)
+            at = _put_candidates(cval_ptr, cid_ptr, at, c_row + cap, x1, m1, o1, lo)
+            at = _put_candidates(cval_ptr, cid_ptr, at, c_row + cap, x2, m2, o2, lo)
+            at = _put_candidates(cval_ptr, cid_ptr, at, c_row + cap, x3, m3, o3, lo)
 
 
 @triton.jit
