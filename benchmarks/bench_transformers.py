@@ -33,6 +33,7 @@ without ``--out``. Greedy tokens of each implementation are compared with the fi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import statistics
@@ -89,6 +90,48 @@ def _wall(fn) -> float:
     return time.perf_counter() - t0
 
 
+class _HostTimer:
+    """Host seconds spent inside the attention function transformers calls (wall clock around each
+    call, the GPU work it queues not waited for): how much of a step is attention's host path."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.calls = 0
+
+    def note(self, runs: int = 1) -> str:
+        if not self.calls:
+            return ""
+        return (f"attention host {self.seconds / runs * 1e3:,.1f} ms per run, "
+                f"{self.seconds / self.calls * 1e6:,.0f} µs per call ({self.calls // runs} calls)")
+
+
+@contextlib.contextmanager
+def _attention_host_time(impl: str):
+    """Times transformers' registered attention function for ``impl`` while the block runs."""
+    from transformers import AttentionInterface
+
+    timer = _HostTimer()
+    mapping = AttentionInterface._global_mapping
+    original = mapping.get(impl)
+    if original is None:
+        yield timer
+        return
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            timer.seconds += time.perf_counter() - t0
+            timer.calls += 1
+
+    mapping[impl] = timed
+    try:
+        yield timer
+    finally:
+        mapping[impl] = original
+
+
 _ATTN_KERNEL_NAMES = ("attention_fwd", "prefill_hopper", "flash", "fmha", "sdpa", "scaled_dot_product", "attention")
 
 
@@ -141,9 +184,10 @@ def main(argv=None) -> int:
                 for b in batches:
                     prompts = _prompts(b, args.prompt_len // 2, args.prompt_len, vocab, seed=b)
                     ids, mask = left_pad(prompts, device)
-                    ms = _cuda_ms(lambda: model(ids, attention_mask=mask, logits_to_keep=1), args.repeats)
+                    with _attention_host_time(impl) as host:
+                        ms = _cuda_ms(lambda: model(ids, attention_mask=mask, logits_to_keep=1), args.repeats)
                     emit(impl, "prefill", f"batch {b} x <= {args.prompt_len}", f"{ms:.2f} ms",
-                                 f"{int(mask.sum()) / ms * 1e3:,.0f} prompt tok/s", "")
+                         f"{int(mask.sum()) / ms * 1e3:,.0f} prompt tok/s", host.note(args.repeats + 1))
             if "generate" in parts:
                 for b in batches:
                     prompts = _prompts(b, args.prompt_len // 2, args.prompt_len, vocab, seed=100 + b)
@@ -172,18 +216,20 @@ def main(argv=None) -> int:
                 gen = transformers.GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=-1,
                                                     pad_token_id=0)
                 try:
-                    model.generate_batch(prompts[:2], generation_config=transformers.GenerationConfig(
-                        max_new_tokens=2, do_sample=False, eos_token_id=-1, pad_token_id=0))  # warm-up
+                    # warm-up with the whole workload: every kernel variant its steps need is compiled
+                    # before the timed run (a short warm-up left compiles inside it)
+                    model.generate_batch(prompts, generation_config=gen)
                     result = None
 
                     def run_cb():
                         nonlocal result
                         result = model.generate_batch(prompts, generation_config=gen)
 
-                    secs = _wall(run_cb)
+                    with _attention_host_time(impl) as host:
+                        secs = _wall(run_cb)
                     generated = sum(len(r.generated_tokens) for r in result.values())
                     what = f"{args.requests} requests, prompts {args.cb_min}-{args.cb_max}, {args.new_tokens} new"
-                    emit(impl, "generate_batch", what, f"{secs:.2f} s", f"{generated / secs:,.1f} tok/s", "")
+                    emit(impl, "generate_batch", what, f"{secs:.2f} s", f"{generated / secs:,.1f} tok/s", host.note())
                     if args.profile:
                         from torch.profiler import ProfilerActivity, profile
 
