@@ -328,3 +328,35 @@ def test_ops_take_the_driver_path_from_the_second_call(monkeypatch):
     before = len(driver_calls)
     norm.rmsnorm(x, w)
     assert len(driver_calls) == before
+
+
+@pytest.mark.gpu
+def test_single_request_functions_do_not_wait_for_the_gpu():
+    """``single_prefill_with_kv_cache`` / ``single_decode_with_kv_cache`` plan at every call; their
+    plan copies must not wait for earlier GPU work (a wait per layer made batch-1 prefill under
+    transformers 2.5x slower than SDPA): as many calls as the ring has pinned buffers, queued behind
+    a long GPU sleep, return while it runs, and still give the reference's output."""
+    from tritoninfer import _step, decode, prefill
+    from tritoninfer import reference as ref
+    from tritoninfer.testing import rel_error, tolerance
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(64, 8, 128, generator=g).to("cuda", torch.float16)
+    k = torch.randn(256, 2, 128, generator=g).to("cuda", torch.float16)
+    v = torch.randn(256, 2, 128, generator=g).to("cuda", torch.float16)
+    prefill.single_prefill_with_kv_cache(q, k, v, causal=True)  # compiled before the timed part
+    decode.single_decode_with_kv_cache(q[0], k, v)
+    torch.cuda.synchronize()
+    asleep = torch.cuda.Event()
+    torch.cuda._sleep(1 << 31)  # about a second of GPU time
+    asleep.record()
+    calls = _step.SINGLE_UPLOAD_SLOTS
+    outs = [prefill.single_prefill_with_kv_cache(q, k, v, causal=True) if i % 2 else
+            decode.single_decode_with_kv_cache(q[i], k, v) for i in range(calls)]
+    assert not asleep.query(), "a single-request call waited for the GPU"
+    torch.cuda.synchronize()
+    want_prefill = ref.single_prefill_with_kv_cache(q, k, v, causal=True)
+    for i, o in enumerate(outs):
+        want = want_prefill if i % 2 else ref.single_decode_with_kv_cache(q[i], k, v)
+        err = rel_error(o, want)
+        assert err <= tolerance(torch.float16), f"call {i}: relative error {err:.3g}"

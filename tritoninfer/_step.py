@@ -40,6 +40,10 @@ from ._route import PREFILL, Route, core
 
 NO_ROUTE = core("decode (the attention core only)")
 
+# pinned upload buffers of the single-request functions, used in turn: a call waits only for the
+# copy queued this many calls earlier (the GPU is rarely that many layers behind the host)
+SINGLE_UPLOAD_SLOTS = 16
+
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
@@ -243,7 +247,9 @@ def plan_single(device: torch.device, *, settings: Settings, params: ScoreParams
         extra.append(np.zeros(1, np.int64))
     if not route.is_core:
         extra.append(route.work)
-    uploader = _device.per_device("single_uploader", device, lambda: PlanUploader(device))
+    # a ring of pinned buffers: these functions plan at every call (once per layer), and waiting for
+    # the previous call's copy would wait for the GPU to finish the previous layer
+    uploader = _device.per_device("single_uploader", device, lambda: PlanUploader(device, slots=SINGLE_UPLOAD_SLOTS))
     plan, views = upload_plan(uploader, None, work, kv_lens, qo, extra, non_blocking=True)
     return PlannedStep(
         settings=settings, params=params, q_dtype=q_dtype, kv_dtype=kv_dtype, num_qo_heads=num_qo_heads,
