@@ -13,6 +13,7 @@
 #   tests-new-a  pytest -m gpu, two workers, on the wave-2 attention files (MLA, POD, BatchAttention,
 #                block-sparse, fp8 queries, multi-item)
 #   tests-new-b  ... on sampling, the logits processor, transformers and the demo
+#   tests-tf     pytest -m gpu on the transformers integration and demo --hf files (one process)
 #   tests-rest   pytest -m gpu on everything else (compile, rope, norm, page, engines, ...)
 #   ab-merge     device time of the working tree against OLD=<dir holding an older tritoninfer> (decode,
 #                the fused split merge); needs OLD set, e.g. OLD=.ab/pre24 (carry it); a watchdog prints
@@ -62,6 +63,12 @@
 # 75 s: time ours with BENCH_ARGS="--quick --providers tritoninfer-pod,tritoninfer-separate"); bench-sampling
 # --quick ~95 s after warm-fi; bench-mla --quick < 120 s after warm-mla; sampling-profile (64, 256 rows,
 # no FlashInfer) ~60 s. A fresh machine costs ~60-90 s of device time before the command starts.
+#
+# Measured in session 12: tests-core + tests-new-a1 + tests-new-b + tests-rest in parallel: only tests-rest
+# finished in 300 s (60 passed, 168 s); at 230 s tests-core reached 42 tests, tests-new-a1 37, tests-new-b 16
+# (tests-new-b's transformers files alone: 8 tests in 170 s). fit-lp-vs ~120 s (225 passed); bench-sampling
+# --quick ~100 s and bench-mla --quick < 60 s after the warm-ups; `transformers` (generate_batch with its
+# whole-workload warm-up, tritoninfer and sdpa) ~130 s, prefill + generate ~60 s.
 set -euo pipefail
 parts=${1:?part: tests-core | tests-new-a | tests-new-b | tests-rest | ab-merge | host | fit | fit-new-a | fit-new-b | groups-a | groups-b}
 out=$(realpath -m "${2:?output folder}")
@@ -107,6 +114,9 @@ case "$part" in
   host)
     PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 benchmarks/host_path.py --profile --out "$out/host-path.md" \
       > "$out/host-path.log" 2>&1 || true ;;
+  tests-tf)
+    PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider \
+      --durations=20 tests/test_integration_transformers.py tests/test_demo_hf.py > "$out/$part.log" 2>&1 || true ;;
   tests-sampling)
     PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 \
       tests/test_sampling.py tests/test_logits_processor.py tests/test_demo.py -k "sampling or logits" \
@@ -148,7 +158,8 @@ case "$part" in
         > "$out/bench-$g.log" 2>&1 || true
     done ;;
   transformers)
-    PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 benchmarks/bench_transformers.py --out "$out/transformers.md" \
+    PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 timeout "$limit" python3 benchmarks/bench_transformers.py \
+      --impls "${TF_IMPLS:-tritoninfer,sdpa}" --out "$out/transformers.md" \
       > "$out/transformers.log" 2>&1 || true ;;
   warm-fi)
     # FlashInfer JIT-compiles its sampling module on first use (a minute on a fresh machine): done here,
