@@ -66,7 +66,7 @@
 #
 # Measured in session 12: tests-core + tests-new-a1 + tests-new-b + tests-rest in parallel: only tests-rest
 # finished in 300 s (60 passed, 168 s); at 230 s tests-core reached 42 tests, tests-new-a1 37, tests-new-b 16
-# (tests-new-b's transformers files alone: 8 tests in 170 s). fit-lp-vs ~120 s (225 passed); bench-sampling
+# (tests-new-b's transformers files alone: 8 tests in 170 s). fit-lp-vs finished (225 passed) within 240 s; bench-sampling
 # --quick ~100 s and bench-mla --quick < 60 s after the warm-ups; `transformers` (generate_batch with its
 # whole-workload warm-up, tritoninfer and sdpa) ~130 s, prefill + generate ~60 s.
 set -euo pipefail
