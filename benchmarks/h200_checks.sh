@@ -28,6 +28,8 @@
 #   fit-hopper   ... for test_hopper.py and test_batch_prefill_kernels.py (4 workers)
 #   sampling-profile  benchmarks/sampling_profile.py: kernel breakdown of each sampling function, with
 #                and without the compaction before the rejection sampler, FlashInfer beside
+#   sampling-host  ... --host: each function's eager host time with the driver launch path on and off,
+#                its launches, its heaviest Python functions (FlashInfer's host time beside)
 #   fit-sink-mla FlashInfer's own tests for attention sinks and DeepSeek MLA (2 workers)
 #   fit-pod-ba   FlashInfer's own tests for POD and BatchAttention (2 workers)
 #   tests-new-a1 tests-new-a in one process (beside FlashInfer's tests)
@@ -135,6 +137,9 @@ case "$part" in
     PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 benchmarks/sampling_profile.py --knob _REJECTION_ONLY_ROWS=1000000 \
       ${PROFILE_ARGS:-} \
       > "$out/sampling-profile.log" 2>&1 || true ;;
+  sampling-host)
+    PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 benchmarks/sampling_profile.py --host ${PROFILE_ARGS:-} \
+      > "$out/sampling-host.log" 2>&1 || true ;;
   fit-sink-mla)
     fit_run fit-sink-mla 2 tests/attention/test_attention_sink.py tests/attention/test_deepseek_mla.py ;;
   fit-pod-ba)
