@@ -496,6 +496,54 @@ def test_compaction_bounds_keep_flat_rows_exact(monkeypatch, device):
         assert_close(sampling.top_p_renorm_probs(probs, p), reference.top_p_renorm_probs(probs, p), torch.float32)
 
 
+def _bin_edge_rows(device) -> torch.Tensor:
+    """Rows at the edges of the bound pass's probability bins (kernels/sampling.py): each bin's
+    smallest float and the float just below it, 1.0 and above (an unnormalised row), values under
+    the smallest bin, zeros, in random order."""
+    g = torch.Generator().manual_seed(8)
+    base = int(sampling._k.PROB_BIN_BASE)
+    edges = torch.tensor([(b + base) << 20 for b in range(1, 256, 7)], dtype=torch.int32).view(torch.float32)
+    below = (edges.view(torch.int32) - 1).view(torch.float32)
+    tiny = torch.tensor([1e-12, 2e-10, 0.0, 0.0, 3e-38])
+    big = torch.tensor([1.0, 1.0, 1.5, 3.0])
+    row = torch.cat([edges, below, tiny, edges[-6:], below[-6:]])
+    rows = [row[torch.randperm(row.numel(), generator=g)] / row.sum(),
+            torch.cat([row, big])[torch.randperm(row.numel() + 4, generator=g)],
+            torch.cat([row, torch.tensor([0.5])])[torch.randperm(row.numel() + 1, generator=g)]]
+    width = max(r.numel() for r in rows)
+    return torch.stack([torch.nn.functional.pad(r, (0, width - r.numel())) for r in rows]).to(device)
+
+
+def test_probability_bins_keep_thresholds_exact(monkeypatch, device):
+    """Rows whose entries sit on and just below the probability bins' edges, with values of 1 and
+    more, and zeros: the compacted renorms (every row finished on its candidates) equal the
+    reference for every k and p, and the samples lie in the kept sets."""
+    probs = _bin_edge_rows(device)
+    seen = spy_compaction(monkeypatch)
+    for k in (1, 2, 5, 17, 40):
+        assert_close(sampling.top_k_renorm_probs(probs, k), reference.top_k_renorm_probs(probs, k), torch.float32)
+    for p in (0.01, 0.3, 0.5, 0.77, 0.99):
+        assert_close(sampling.top_p_renorm_probs(probs, p), reference.top_p_renorm_probs(probs, p), torch.float32)
+    assert seen and all((n <= c).all() for n, c in seen), "every row must be finished on its candidates"
+    keep = reference.top_p_keep_mask(probs, 0.5)
+    for _ in range(20):
+        s = sampling.top_p_sampling_from_probs(probs, 0.5).long()
+        assert keep[torch.arange(probs.shape[0], device=device), s].all()
+
+
+def test_probability_bins_make_flat_top_p_rows_fit(monkeypatch, device):
+    """The bench's flat rows (softmax(randn * 3)): the probability bins (a factor 2**(1/8) wide) make
+    a top-p row's candidates a few per cent more than its kept entries; the float bins (a factor 4)
+    made them ~3x as many, which overflowed the cap (kept ~6K of 128K: 20K candidates)."""
+    torch.manual_seed(0)
+    probs = torch.softmax(torch.randn(4, 8192, device=device) * 3, -1)
+    seen = spy_compaction(monkeypatch)
+    assert_close(sampling.top_p_renorm_probs(probs, 0.9), reference.top_p_renorm_probs(probs, 0.9), torch.float32)
+    kept = reference.top_p_keep_mask(probs, 0.9).sum(-1)
+    (ncand, _), = seen
+    assert (ncand.cpu() >= kept.cpu()).all() and (ncand.cpu() <= kept.cpu() * 1.3).all(), (ncand, kept)
+
+
 def test_per_output_parameters(device):
     """With ``indices``, a parameter tensor of length ``len(indices)`` belongs to the outputs."""
     probs = crafted_probs(50, device)[:1]
@@ -755,22 +803,24 @@ def test_gpu_realistic_vocab():
 
 
 @pytest.mark.gpu
-def test_gpu_rejection_sampler_flat_rows():
-    """On the GPU, the bench's flat rows (top-p 0.9 needs 5-7K entries, above the compaction's cap):
-    every row goes through the rejection sampler, eagerly and captured in a CUDA graph; every sample
-    lies in the kept set (torch's sort-based masks); the graph's replays draw new samples."""
+def test_gpu_rejection_sampler_flat_rows(monkeypatch):
+    """On the GPU, the bench's flat rows at 256 rows (top-p 0.9 keeps 5-7K entries): every row goes
+    through the rejection sampler without the compaction (``_REJECTION_ONLY_ROWS``), eagerly and
+    captured in a CUDA graph; every sample lies in the kept set (torch's sort-based masks); the
+    graph's replays draw new samples."""
     torch.manual_seed(0)
     batch, vocab = 256, 128256
+    assert batch >= sampling._REJECTION_ONLY_ROWS
     probs = torch.softmax(torch.randn(batch, vocab, device="cuda") * 3, -1)
     rows = torch.arange(batch, device="cuda")
     keep_p = reference.top_p_keep_mask(probs, 0.9)
     keep_joint = keep_p & reference.top_k_keep_mask(probs, 6000)
-    # (the GPU's generator: a few rows may fall under the cap; then they are compacted, as they should)
-    assert (keep_p.sum(-1) > sampling._CAP).float().mean() > 0.9
+    seen = spy_compaction(monkeypatch)
     for _ in range(5):
         assert keep_p[rows, sampling.top_p_sampling_from_probs(probs, 0.9).long()].all()
         s = sampling.top_k_top_p_sampling_from_probs(probs, 6000, 0.9, filter_apply_order="joint").long()
         assert keep_joint[rows, s].all()
+    assert not seen, "rows past _REJECTION_ONLY_ROWS must not be compacted"
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):

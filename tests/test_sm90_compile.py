@@ -292,17 +292,21 @@ def sampling_cases():
     cases["renorm-write-all-rows"] = (ks.renorm_write_kernel, dict(USE_K=True, USE_P=False, K_ARR=True, P_ARR=False,
                                                                    FIN=False, MASK_LOGITS=False, **stream))
     # the compaction: bound pass, copy, finish (sampling and renorm) for each bound rule
-    cases["bound-pass"] = (ks.bound_pass_kernel, dict(HAS_INDICES=True, NEED_SUM=True, NEED_MAX=True, ROWS=1,
-                                                      BLOCK=2048, NUM_TILES=2))
+    for bins in (True, False):
+        cases[f"bound-pass-{'probs' if bins else 'floats'}"] = (ks.bound_pass_kernel, dict(
+            HAS_INDICES=True, NEED_SUM=True, NEED_MAX=True, PROB_BINS=bins, ROWS=1, BLOCK=2048, NUM_TILES=2))
     rules = {"topk": dict(USE_K=True, USE_P=False, USE_MIN_P=False, K_ARR=True, P_ARR=False),
              "topp": dict(USE_K=False, USE_P=True, USE_MIN_P=False, K_ARR=False, P_ARR=True),
              "joint": dict(USE_K=True, USE_P=True, USE_MIN_P=False, K_ARR=True, P_ARR=True),
              "minp": dict(USE_K=False, USE_P=False, USE_MIN_P=True, K_ARR=False, P_ARR=True)}
     for name, rule in rules.items():
-        cases[f"compact-{name}"] = (ks.compact_kernel, dict(rule, HAS_INDICES=True, PARAM_BY_SOURCE=True, **stream))
+        cases[f"compact-{name}"] = (ks.compact_kernel, dict(rule, HAS_INDICES=True, PARAM_BY_SOURCE=True,
+                                                            PROB_BINS=True, **stream))
         cases[f"compact-finish-{name}"] = (ks.compact_finish_kernel, dict(rule, HAS_INDICES=True, RENORM=False,
                                                                           PARAM_BY_SOURCE=True, ROWS=1, SEGS_P2=32,
                                                                           CBLOCK=512))
+    cases["compact-topk-logits"] = (ks.compact_kernel, dict(rules["topk"], HAS_INDICES=False, PARAM_BY_SOURCE=True,
+                                                           PROB_BINS=False, **stream))
     cases["compact-finish-renorm"] = (ks.compact_finish_kernel, dict(rules["joint"], HAS_INDICES=False, RENORM=True,
                                                                      PARAM_BY_SOURCE=True, ROWS=1, SEGS_P2=32,
                                                                      CBLOCK=512))

@@ -100,10 +100,12 @@ _INTERP_MAX_SEGMENT = 1 << 16
 # Compaction (kernels/sampling.py): rows with at most this many candidates (entries at or above the
 # filters' bound bin) are finished on a [rows, _CAP] copy, one program a row; the rest take the full
 # passes. LLM-like rows have tens to a few hundred candidates for top-k 50 and a few hundred to a
-# couple of thousand for top-p 0.9; a flat row has tens of thousands, where one program a row would be
-# slower than the segmented passes. The finish only walks a row's own candidates, so a larger cap
-# costs memory (8 bytes an entry), not time. 0: every row takes the full passes (tests).
-_CAP = 4096
+# couple of thousand for top-p 0.9; the bench's flat rows (softmax(randn * 3) over 128-152K) keep
+# 4.5-7.7K for top-p 0.9 and have 4.9-8.2K candidates with the probability bins; flatter rows
+# (randn * 2) keep and have 30-38K, where one program a row would be slower than the segmented
+# passes. The finish only walks a row's own candidates, so a larger cap costs memory (8 bytes an
+# entry), not time. 0: every row takes the full passes (tests).
+_CAP = 16384
 # ... and the copy is kept under this many bytes: a batch of millions of rows (FlashInfer's tests draw
 # 5M samples of one row through ``indices``) gets a smaller cap, and below _MIN_CAP none (full passes)
 _COMPACT_BYTES = 1 << 30
@@ -379,9 +381,10 @@ def _compact_cap(batch: int) -> int:
 
 
 def _compact(split: _Split, x, indices, batch, cap: int, k_arr, p_arr, k_val, p_val, use_k: bool, use_p: bool,
-             use_min_p: bool, by_source: bool, u=None, out=None) -> _Compacted:
+             use_min_p: bool, by_source: bool, u=None, out=None, prob_bins: bool = True) -> _Compacted:
     """The bound pass, the compaction and the finish (the sample into ``out``, or with ``out`` None
-    the renorm thresholds) of every row with at most ``cap`` (> 0) candidates."""
+    the renorm thresholds) of every row with at most ``cap`` (> 0) candidates. ``prob_bins``: ``x``
+    holds probabilities (the bound's bins are finer between 2**-32 and 1); False for logits."""
     num_rows, vocab = x.shape
     dev = x.device
     segs = split.segs
@@ -391,7 +394,8 @@ def _compact(split: _Split, x, indices, batch, cap: int, k_arr, p_arr, k_val, p_
     max_part = torch.empty((batch, segs), dtype=torch.float32, device=dev) if use_min_p else None
     tiles = split.stream()  # a histogram and sums: the streaming tile (one histogram call a tile)
     _BOUND_PASS[split.grid](x, indices, cnt_part, sum_part, max_part, batch, num_rows, vocab, x.stride(0), segs,
-                            HAS_INDICES=has_idx, NEED_SUM=use_p, NEED_MAX=use_min_p, ROWS=tiles["ROWS"],
+                            HAS_INDICES=has_idx, NEED_SUM=use_p, NEED_MAX=use_min_p, PROB_BINS=prob_bins,
+                            ROWS=tiles["ROWS"],
                             BLOCK=tiles["BLOCK"], NUM_TILES=tiles["NUM_TILES"], num_warps=tiles["num_warps"])
     ncand = torch.empty(batch, dtype=torch.int32, device=dev)
     cval = torch.empty((batch, cap), dtype=torch.float32, device=dev)
@@ -400,7 +404,7 @@ def _compact(split: _Split, x, indices, batch, cap: int, k_arr, p_arr, k_val, p_
                  P_ARR=p_arr is not None, PARAM_BY_SOURCE=by_source)
     _COMPACT[split.grid](x, indices, k_arr, p_arr, cnt_part, sum_part, max_part, ncand, cval, cid,
                          k_val, p_val, batch, num_rows, vocab, x.stride(0), segs, cap, HAS_INDICES=has_idx,
-                         **flags, **split.stream())
+                         PROB_BINS=prob_bins, **flags, **split.stream())
     fin = None
     if out is None:
         fin = (torch.empty(batch, dtype=torch.int32, device=dev), torch.empty(batch, dtype=torch.int32, device=dev),
@@ -553,7 +557,8 @@ def _launch_renorm(x: torch.Tensor, out: torch.Tensor, k_arr: Optional[torch.Ten
     num_rows, vocab = x.shape
     split = _Split(vocab, num_rows, x.device)
     cap = _compact_cap(num_rows)
-    done = _compact(split, x, None, num_rows, cap, k_arr, p_arr, k_val, p_val, use_k, use_p, False, True) if cap else None
+    done = _compact(split, x, None, num_rows, cap, k_arr, p_arr, k_val, p_val, use_k, use_p, False, True,
+                    prob_bins=not mask_logits) if cap else None
     # the full passes, gated to the rows the compaction left (every row without it); then one write of
     # every row, the compacted ones with the finish's thresholds
     gate, fin = (done.gate(), done.fin) if done else (None, None)

@@ -48,6 +48,9 @@ P_BITS = tl.constexpr(4)
 P_BINS = tl.constexpr(16)
 P_PASSES = tl.constexpr(8)
 _KEY_MIN = tl.constexpr(-2147483648)
+# probability bins (kernels' compaction comment): bin b >= 1 holds keys with key >> 20 == b + this;
+# 1.0 (0x3F800000) opens bin 255
+PROB_BIN_BASE = tl.constexpr(761)
 
 
 @triton.jit
@@ -486,8 +489,7 @@ def renorm_write_kernel(
 # compaction: a row's candidates into [B, cap], the searches and the sample finished there
 # --------------------------------------------------------------------------------------------------
 #
-# ``bound_pass_kernel`` (one read) counts each segment's keys by their top 8 bits (bin c holds the
-# keys [KEY_MIN + c * 2**24, KEY_MIN + (c + 1) * 2**24): the first top-k digit), and sums the positive
+# ``bound_pass_kernel`` (one read) counts each segment's keys in 256 bins and sums the positive
 # entries (top-p) and takes the max (min-p). From those every program of ``compact_kernel`` derives the
 # same bound bin ``bb`` per row: every entry the filters can keep has ``key >= lo(bb)`` (below), so the
 # candidates are whole bins and their number, and each segment's write offset, follow exactly from
@@ -502,11 +504,18 @@ def renorm_write_kernel(
 # bound has f(key >= bound) < need, so f_c never reaches need and the search returns KEY_MIN, which
 # is still below the other thresholds where it matters (kept = key >= max(thresholds), and a valid
 # bound is <= max(thresholds)). The bounds, each a bin start:
+# The bins (``_bound_bin``), each a contiguous key range [lo(b), lo(b + 1)), increasing with b:
+# - any floats (logits): the keys' top 8 bits, bin b holding [KEY_MIN + b * 2**24, KEY_MIN + (b + 1) *
+#   2**24): two binary exponents a bin (a factor 4 in value), half of the bins for negative floats;
+# - probabilities (``PROB_BINS``): bin b >= 1 holds the keys whose top 12 bits (sign, exponent, 3
+#   mantissa bits) are b + PROB_BIN_BASE, a factor 2**(1/8) in value, from 1.25 * 2**-32 up to 1
+#   (bin 255: 1 and above, negative and smaller values in bin 0). A flat row's top-p 0.9 set
+#   (softmax(randn * 3) over 128K: ~6K entries) then has ~6.5K candidates instead of ~20K.
 # - top-k (k-th largest T): the largest bin b >= 1 whose keys and those above number >= k (the first
 #   radix digit): count(key >= lo(b)) >= k gives T >= lo(b).
 # - top-p (L': the smallest kept key; kept j when mass of the entries above p_j < top_p): with Z the
 #   positive mass and U_c = sum over bins <= c of count_c * hi_c (hi_c the bin's upper value, 0 for
-#   the negative bins), an entry of bin c has at most U_c of positive mass at or below it, so at least
+#   the negative bins of the float binning, infinite for the open top bin), an entry of bin c has at most U_c of positive mass at or below it, so at least
 #   Z - U_c above it; a bin with Z - U_c >= top_p (1e-4 relative margins for float32 sums, far above
 #   their ~1e-6 error, so the full pass's own float sums agree) holds no kept entry, and U_c grows with
 #   c, so the excluded bins are a prefix: bb = one past the last. top_p <= 0 counts as 1e-30.
@@ -520,11 +529,11 @@ def renorm_write_kernel(
 @triton.jit
 def bound_pass_kernel(
     x_ptr, idx_ptr, cnt_part, sum_part, max_part, B, n_src, V, stride_x, n_segs,
-    HAS_INDICES: tl.constexpr, NEED_SUM: tl.constexpr, NEED_MAX: tl.constexpr,
+    HAS_INDICES: tl.constexpr, NEED_SUM: tl.constexpr, NEED_MAX: tl.constexpr, PROB_BINS: tl.constexpr,
     ROWS: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
 ):
-    """Per (row, segment): ``cnt_part[row, seg, 256]`` the keys' top-8-bit histogram (masked lanes
-    in bin 0), ``sum_part[row, seg]`` the positive mass (``NEED_SUM``), ``max_part[row, seg]`` the
+    """Per (row, segment): ``cnt_part[row, seg, 256]`` the keys' histogram over ``_bound_bin``'s
+    bins (masked lanes in bin 0), ``sum_part[row, seg]`` the positive mass (``NEED_SUM``), ``max_part[row, seg]`` the
     max (``NEED_MAX``, as ``max_pass_kernel``'s)."""
     rows, m_r, src, row_off, m_s = _rows(B, n_src, idx_ptr, stride_x, HAS_INDICES, ROWS)
     seg = tl.program_id(1)
@@ -536,7 +545,7 @@ def bound_pass_kernel(
     for t in range(NUM_TILES):
         offs, m, x = _tile(x_ptr, row_off, m_s, seg * NUM_TILES + t, V, BLOCK)
         key = tl.where(m, _ordered_key(x), _KEY_MIN)
-        count += tl.histogram(tl.reshape((key >> 24) + 128 + (r * KB)[:, None], [ROWS * BLOCK]), ROWS * KB)
+        count += tl.histogram(tl.reshape(_bound_bin(key, PROB_BINS) + (r * KB)[:, None], [ROWS * BLOCK]), ROWS * KB)
         if NEED_SUM:
             z += tl.where(x > 0.0, x, 0.0)
         if NEED_MAX:
@@ -551,9 +560,26 @@ def bound_pass_kernel(
 
 
 @triton.jit
+def _bound_bin(key, PROB_BINS: tl.constexpr):
+    """The bound pass's bin (0-255) of int32 ``key``s, the probability or the float binning."""
+    if PROB_BINS:
+        return tl.minimum(tl.maximum((key >> 20) - PROB_BIN_BASE, 0), 255)
+    return (key >> 24) + 128
+
+
+@triton.jit
+def _bin_lo(b, PROB_BINS: tl.constexpr):
+    """int64 smallest key of bin ``b`` (KEY_MIN for bin 0)."""
+    b = b.to(tl.int64)
+    if PROB_BINS:
+        return tl.where(b == 0, _KEY_MIN, (b + PROB_BIN_BASE) << 20)
+    return (b << 24) + _KEY_MIN  # tensor first: the interpreter keeps constexpr + tensor a constexpr
+
+
+@triton.jit
 def _candidates(cnt_part, sum_part, max_part, k_ptr, p_ptr, k_val, p_val, rows, m_r, src, m_s, V, n_segs, seg,
                 SEG_LEN: tl.constexpr, USE_K: tl.constexpr, USE_P: tl.constexpr, USE_MIN_P: tl.constexpr,
-                K_ARR: tl.constexpr, P_ARR: tl.constexpr, BY_SOURCE: tl.constexpr,
+                K_ARR: tl.constexpr, P_ARR: tl.constexpr, BY_SOURCE: tl.constexpr, PROB_BINS: tl.constexpr,
                 ROWS: tl.constexpr, SEGS_P2: tl.constexpr):
     """(int64 key bound [ROWS], candidates of the row (``key >= bound``), candidates in the segments
     before ``seg``): the bound bin of the comment above, from ``bound_pass_kernel``'s partials."""
@@ -579,10 +605,16 @@ def _candidates(cnt_part, sum_part, max_part, k_ptr, p_ptr, k_val, p_val, rows, 
     if USE_P:
         p = _param(p_ptr, p_val, rows, src, m_r, P_ARR, BY_SOURCE).to(tl.float32)
         zs = tl.sum(tl.load(sum_part + base, mask=m_seg, other=0.0), axis=1)
-        # upper value of bin c >= 128 (non-negative floats): the float whose bits are (c - 127) << 24
-        # (the top bin, floats >= 2**127 and inf, costs inf when not empty)
-        hi = tl.where(b >= KB - 1, 0.0, (tl.maximum(b - 127, 1) << 24).to(tl.float32, bitcast=True))
-        cost = tl.where(b[None, :] >= 128, hs.to(tl.float32) * hi[None, :], 0.0)
+        if PROB_BINS:
+            # upper value of bin c < 255: the next bin's smallest float (bin 0's positive values are
+            # below bin 1's); the open top bin costs inf when not empty
+            hi = tl.where(b >= KB - 1, 0.0, ((b + PROB_BIN_BASE + 1) << 20).to(tl.float32, bitcast=True))
+            cost = hs.to(tl.float32) * hi[None, :]
+        else:
+            # upper value of bin c >= 128 (non-negative floats): the float whose bits are (c - 127) << 24
+            # (the top bin, floats >= 2**127 and inf, costs inf when not empty)
+            hi = tl.where(b >= KB - 1, 0.0, (tl.maximum(b - 127, 1) << 24).to(tl.float32, bitcast=True))
+            cost = tl.where(b[None, :] >= 128, hs.to(tl.float32) * hi[None, :], 0.0)
         cost = tl.where((b[None, :] >= KB - 1) & (hs > 0), float("inf"), cost)
         u = tl.cumsum(cost, axis=1)
         excl = zs[:, None] * (1.0 - 1e-4) - u * (1.0 + 1e-4) >= tl.maximum(p, 1e-30)[:, None]
@@ -591,7 +623,7 @@ def _candidates(cnt_part, sum_part, max_part, k_ptr, p_ptr, k_val, p_val, rows, 
     if USE_MIN_P:
         mx = _row_max(max_part, rows, m_r, n_segs, ROWS, SEGS_P2)
         pivot = tl.where(m_s, mx, 0.0) * _param(p_ptr, p_val, rows, src, m_r, P_ARR, BY_SOURCE).to(tl.float32)
-        bb = (_ordered_key(pivot) >> 24) + 128
+        bb = _bound_bin(_ordered_key(pivot), PROB_BINS)
     else:
         bb = tl.maximum(bk, bp)
     # per segment: [ROWS, SEGS_P2]
@@ -602,8 +634,7 @@ def _candidates(cnt_part, sum_part, max_part, k_ptr, p_ptr, k_val, p_val, rows, 
     whole = bb == 0
     count = tl.where(whole, tl.where(m_s, V, 0), count)
     before = tl.where(whole, seg * SEG_LEN, before)
-    lo = _KEY_MIN + (bb.to(tl.int64) << 24)
-    return lo, count, before
+    return _bin_lo(bb, PROB_BINS), count, before
 
 
 @triton.jit
@@ -629,8 +660,8 @@ def compact_kernel(
     k_val, p_val, B, n_src, V, stride_x, n_segs, cap,
     HAS_INDICES: tl.constexpr, USE_K: tl.constexpr, USE_P: tl.constexpr,
     USE_MIN_P: tl.constexpr, K_ARR: tl.constexpr, P_ARR: tl.constexpr,
-    PARAM_BY_SOURCE: tl.constexpr, ROWS: tl.constexpr, SEGS_P2: tl.constexpr, BLOCK: tl.constexpr,
-    NUM_TILES: tl.constexpr,
+    PARAM_BY_SOURCE: tl.constexpr, PROB_BINS: tl.constexpr, ROWS: tl.constexpr, SEGS_P2: tl.constexpr,
+    BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
 ):
     """Copies the segment's candidates (``key >= bound``) of rows with at most ``cap`` of them to
     ``cval``/``cid`` ``[B, cap]`` (values, token ids) from the row's position for the segment on,
@@ -643,7 +674,7 @@ def compact_kernel(
     seg = tl.program_id(1)
     lo, count, pos = _candidates(cnt_part, sum_part, max_part, k_ptr, p_ptr, k_val, p_val, rows, m_r, src, m_s,
                                  V, n_segs, seg, NUM_TILES * BLOCK, USE_K, USE_P, USE_MIN_P,
-                                 K_ARR, P_ARR, PARAM_BY_SOURCE, ROWS, SEGS_P2)
+                                 K_ARR, P_ARR, PARAM_BY_SOURCE, PROB_BINS, ROWS, SEGS_P2)
     if seg == 0:
         tl.store(ncand_ptr + rows, count, mask=m_r)
     fits = m_s & (count <= cap)
