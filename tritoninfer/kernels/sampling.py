@@ -203,21 +203,23 @@ def radix_pass_kernel(
     segment's histogram of digit ``PASS`` (counts for top-k, masses for top-p) to ``part[PASS % 2]``
     (``[2, B, n_segs, bins]``, double-buffered: the previous pass's stay readable)."""
     rows, m_r, src, row_off, m_s = _gated_rows(B, n_src, idx_ptr, stride_x, gate_ptr, gate_min, HAS_INDICES, GATE, ROWS)
-    seg = tl.program_id(1)
-    DO_K: tl.constexpr = USE_K and PASS < K_PASSES
-    DO_P: tl.constexpr = USE_P and PASS < P_PASSES
-    lo_k, lo_p = _thresholds(k_state, k_part, p_state, p_part, rows, m_r, src, B, V, n_segs, seg,
-                             k_ptr, p_ptr, k_val, p_val, PASS, PASS, True,
-                             DO_K, DO_P, K_ARR, P_ARR, PARAM_BY_SOURCE, ROWS, SEGS_P2)
-    KB: tl.constexpr = K_BINS
-    PB: tl.constexpr = P_BINS
-    r = tl.arange(0, ROWS)
-    bp = tl.arange(0, PB)
-    count = tl.zeros([ROWS * KB], dtype=tl.int32)
-    # per-lane masses, summed over the lanes once after the loop: a cross-thread reduction in every
-    # tile made each program a chain of barriers
-    mass_lanes = tl.zeros([ROWS, BLOCK, PB], dtype=tl.float32)
+    # a program with no row to search (gated off: its rows were compacted) stops before the prologue's
+    # partial loads and scans, which made each gated-off launch ~8-9 µs at 64-256 rows of 128K
     if tl.max(m_r.to(tl.int32), axis=0) > 0:
+        seg = tl.program_id(1)
+        DO_K: tl.constexpr = USE_K and PASS < K_PASSES
+        DO_P: tl.constexpr = USE_P and PASS < P_PASSES
+        lo_k, lo_p = _thresholds(k_state, k_part, p_state, p_part, rows, m_r, src, B, V, n_segs, seg,
+                                 k_ptr, p_ptr, k_val, p_val, PASS, PASS, True,
+                                 DO_K, DO_P, K_ARR, P_ARR, PARAM_BY_SOURCE, ROWS, SEGS_P2)
+        KB: tl.constexpr = K_BINS
+        PB: tl.constexpr = P_BINS
+        r = tl.arange(0, ROWS)
+        bp = tl.arange(0, PB)
+        count = tl.zeros([ROWS * KB], dtype=tl.int32)
+        # per-lane masses, summed over the lanes once after the loop: a cross-thread reduction in
+        # every tile made each program a chain of barriers
+        mass_lanes = tl.zeros([ROWS, BLOCK, PB], dtype=tl.float32)
         for t in range(NUM_TILES):
             offs, m, x = _tile(x_ptr, row_off, m_s, seg * NUM_TILES + t, V, BLOCK)
             bits = x.to(tl.int32, bitcast=True)
@@ -230,13 +232,13 @@ def radix_pass_kernel(
                 # keys below the prefix's range land in digit 0, which is never tested
                 d = _digit(key, lo_p, PASS, P_BITS, PB)
                 mass_lanes += tl.where(d[:, :, None] == bp[None, None, :], x[:, :, None], 0.0)
-    out_row = (rows + B * (PASS % 2)).to(tl.int64) * n_segs + seg
-    if DO_K:
-        tl.store(k_part + out_row[:, None] * KB + tl.arange(0, KB)[None, :], tl.reshape(count, [ROWS, KB]),
-                 mask=m_r[:, None])
-    if DO_P:
-        # [ROWS, BLOCK, 16] -> [ROWS, 16]
-        tl.store(p_part + out_row[:, None] * PB + bp[None, :], tl.sum(mass_lanes, axis=1), mask=m_r[:, None])
+        out_row = (rows + B * (PASS % 2)).to(tl.int64) * n_segs + seg
+        if DO_K:
+            tl.store(k_part + out_row[:, None] * KB + tl.arange(0, KB)[None, :], tl.reshape(count, [ROWS, KB]),
+                     mask=m_r[:, None])
+        if DO_P:
+            # [ROWS, BLOCK, 16] -> [ROWS, 16]
+            tl.store(p_part + out_row[:, None] * PB + bp[None, :], tl.sum(mass_lanes, axis=1), mask=m_r[:, None])
 
 
 @triton.jit
@@ -425,17 +427,17 @@ def renorm_mass_kernel(
 ):
     """``z_part[row, seg]``: the segment's kept positive mass (the renorm's denominator, in parts)."""
     rows, m_r, src, row_off, m_s = _gated_rows(B, B, x_ptr, stride_x, gate_ptr, gate_min, False, GATE, ROWS)
-    seg = tl.program_id(1)
-    lo_k, lo_p = _final_thresholds(k_state, k_part, p_state, p_part, rows, m_r, src, B, V, n_segs, seg,
-                                   k_ptr, p_ptr, k_val, p_val, USE_K, USE_P, K_ARR, P_ARR, True, ROWS, SEGS_P2)
-    z = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
-    if tl.max(m_r.to(tl.int32), axis=0) > 0:
+    if tl.max(m_r.to(tl.int32), axis=0) > 0:  # gated off: no prologue (radix_pass_kernel)
+        seg = tl.program_id(1)
+        lo_k, lo_p = _final_thresholds(k_state, k_part, p_state, p_part, rows, m_r, src, B, V, n_segs, seg,
+                                       k_ptr, p_ptr, k_val, p_val, USE_K, USE_P, K_ARR, P_ARR, True, ROWS, SEGS_P2)
+        z = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
         for t in range(NUM_TILES):
             offs, m, x = _tile(x_ptr, row_off, m_s, seg * NUM_TILES + t, V, BLOCK)
             key = _ordered_key(x)
             keep = (key >= lo_k[:, None]) & (key >= lo_p[:, None]) & (x > 0.0)
             z += tl.where(keep, x, 0.0)
-    tl.store(z_part + rows.to(tl.int64) * n_segs + seg, tl.sum(z, axis=1), mask=m_r)
+        tl.store(z_part + rows.to(tl.int64) * n_segs + seg, tl.sum(z, axis=1), mask=m_r)
 
 
 @triton.jit
