@@ -30,6 +30,8 @@
 #                and without the compaction before the rejection sampler, FlashInfer beside
 #   sampling-host  ... --host: each function's eager host time with the driver launch path on and off,
 #                its launches, its heaviest Python functions (FlashInfer's host time beside)
+#   ncu-sampling Nsight Compute on the renorm and sampling kernels (benchmarks/ncu_sampling.py, NCU_BATCH
+#                rows, default 256): throughput, occupancy, warp stalls, memory; needs the Firecracker runtime
 #   fit-sink-mla FlashInfer's own tests for attention sinks and DeepSeek MLA (2 workers)
 #   fit-pod-ba   FlashInfer's own tests for POD and BatchAttention (2 workers)
 #   tests-new-a1 tests-new-a in one process (beside FlashInfer's tests)
@@ -140,6 +142,12 @@ case "$part" in
   sampling-host)
     PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 benchmarks/sampling_profile.py --host ${PROFILE_ARGS:-} \
       > "$out/sampling-host.log" 2>&1 || true ;;
+  ncu-sampling)
+    ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    PYTHONPATH=/tmp/site:$PWD timeout "$limit" "$ncu_bin" --clock-control none --profile-from-start off \
+      --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+      --section MemoryWorkloadAnalysis python3 benchmarks/ncu_sampling.py "${NCU_BATCH:-256}" \
+      > "$out/ncu-sampling.txt" 2>&1 || true ;;
   fit-sink-mla)
     fit_run fit-sink-mla 2 tests/attention/test_attention_sink.py tests/attention/test_deepseek_mla.py ;;
   fit-pod-ba)
