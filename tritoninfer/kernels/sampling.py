@@ -645,15 +645,18 @@ def _is_candidate(x, m, lo):
 
 
 @triton.jit
-def _put_candidates(cval_ptr, cid_ptr, at, row_end, x, m, offs, lo):
-    """Stores a tile's candidates at each lane's next slot ``at``; returns the slots after them. The
-    slots come from the bound pass's counts and this pass's, which agree; a slot at or past the row's
-    end (``row_end`` [ROWS]) is still never written."""
-    c = _is_candidate(x, m, lo)
-    keep = c & (at < row_end[:, None])
-    tl.store(cval_ptr + at, x, mask=keep)
-    tl.store(cid_ptr + at, tl.zeros_like(at).to(tl.int32) + offs[None, :], mask=keep)
-    return at + c.to(tl.int64)
+def _put_candidates(cval_ptr, cid_ptr, at, row_end, x, c, offs):
+    """Stores a tile's candidates (``c``) at each lane's next slot ``at``; returns the slots after
+    them. The slots come from the bound pass's counts and this pass's, which agree; a slot at or past
+    the row's end (``row_end`` [ROWS]) is still never written."""
+    # candidates are rare (hundreds in a segment of tens of thousands): a tile without one skips the
+    # 64-bit slot arithmetic and the predicated stores of its lanes
+    if tl.max(tl.max(c.to(tl.int32), axis=1), axis=0) > 0:
+        keep = c & (at < row_end[:, None])
+        tl.store(cval_ptr + at, x, mask=keep)
+        tl.store(cid_ptr + at, tl.zeros_like(at).to(tl.int32) + offs[None, :], mask=keep)
+        at = at + c.to(tl.int64)
+    return at
 
 
 @triton.jit
@@ -698,10 +701,10 @@ def compact_kernel(
             o1, m1, x1 = _tile(x_ptr, row_off, fits & (t + 1 < NUM_TILES), seg * NUM_TILES + t + 1, V, BLOCK)
             o2, m2, x2 = _tile(x_ptr, row_off, fits & (t + 2 < NUM_TILES), seg * NUM_TILES + t + 2, V, BLOCK)
             o3, m3, x3 = _tile(x_ptr, row_off, fits & (t + 3 < NUM_TILES), seg * NUM_TILES + t + 3, V, BLOCK)
-            at = _put_candidates(cval_ptr, cid_ptr, at, c_row + cap, x0, m0, o0, lo)
-            at = _put_candidates(cval_ptr, cid_ptr, at, c_row + cap, x1, m1, o1, lo)
-            at = _put_candidates(cval_ptr, cid_ptr, at, c_row + cap, x2, m2, o2, lo)
-            at = _put_candidates(cval_ptr, cid_ptr, at, c_row + cap, x3, m3, o3, lo)
+            at = _put_candidates(cval_ptr, cid_ptr, at, c_row + cap, x0, _is_candidate(x0, m0, lo), o0)
+            at = _put_candidates(cval_ptr, cid_ptr, at, c_row + cap, x1, _is_candidate(x1, m1, lo), o1)
+            at = _put_candidates(cval_ptr, cid_ptr, at, c_row + cap, x2, _is_candidate(x2, m2, lo), o2)
+            at = _put_candidates(cval_ptr, cid_ptr, at, c_row + cap, x3, _is_candidate(x3, m3, lo), o3)
 
 
 @triton.jit
