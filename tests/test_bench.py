@@ -868,3 +868,28 @@ def test_sampling_table_notes_say_how_a_row_was_timed():
     text = bench_sampling.notes([plain, noted])
     assert "top_p_sampling_from_probs 64 × 128256, flashinfer: graph capture failed" in text
     assert "tritoninfer" not in text
+
+
+def test_bench_set_changes_a_constant_for_the_run(monkeypatch):
+    """``tritoninfer bench --set MODULE.NAME=VALUE``: taken out of the argv wherever it stands, the
+    constant must exist, the value takes its type, and the report's environment lists it."""
+    from tritoninfer import _launch, sampling
+    from tritoninfer.bench import report, settings
+
+    monkeypatch.setattr(settings, "APPLIED", [])
+    monkeypatch.setattr(sampling, "_CAP", sampling._CAP)
+    monkeypatch.setattr(_launch, "CACHED_DRIVER_PATH", _launch.CACHED_DRIVER_PATH)
+    rest, sets = settings.split_argv(["sampling", "--set", "sampling._CAP=4096", "--quick",
+                                      "--set=_launch.CACHED_DRIVER_PATH=0"])
+    assert rest == ["sampling", "--quick"] and sets == ["sampling._CAP=4096", "_launch.CACHED_DRIVER_PATH=0"]
+    settings.apply(sets)
+    assert sampling._CAP == 4096 and _launch.CACHED_DRIVER_PATH is False
+    env = report.environment(torch.device("cpu"), None, None)
+    assert env["settings (--set)"] == "tritoninfer.sampling._CAP=4096, tritoninfer._launch.CACHED_DRIVER_PATH=False"
+    for bad, match in (("sampling._CAP", "MODULE.NAME=VALUE"), ("nosuchmodule.X=1", "no module"),
+                       ("sampling._NO_SUCH=1", "has no"), ("sampling._CAP=four", "expected int"),
+                       ("_launch.CACHED_DRIVER_PATH=maybe", "boolean")):
+        with pytest.raises(settings.SettingError, match=match):
+            settings.apply([bad])
+    with pytest.raises(settings.SettingError, match="after it"):
+        settings.split_argv(["mla", "--set"])

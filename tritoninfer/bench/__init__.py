@@ -27,16 +27,28 @@ def main(argv: Optional[List[str]] = None) -> int:
     from .cli import parse_args  # imports no kernel module: --help and bad options answer in this process
     from .groups import is_group, run_group
 
-    argv = list(sys.argv[1:] if argv is None else argv)
+    from .settings import SettingError, apply, split_argv
+
+    full_argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv, sets = split_argv(full_argv)
+    except SettingError as exc:
+        print(f"tritoninfer bench: error: {exc}", file=sys.stderr)
+        return 2
     if is_group(argv):
-        return run_group(argv)
+        return run_group(argv, sets, full_argv)
     try:
         cfg = parse_args(argv)
     except SystemExit as exc:  # argparse: --help (0) or a bad option (2, message already printed)
         return int(exc.code) if isinstance(exc.code, int) else 2
-    status = interpreter_switch("bench", argv)
+    status = interpreter_switch("bench", full_argv)
     if status is not None:
         return status
+    try:
+        apply(sets)
+    except SettingError as exc:
+        print(f"tritoninfer bench: error: {exc}", file=sys.stderr)
+        return 2
     from .runner import run_config
 
     with interpreter_warnings_ignored(), warnings.catch_warnings():

@@ -35,6 +35,10 @@ examples:
 groups (each with its own options: tritoninfer bench GROUP --help):
 {groups}
 
+Every command also takes --set MODULE.NAME=VALUE (repeatable): a tritoninfer module constant changed
+for the run, e.g. --set sampling._CAP=4096, to time one tree with and without a routing change; the
+report's environment table lists it.
+
 Lists are comma-separated; lengths take a K suffix (4K = 4096). See benchmarks/README.md."""
 
 Q_DTYPE_NAMES = ("fp16", "bf16")

@@ -39,18 +39,25 @@ def is_group(argv: Sequence[str]) -> bool:
     return bool(argv) and argv[0] in GROUPS
 
 
-def run_group(argv: List[str]) -> int:
-    """``tritoninfer bench GROUP ARGS``: parse, switch to the interpreter without a GPU, run."""
+def run_group(argv: List[str], sets: Sequence[str] = (), full_argv: Optional[List[str]] = None) -> int:
+    """``tritoninfer bench GROUP ARGS``: parse, switch to the interpreter without a GPU, apply the
+    ``--set`` options (``settings.py``), run."""
     from .._interpreter_switch import interpreter_switch, interpreter_warnings_ignored
+    from .settings import SettingError, apply
 
     module = importlib.import_module(f".{GROUPS[argv[0]][0]}", __package__)
     try:
         module.parse_args(argv[1:])
     except SystemExit as exc:  # argparse: --help (0) or a bad option (2, message already printed)
         return int(exc.code) if isinstance(exc.code, int) else 2
-    status = interpreter_switch("bench", argv)
+    status = interpreter_switch("bench", full_argv if full_argv is not None else argv)
     if status is not None:
         return status
+    try:
+        apply(sets)
+    except SettingError as exc:
+        print(f"tritoninfer bench: error: {exc}", file=sys.stderr)
+        return 2
     with interpreter_warnings_ignored():
         return module.main(argv[1:])
 

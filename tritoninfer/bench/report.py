@@ -133,6 +133,10 @@ def environment(device: torch.device, copy_tb_s: Optional[float], l2_bytes: Opti
         env["L2"] = f"{l2_bytes / 2**20:.0f} MiB" if l2_bytes else "unknown"
     if copy_tb_s is not None:
         env["copy bandwidth"] = f"{copy_tb_s:.3f} TB/s (device-to-device copy, read + write, measured in this run)"
+    from .settings import APPLIED
+
+    if APPLIED:
+        env["settings (--set)"] = ", ".join(f"{name}={value!r}" for name, value in APPLIED)
     return env
 
 
