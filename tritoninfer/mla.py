@@ -66,6 +66,18 @@ MLA_Q_DTYPES = MLA_DTYPES + FP8_DTYPES
 _LN2 = math.log(2.0)
 
 
+# The GPU tiles below as constants, so that a run can try others (``tritoninfer bench mla --set
+# mla._STAGES_16=3``; the sm_90 compile test guards the defaults): KV positions a loop step, pipeline
+# stages and warps of the 16-row blocks (KV as the dots' M) and of the larger ones. Stages are what
+# Triton's pipeliner is given, not the buffers it makes: the latent tile's load waits on its page ids'
+# load, and that chain takes stages. At 16 rows (TTGIR for sm_90) 3-4 stages give the tile one shared
+# buffer (its next load is issued after the current tile's last dot: no overlap), 5-6 give two, 7
+# three (131 KB, 160 registers); at 32 rows 2-4 give one, 5-6 two (113 KB); at 64 rows 2-4 give two,
+# 5 three (185 KB). An fp8 tile is converted in registers, not pipelined through shared memory.
+_KV_TILE_16, _STAGES_16, _WARPS_16, _KV_AS_M_16, _MASK_FREE_16 = 32, 7, 8, True, True
+_KV_TILE, _STAGES, _STAGES_32, _WARPS = 32, 2, 5, 8
+
+
 def mla_tiles(num_heads: int, avg_q_len: float, kv_fp8: bool = False) -> Tiles:
     """Tiles of the MLA kernel: ``block_m`` rows per program (query tokens x heads of one request,
     at most 64: a 64 x 512 fp32 accumulator alone takes 128 registers per thread over 8 warps),
@@ -78,8 +90,9 @@ def mla_tiles(num_heads: int, avg_q_len: float, kv_fp8: bool = False) -> Tiles:
     timed on a GPU yet; ``tests/test_sm90_compile.py`` asserts no spills):
 
     - 16 rows: KV as the dots' M (wgmma reads the latent tile from shared memory), 32-position
-      tiles, 3 stages: 123 registers;
-    - 32 rows: 187 registers (mma.sync: wgmma needs 64 rows per warpgroup);
+      tiles, 7 stages (three buffers of the tile, above): 160 registers;
+    - 32 rows: 196 registers at 5 stages (two buffers of the tile; mma.sync: wgmma needs 64 rows
+      per warpgroup);
     - 64 rows: 32-position tiles, 2 stages, one masked loop (``mask_free_tiles=False``): 255
       registers, no spills, 148 KB of shared memory. Two loop bodies (mask-free, then masked)
       spill 124-220 bytes; 64-position tiles spill 8-32 bytes outside the loop and need 221 KB;
@@ -108,10 +121,11 @@ def mla_tiles(num_heads: int, avg_q_len: float, kv_fp8: bool = False) -> Tiles:
                      mask_free_tiles=True)
     block_m = min(max_rows, max(16, next_pow2(rows)))
     if block_m == 16:
-        return Tiles(16, 32, 8, 3, tokens, cdiv(rows, 16), prefetch_pages=False, kv_as_m=True, programs_per_sm=1,
-                     mask_free_tiles=True)
-    return Tiles(block_m, 32, 8, 2, tokens, cdiv(rows, block_m), prefetch_pages=False, programs_per_sm=1,
-                 mask_free_tiles=block_m < 64 and not kv_fp8)
+        return Tiles(16, _KV_TILE_16, _WARPS_16, _STAGES_16, tokens, cdiv(rows, 16), prefetch_pages=False,
+                     kv_as_m=_KV_AS_M_16, programs_per_sm=1, mask_free_tiles=_MASK_FREE_16)
+    stages = _STAGES_32 if block_m == 32 and not kv_fp8 else _STAGES
+    return Tiles(block_m, _KV_TILE, _WARPS, stages, tokens, cdiv(rows, block_m), prefetch_pages=False,
+                 programs_per_sm=1, mask_free_tiles=block_m < 64 and not kv_fp8)
 
 
 def merge_positions(block_m: int, head_dim_ckv: int, head_dim_kpe: int, kv_dtype: torch.dtype) -> int:
