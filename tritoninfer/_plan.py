@@ -59,6 +59,13 @@ class Tiles:
 LANE_TILES = {1: (4, 4, 3, 4)}
 
 
+# fp8 decode's pipeline stages and the programs an SM they leave (the split policy's count): module
+# constants so that a run can try others (``tritoninfer bench decode --set _plan.FP8_DECODE_STAGES=3
+# --set _plan.FP8_DECODE_PROGRAMS=2``)
+FP8_DECODE_STAGES = 2
+FP8_DECODE_PROGRAMS = 3
+
+
 def decode_tiles(group: int, q_len_per_req: int, head_dim: int, kv_elem_bytes: int = 2,
                  lanes_ok: bool = False) -> Tiles:
     """Tiles for decode: one work item covers all ``q_len_per_req`` tokens of a request.
@@ -83,8 +90,11 @@ def decode_tiles(group: int, q_len_per_req: int, head_dim: int, kv_elem_bytes: i
         return Tiles(block_m, 32, 4, 2, q_len_per_req, row_tiles, prefetch_pages=False)
     if kv_elem_bytes == 1:
         # fp8: query rows as M (mma.sync), 128-token tiles, page ids one tile ahead; 162 registers
-        # and 74 KB of shared memory leave three programs per SM (benchmarks/NOTES.md, v4)
-        return Tiles(block_m, 128, 4, 2, q_len_per_req, row_tiles, prefetch_pages=True, programs_per_sm=3)
+        # and 74 KB of shared memory leave three programs per SM (benchmarks/NOTES.md, v4). Those 2
+        # stages give the K/V tiles one shared buffer (sm_90 TTGIR), the programs hide the latency;
+        # 3 stages give two buffers (106 KB, two programs an SM), 4 three (139 KB, one)
+        return Tiles(block_m, 128, 4, FP8_DECODE_STAGES, q_len_per_req, row_tiles, prefetch_pages=True,
+                     programs_per_sm=FP8_DECODE_PROGRAMS)
     # 16-bit KV: KV positions as M (wgmma reads K and V from shared memory), 64-token tiles,
     # three stages (benchmarks/NOTES.md, v4)
     return Tiles(block_m, 64, 4, 3, q_len_per_req, row_tiles, prefetch_pages=True, kv_as_m=True)
