@@ -111,6 +111,18 @@ def _tile(x_ptr, row_off, m_s, t, V, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _suffix_sum(h, NB: tl.constexpr):
+    """[ROWS, NB] -> [ROWS, NB]: the sum of each row's entries at or after each position (a reverse
+    cumsum). Not ``tl.cumsum(reverse=True)``: its sm_90 lowering put ~2.3 KB a thread on the stack
+    in the compaction's prologue (the layouts of 16-byte loads). Up to 16 bins (the top-p masses) a
+    masked sum, a fixed order for floats; beyond (the top-k counts, integers) total - prefix."""
+    if NB <= 16:
+        b = tl.arange(0, NB)
+        return tl.sum(tl.where(b[:, None] >= b[None, :], h[:, :, None], 0), axis=1)
+    return tl.sum(h, axis=1)[:, None] - tl.cumsum(h, axis=1) + h
+
+
+@triton.jit
 def _prefix(state_ptr, part_ptr, rows, m_r, B, n_segs, seg, need,
             SLOT: tl.constexpr, BITS: tl.constexpr, NB: tl.constexpr, WRITE: tl.constexpr, ROWS: tl.constexpr,
             SEGS_P2: tl.constexpr):
@@ -130,7 +142,7 @@ def _prefix(state_ptr, part_ptr, rows, m_r, B, n_segs, seg, need,
         m = m_r[:, None, None] & (s < n_segs)[None, :, None]
         # [ROWS, SEGS_P2, NB] -> [ROWS, NB]
         h = tl.sum(tl.load(part_ptr + (base + s[None, :, None]) * NB + b[None, None, :], mask=m, other=0), axis=1)
-        cum = tl.cumsum(h, axis=1, reverse=True)
+        cum = _suffix_sum(h, NB)
         digit = tl.max(tl.where((cum >= need[:, None]) & (b[None, :] >= 1), b[None, :], 0), axis=1)
         lo += digit.to(tl.int64) << (32 - SLOT * BITS)
         if WRITE:
@@ -601,7 +613,7 @@ def _candidates(cnt_part, sum_part, max_part, k_ptr, p_ptr, k_val, p_val, rows, 
         k = _param(k_ptr, k_val, rows, src, m_r, K_ARR, BY_SOURCE).to(tl.int32)
         k_off = (k <= 0) | (k >= V)
         need = tl.minimum(tl.maximum(k, 1), V)
-        cum = tl.cumsum(hs, axis=1, reverse=True)
+        cum = _suffix_sum(hs, KB)
         bk = tl.max(tl.where((cum >= need[:, None]) & (b[None, :] >= 1), b[None, :], 0), axis=1)
         bk = tl.where(k_off, 0, bk)
     if USE_P:
@@ -641,21 +653,23 @@ def _candidates(cnt_part, sum_part, max_part, k_ptr, p_ptr, k_val, p_val, rows, 
 
 @triton.jit
 def _is_candidate(x, m, lo):
-    return m & (_ordered_key(x).to(tl.int64) >= lo[:, None])
+    # lo is a key (int32 range) kept in int64 by the bound's arithmetic: compared in 32 bits
+    return m & (_ordered_key(x) >= lo.to(tl.int32)[:, None])
 
 
 @triton.jit
-def _put_candidates(cval_ptr, cid_ptr, at, row_end, x, c, offs):
-    """Stores a tile's candidates (``c``) at each lane's next slot ``at``; returns the slots after
-    them. The slots come from the bound pass's counts and this pass's, which agree; a slot at or past
-    the row's end (``row_end`` [ROWS]) is still never written."""
+def _put_candidates(cval_row, cid_row, at, cap, x, c, offs):
+    """Stores a tile's candidates (``c``) at each lane's next slot ``at`` (int32, within the row's
+    ``cap`` slots at ``cval_row``/``cid_row`` [ROWS, 1]); returns the slots after them. The slots come
+    from the bound pass's counts and this pass's, which agree; a slot at or past ``cap`` is still
+    never written."""
     # candidates are rare (hundreds in a segment of tens of thousands): a tile without one skips the
-    # 64-bit slot arithmetic and the predicated stores of its lanes
+    # slot arithmetic and the predicated stores of its lanes
     if tl.max(tl.max(c.to(tl.int32), axis=1), axis=0) > 0:
-        keep = c & (at < row_end[:, None])
-        tl.store(cval_ptr + at, x, mask=keep)
-        tl.store(cid_ptr + at, tl.zeros_like(at).to(tl.int32) + offs[None, :], mask=keep)
-        at = at + c.to(tl.int64)
+        keep = c & (at < cap)
+        tl.store(cval_row + at, x, mask=keep)
+        tl.store(cid_row + at, tl.zeros_like(at) + offs[None, :], mask=keep)
+        at = at + c.to(tl.int32)
     return at
 
 
@@ -683,7 +697,11 @@ def compact_kernel(
     if seg == 0:
         tl.store(ncand_ptr + rows, count, mask=m_r)
     fits = m_s & (count <= cap)
+    # [ROWS, 1] the row's copy; slots within it stay int32 (int64 slots for 4 x BLOCK lanes cost 32
+    # registers a thread: the kernel spilled at 255 with Triton's pointer and length specialisations)
     c_row = rows.to(tl.int64) * cap
+    cval_row = cval_ptr + c_row[:, None]
+    cid_row = cid_ptr + c_row[:, None]
     if tl.max(fits.to(tl.int32), axis=0) > 0:
         # four tiles a step, loaded before they are used (tiles past the segment masked)
         cnt = tl.zeros([ROWS, BLOCK], dtype=tl.int32)
@@ -694,17 +712,17 @@ def compact_kernel(
             o3, m3, x3 = _tile(x_ptr, row_off, fits & (t + 3 < NUM_TILES), seg * NUM_TILES + t + 3, V, BLOCK)
             cnt += (_is_candidate(x0, m0, lo).to(tl.int32) + _is_candidate(x1, m1, lo).to(tl.int32)
                     + _is_candidate(x2, m2, lo).to(tl.int32) + _is_candidate(x3, m3, lo).to(tl.int32))
-        # [ROWS, BLOCK]: each lane's next slot
-        at = c_row[:, None] + (pos[:, None] + tl.cumsum(cnt, axis=1) - cnt)
+        # [ROWS, BLOCK]: each lane's next slot in its row's copy
+        at = (pos[:, None] + tl.cumsum(cnt, axis=1) - cnt).to(tl.int32)
         for t in range(0, NUM_TILES, 4):
             o0, m0, x0 = _tile(x_ptr, row_off, fits, seg * NUM_TILES + t, V, BLOCK)
             o1, m1, x1 = _tile(x_ptr, row_off, fits & (t + 1 < NUM_TILES), seg * NUM_TILES + t + 1, V, BLOCK)
             o2, m2, x2 = _tile(x_ptr, row_off, fits & (t + 2 < NUM_TILES), seg * NUM_TILES + t + 2, V, BLOCK)
             o3, m3, x3 = _tile(x_ptr, row_off, fits & (t + 3 < NUM_TILES), seg * NUM_TILES + t + 3, V, BLOCK)
-            at = _put_candidates(cval_ptr, cid_ptr, at, c_row + cap, x0, _is_candidate(x0, m0, lo), o0)
-            at = _put_candidates(cval_ptr, cid_ptr, at, c_row + cap, x1, _is_candidate(x1, m1, lo), o1)
-            at = _put_candidates(cval_ptr, cid_ptr, at, c_row + cap, x2, _is_candidate(x2, m2, lo), o2)
-            at = _put_candidates(cval_ptr, cid_ptr, at, c_row + cap, x3, _is_candidate(x3, m3, lo), o3)
+            at = _put_candidates(cval_row, cid_row, at, cap, x0, _is_candidate(x0, m0, lo), o0)
+            at = _put_candidates(cval_row, cid_row, at, cap, x1, _is_candidate(x1, m1, lo), o1)
+            at = _put_candidates(cval_row, cid_row, at, cap, x2, _is_candidate(x2, m2, lo), o2)
+            at = _put_candidates(cval_row, cid_row, at, cap, x3, _is_candidate(x3, m3, lo), o3)
 
 
 @triton.jit
@@ -757,7 +775,7 @@ def compact_finish_kernel(
                 key = tl.where(m, _ordered_key(x), _KEY_MIN)
                 d = _digit(key, lo, slot, K_BITS, KB) + (r * KB)[:, None]
                 count += tl.histogram(tl.reshape(d, [ROWS * CBLOCK]), ROWS * KB)
-            cum = tl.cumsum(tl.reshape(count, [ROWS, KB]), axis=1, reverse=True)
+            cum = _suffix_sum(tl.reshape(count, [ROWS, KB]), KB)
             digit = tl.max(tl.where((cum >= need_k[:, None]) & (bk[None, :] >= 1), bk[None, :], 0), axis=1)
             lo += digit.to(tl.int64) << (32 - (slot + 1) * K_BITS)
         t = tl.where(k_off, _KEY_MIN, lo.to(tl.int32))
@@ -773,7 +791,7 @@ def compact_finish_kernel(
                 key = tl.where(m, _ordered_key(x), _KEY_MIN)
                 d = _digit(key, lo, slot, P_BITS, PB)
                 mass_lanes += tl.where(d[:, :, None] == bp[None, None, :], x[:, :, None], 0.0)
-            cum = tl.cumsum(tl.sum(mass_lanes, axis=1), axis=1, reverse=True)
+            cum = _suffix_sum(tl.sum(mass_lanes, axis=1), PB)
             digit = tl.max(tl.where((cum >= need_p[:, None]) & (bp[None, :] >= 1), bp[None, :], 0), axis=1)
             lo += digit.to(tl.int64) << (32 - (slot + 1) * P_BITS)
         lp = tl.where(p >= 1.0, _KEY_MIN, lo.to(tl.int32))
