@@ -307,6 +307,38 @@ def test_single_decode(layout):
     assert torch.all(o0 == 0) and torch.all(lse0 == float("-inf"))
 
 
+def test_single_functions_reuse_their_plan_across_layers(monkeypatch):
+    """A model calls single_decode / single_prefill once per layer with the same shapes: the first
+    call's plan serves the others (one kept step per shape; the Gluon prefill route's steps are not
+    kept), and each layer still gets its own inputs' result; another length plans again."""
+    from tritoninfer import _step
+
+    _step._SINGLE_STEPS.clear()
+    planned = []
+    real = _step._plan_single
+
+    def spy(*args, **kwargs):
+        planned.append((kwargs["qo_len"], kwargs["kv_len"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_step, "_plan_single", spy)
+    g = torch.Generator().manual_seed(4)
+    hq, hk, d = 4, 2, 32
+    for layer in range(3):
+        q = testing.randn((hq, d), torch.float16, DEVICE, generator=g)
+        k = testing.randn((40, hk, d), torch.float16, DEVICE, generator=g)
+        v = testing.randn((40, hk, d), torch.float16, DEVICE, generator=g)
+        testing.assert_close(tritoninfer.single_decode_with_kv_cache(q, k, v),
+                             reference.single_decode_with_kv_cache(q, k, v), torch.float16)
+        qp = testing.randn((7, hq, d), torch.float16, DEVICE, generator=g)
+        testing.assert_close(tritoninfer.single_prefill_with_kv_cache(qp, k, v, causal=True),
+                             reference.single_prefill_with_kv_cache(qp, k, v, causal=True), torch.float16)
+    assert planned.count((1, 40)) == 1, "decode planned once for three layers"
+    assert planned.count((7, 40)) in (1, 3), planned  # once, or every call on the Gluon route
+    tritoninfer.single_decode_with_kv_cache(q, k[:30], v[:30])
+    assert planned.count((1, 30)) == 1
+
+
 def test_errors_name_the_argument():
     case = Case((5, 9), heads=(4, 2))
     kv, q = _make(case)

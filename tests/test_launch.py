@@ -334,8 +334,8 @@ def test_ops_take_the_driver_path_from_the_second_call(monkeypatch):
 def test_single_request_functions_do_not_wait_for_the_gpu():
     """``single_prefill_with_kv_cache`` / ``single_decode_with_kv_cache`` plan at every call; their
     plan copies must not wait for earlier GPU work (a wait per layer made batch-1 prefill under
-    transformers 2.5x slower than SDPA): as many calls as the ring has pinned buffers, queued behind
-    a long GPU sleep, return while it runs, and still give the reference's output."""
+    transformers 2.5x slower than SDPA): as many planning calls as the ring has pinned buffers,
+    queued behind a long GPU sleep, return while it runs, and still give the reference's output."""
     from tritoninfer import _step, decode, prefill
     from tritoninfer import reference as ref
     from tritoninfer.testing import rel_error, tolerance
@@ -344,19 +344,25 @@ def test_single_request_functions_do_not_wait_for_the_gpu():
     q = torch.randn(64, 8, 128, generator=g).to("cuda", torch.float16)
     k = torch.randn(256, 2, 128, generator=g).to("cuda", torch.float16)
     v = torch.randn(256, 2, 128, generator=g).to("cuda", torch.float16)
-    prefill.single_prefill_with_kv_cache(q, k, v, causal=True)  # compiled before the timed part
-    decode.single_decode_with_kv_cache(q[0], k, v)
+    calls = _step.SINGLE_UPLOAD_SLOTS
+
+    def run_all():
+        # a new KV length each call, so that each plans and uploads once the kept steps are cleared
+        return [prefill.single_prefill_with_kv_cache(q, k[:200 + i], v[:200 + i], causal=True) if i % 2 else
+                decode.single_decode_with_kv_cache(q[i], k[:200 + i], v[:200 + i]) for i in range(calls)]
+
+    run_all()  # every variant compiled before the timed part
     torch.cuda.synchronize()
+    _step._SINGLE_STEPS.clear()
     asleep = torch.cuda.Event()
     torch.cuda._sleep(1 << 31)  # about a second of GPU time
     asleep.record()
-    calls = _step.SINGLE_UPLOAD_SLOTS
-    outs = [prefill.single_prefill_with_kv_cache(q, k, v, causal=True) if i % 2 else
-            decode.single_decode_with_kv_cache(q[i], k, v) for i in range(calls)]
+    outs = run_all()
     assert not asleep.query(), "a single-request call waited for the GPU"
     torch.cuda.synchronize()
-    want_prefill = ref.single_prefill_with_kv_cache(q, k, v, causal=True)
     for i, o in enumerate(outs):
-        want = want_prefill if i % 2 else ref.single_decode_with_kv_cache(q[i], k, v)
+        kk, vv = k[:200 + i], v[:200 + i]
+        want = (ref.single_prefill_with_kv_cache(q, kk, vv, causal=True) if i % 2 else
+                ref.single_decode_with_kv_cache(q[i], kk, vv))
         err = rel_error(o, want)
         assert err <= tolerance(torch.float16), f"call {i}: relative error {err:.3g}"

@@ -17,6 +17,7 @@ same way.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any, List, Optional, Tuple
 
@@ -43,6 +44,9 @@ NO_ROUTE = core("decode (the attention core only)")
 # pinned upload buffers of the single-request functions, used in turn: a call waits only for the
 # copy queued this many calls earlier (the GPU is rarely that many layers behind the host)
 SINGLE_UPLOAD_SLOTS = 16
+# single-request steps kept for the next call with the same shapes (plan_single)
+SINGLE_STEPS_KEPT = 32
+_SINGLE_STEPS: "collections.OrderedDict[tuple, PlannedStep]" = collections.OrderedDict()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,7 +237,35 @@ def plan_single(device: torch.device, *, settings: Settings, params: ScoreParams
                 qo_len: int, kv_len: int, tiles: Tiles, q_len_per_req: int,
                 packed_mask: Optional[torch.Tensor] = None, route: Route = NO_ROUTE) -> PlannedStep:
     """The step of one request over contiguous K/V, for the single-request functions: planned on the
-    device's scratch workspace and uploaded by the device's own uploader (they have no wrapper)."""
+    device's scratch workspace and uploaded by the device's own uploader (they have no wrapper).
+
+    A model calls these once per layer with the same shapes, so a step without a custom mask on the
+    core is kept (``_SINGLE_STEPS``, least recently used out) and the next layer's call reuses it:
+    its device arrays are never written after the upload. Not while a CUDA graph is being captured
+    (a graph must own its plan's memory, which a kept step's eviction would free)."""
+    key = None
+    if packed_mask is None and route.is_core and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        key = (device, settings, params, q_dtype, kv_dtype, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo,
+               qo_len, kv_len, tiles, q_len_per_req)
+        hit = _SINGLE_STEPS.get(key)
+        if hit is not None:
+            _SINGLE_STEPS.move_to_end(key)
+            return hit
+    step = _plan_single(device, settings=settings, params=params, q_dtype=q_dtype, kv_dtype=kv_dtype,
+                        num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk,
+                        head_dim_vo=head_dim_vo, qo_len=qo_len, kv_len=kv_len, tiles=tiles,
+                        q_len_per_req=q_len_per_req, packed_mask=packed_mask, route=route)
+    if key is not None:
+        _SINGLE_STEPS[key] = step
+        if len(_SINGLE_STEPS) > SINGLE_STEPS_KEPT:
+            _SINGLE_STEPS.popitem(last=False)
+    return step
+
+
+def _plan_single(device: torch.device, *, settings: Settings, params: ScoreParams, q_dtype: torch.dtype,
+                 kv_dtype: torch.dtype, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, head_dim_vo: int,
+                 qo_len: int, kv_len: int, tiles: Tiles, q_len_per_req: int,
+                 packed_mask: Optional[torch.Tensor], route: Route) -> PlannedStep:
     qo_lens = np.array([qo_len], np.int64)
     kv_lens = np.array([kv_len], np.int64)
     work = plan_work(qo_lens=qo_lens, kv_lens=kv_lens, tiles=tiles, num_qo_heads=num_qo_heads,
