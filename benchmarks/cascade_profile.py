@@ -6,36 +6,19 @@ Used to find what a cascade step spends its time on (``benchmarks/NOTES.md``, se
 """
 import sys
 
-import torch
 import triton.testing
 
 sys.path.insert(0, "benchmarks")
 import bench_cascade as bc  # noqa: E402
 
 import tritoninfer  # noqa: E402
+from tritoninfer.bench.timing import kernel_times  # noqa: E402
 from tritoninfer import _plan, prefill  # noqa: E402
 
 try:
     import flashinfer
 except Exception:  # noqa: BLE001
     flashinfer = None
-
-
-def kernel_times(fn, n=20):
-    """{kernel name: (launches per call, mean µs per launch)}."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-    rows = {}
-    for e in p.events():
-        if e.device_type.name == "CUDA":
-            rows.setdefault(e.name[:60], []).append(e.device_time)
-    return {k: (len(v) // n, round(sum(v) / len(v), 1)) for k, v in rows.items()}
 
 
 def main():

@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, "benchmarks")
 import tritoninfer  # noqa: E402
-from cascade_profile import kernel_times  # noqa: E402
+from tritoninfer.bench.timing import kernel_times  # noqa: E402
 from decode_sweep import gpu_paged_kv  # noqa: E402
 
 try:

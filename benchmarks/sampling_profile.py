@@ -17,17 +17,14 @@ import collections
 import cProfile
 import pstats
 import statistics
-import sys
 import time
 
 import torch
 import triton.testing
 
-sys.path.insert(0, "benchmarks")
-from cascade_profile import kernel_times  # noqa: E402
-
-import tritoninfer  # noqa: E402
-from tritoninfer import sampling  # noqa: E402
+import tritoninfer
+from tritoninfer import sampling
+from tritoninfer.bench.timing import kernel_times
 
 try:
     import flashinfer.sampling as fi

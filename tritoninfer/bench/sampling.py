@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from .timing import TimingConfig, measure
+from .timing import TimingConfig, kernel_device_us, measure
 
 TOP_K, TOP_P, MIN_P = 50, 0.9, 0.05
 LOGIT_SCALE = 3.0  # the sessions' measurements so far (flat rows: top-p 0.9 keeps ~5K of 128K)
@@ -221,20 +221,6 @@ def run_sweep(functions: Sequence[str], batches: Sequence[int], vocabs: Sequence
                     for r in rows[-len(providers):]))
                 del xs
     return rows
-
-
-def kernel_device_us(fn: Callable[[], object], calls: int = 20) -> float:
-    """The device time of ``fn``'s kernels per call, summed from ``torch.profiler`` (gaps between
-    kernels excluded)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.device_time for e in prof.events() if e.device_type.name == "CUDA") / calls
 
 
 def notes(rows: List[Row]) -> str:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -199,6 +199,32 @@ def _measure_cpu(run, *, ncopies: int, cfg: TimingConfig, plan) -> Timing:
     result.eager_dev_us = result.time_us
     result.eager_host_us = result.time_us
     return result
+
+
+def kernel_times(fn: Callable[[], object], calls: int = 20,
+                 ndigits: Optional[int] = 1) -> Dict[str, Tuple[int, float]]:
+    """``{kernel name: (launches per call, mean µs per launch)}`` of ``fn``'s kernels from
+    ``torch.profiler`` (device time only, gaps between kernels excluded), after one untimed call;
+    means rounded to ``ndigits`` (None: not rounded)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    rows: Dict[str, List[float]] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            rows.setdefault(e.name[:60], []).append(e.device_time)
+    mean = (lambda v: sum(v) / len(v)) if ndigits is None else (lambda v: round(sum(v) / len(v), ndigits))
+    return {k: (len(v) // calls, mean(v)) for k, v in rows.items()}
+
+
+def kernel_device_us(fn: Callable[[], object], calls: int = 20) -> float:
+    """The device time of ``fn``'s kernels per call (``kernel_times`` summed)."""
+    return sum(n * us for n, us in kernel_times(fn, calls, ndigits=None).values())
 
 
 def copy_bandwidth(device: torch.device, nbytes: Optional[int] = None) -> float:
