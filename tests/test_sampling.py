@@ -803,6 +803,36 @@ def test_gpu_realistic_vocab():
 
 
 @pytest.mark.gpu
+def test_gpu_millions_of_draws_stay_in_the_kept_set():
+    """FlashInfer's frequency tests' shape: millions of draws of one row through ``indices``, with a
+    few kept entries in different segments (min-p 0.7 over a std-1 normal row keeps ~4 of 128K).
+    Every draw is a kept entry: the pick once took a segment without mass when the GPU's parallel
+    scan rounded a running total over empty segments above its predecessor's (1 draw in millions).
+    The first case is FlashInfer's ``test_probs_min_p_sample_freq[0.7-normal_distribution(std=1)-128256]``
+    draw for draw (seed 42, the default generator, the pipeline fused and not), where that happened."""
+    from tritoninfer.logits_processor import LogitsPipe, MinP, Sample
+
+    vocab, draws = 128256, 5_000_000
+    idx = torch.zeros(draws, dtype=torch.int32, device="cuda")
+    torch.manual_seed(42)
+    probs = torch.softmax(torch.randn((1, vocab), device="cuda"), -1)
+    keep = probs[0] >= 0.7 * probs.max()
+    for compile in (True, False):
+        s = LogitsPipe([MinP(), Sample()], compile=compile)(probs, indices=idx, min_p=0.7).long()
+        assert keep[s].all(), f"compile={compile}: {int((~keep[s]).sum())} draws outside the min-p set"
+    gen = torch.Generator(device="cuda")
+    for seed in range(4):
+        gen.manual_seed(seed)
+        probs = torch.softmax(torch.randn(1, vocab, device="cuda", generator=gen), -1)
+        keep = probs[0] >= 0.7 * probs.max()
+        s = sampling.min_p_sampling_from_probs(probs, 0.7, indices=idx, generator=gen).long()
+        assert keep[s].all(), f"seed {seed}: {int((~keep[s]).sum())} draws outside the min-p set"
+        kept = torch.where(keep, probs[0], 0.0)[None]
+        s = sampling.sampling_from_probs(kept, indices=idx, generator=gen).long()
+        assert keep[s].all(), f"seed {seed}: {int((~keep[s]).sum())} draws of zero probability"
+
+
+@pytest.mark.gpu
 def test_gpu_rejection_sampler_flat_rows(monkeypatch):
     """On the GPU, the bench's flat rows at 256 rows (top-p 0.9 keeps 5-7K entries): every row goes
     through the rejection sampler without the compaction (``_REJECTION_ONLY_ROWS``), eagerly and

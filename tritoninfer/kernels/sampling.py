@@ -375,7 +375,7 @@ def sample_pick_kernel(
     segment order and, within a segment, lane-major order (lane ``i % BLOCK`` of the segment's tiles,
     then tile; the compaction's order, so both paths pick the same entry; any fixed order samples the
     same distribution). Grid ``(row blocks, 1)``: each program finds its rows' owner segments from
-    ``z_part`` (the first whose running total exceeds ``u * Z``; when rounding leaves none, the last
+    ``z_part`` (the first with mass whose running total exceeds ``u * Z``; when rounding leaves none, the last
     with mass; with no mass at all, segment 0, whose entry 0 is written), then per lane the kept mass
     of the segment (one read, no cross-lane work a tile), the lane by one scan, and the tile by one
     gather of that lane's entries. ``PER_SOURCE``: the state and ``z_part`` are per source row."""
@@ -389,7 +389,9 @@ def sample_pick_kernel(
                  mask=m_st[:, None] & (s < n_segs)[None, :], other=0.0)
     cum = tl.cumsum(zs, axis=1)
     target = tl.load(u_ptr + rows, mask=m_r, other=0.0) * tl.sum(zs, axis=1)
-    hit_seg = tl.min(tl.where(cum > target[:, None], s[None, :], SEGS_P2), axis=1)
+    # a segment without mass is never the hit: the GPU's parallel scan is not monotonic over zeros (a
+    # zero segment's running total can round above its predecessor's), which picked unkept entries
+    hit_seg = tl.min(tl.where((cum > target[:, None]) & (zs > 0.0), s[None, :], SEGS_P2), axis=1)
     last_seg = tl.max(tl.where(zs > 0.0, s[None, :], 0), axis=1)
     own = tl.where(hit_seg < SEGS_P2, hit_seg, last_seg)
     mine = m_r
