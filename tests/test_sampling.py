@@ -628,20 +628,34 @@ def test_logits_and_probs_paths_agree(device):
 
 
 @pytest.mark.parametrize("batch", [8, 64], ids=["compacted", "rejection-only"])
-def test_top_k_first_is_top_p_of_the_top_k_renorm(device, batch):
+def test_top_k_first_is_top_p_of_the_top_k_renorm(monkeypatch, device, batch):
     """FlashInfer's logits-processor tests compare, for one generator state and exactly: probs
     ``top_k_first`` with ``top_p_sampling_from_probs(top_k_renorm_probs(probs))``, and logits
     ``top_k_first`` with ``top_p_sampling_from_probs(softmax(top_k_mask_logits(logits)))``; below and
-    above ``_REJECTION_ONLY_ROWS`` (where top-p sampling takes the rejection sampler's order)."""
+    above ``_REJECTION_ONLY_ROWS`` (where top-p sampling takes the rejection sampler's order). The
+    probs function never writes the renormalised rows: the sampler reads them renormalised (scalar
+    and per-row parameters, ``k`` off on some rows, draws sharing rows through ``indices``)."""
     logits = torch.randn(batch, 111, device=device) * 5
     probs = torch.softmax(logits, -1)
+    written = []
+    renorm = sampling._renorm
+    monkeypatch.setattr(sampling, "_renorm", lambda *a, **kw: written.append(1) or renorm(*a, **kw))
 
     def gen():
         return torch.Generator(device=device).manual_seed(5)
 
-    fused = sampling.top_k_top_p_sampling_from_probs(probs, 10, 0.6, generator=gen())
-    composed = sampling.top_p_sampling_from_probs(sampling.top_k_renorm_probs(probs, 10), 0.6, generator=gen())
-    assert torch.equal(fused, composed)
+    g = torch.Generator().manual_seed(1)
+    k_rows = torch.randint(0, 30, (batch,), generator=g).to(device)
+    k_rows[:2] = torch.tensor([0, 111])
+    p_rows = torch.rand(batch, generator=g).to(device)
+    idx = torch.randint(0, batch, (2 * batch,), generator=g).to(device=device, dtype=torch.int32)
+    for k, p, i in ((10, 0.6, None), (k_rows, p_rows, None), (k_rows, p_rows, idx)):
+        written.clear()
+        fused = sampling.top_k_top_p_sampling_from_probs(probs, k, p, indices=i, generator=gen())
+        assert not written, "top_k_first wrote the renormalised rows"
+        composed = sampling.top_p_sampling_from_probs(sampling.top_k_renorm_probs(probs, k), p, indices=i,
+                                                      generator=gen())
+        assert torch.equal(fused, composed)
     fused = sampling.top_k_top_p_sampling_from_logits(logits, 10, 0.6, generator=gen())
     composed = sampling.top_p_sampling_from_probs(torch.softmax(sampling.top_k_mask_logits(logits, 10), -1), 0.6,
                                                   generator=gen())

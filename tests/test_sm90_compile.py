@@ -246,7 +246,7 @@ def test_mla_kernel_compiles_for_sm90():
 
 # the sampling kernels (kernels/sampling.py) with the GPU tiles of sampling._Split / _tiles
 SAMPLING_FLOATS = {"x_ptr", "u_ptr", "p_ptr", "t_ptr", "draft_ptr", "target_ptr", "p_val", "t_val", "p_part",
-                   "max_part", "z_part", "sum_part", "cval_ptr", "fin_inv_ptr", "seed_ptr"}
+                   "max_part", "z_part", "sum_part", "cval_ptr", "fin_inv_ptr", "seed_ptr", "rinv_ptr"}
 
 
 def sampling_cases():
@@ -288,32 +288,45 @@ def sampling_cases():
         flags = dict(USE_K=use_k, USE_P=not use_k, K_ARR=use_k, P_ARR=not use_k)
         if not mask:
             cases[f"renorm-mass-{name}"] = (ks.renorm_mass_kernel, dict(flags, GATE=True, **stream))
-        cases[f"renorm-write-{name}"] = (ks.renorm_write_kernel, dict(flags, FIN=True, MASK_LOGITS=mask, **stream))
+        cases[f"renorm-write-{name}"] = (ks.renorm_write_kernel, dict(flags, FIN=True, MASK_LOGITS=mask,
+                                                                      PARAMS_ONLY=False, **stream))
     cases["renorm-write-all-rows"] = (ks.renorm_write_kernel, dict(USE_K=True, USE_P=False, K_ARR=True, P_ARR=False,
-                                                                   FIN=False, MASK_LOGITS=False, **stream))
+                                                                   FIN=False, MASK_LOGITS=False, PARAMS_ONLY=False,
+                                                                   **stream))
+    cases["renorm-params"] = (ks.renorm_write_kernel, dict(USE_K=True, USE_P=False, K_ARR=True, P_ARR=False, FIN=True,
+                                                           MASK_LOGITS=False, PARAMS_ONLY=True, **stream))
     # the compaction: bound pass, copy, finish (sampling and renorm) for each bound rule
     for bins in (True, False):
         cases[f"bound-pass-{'probs' if bins else 'floats'}"] = (ks.bound_pass_kernel, dict(
-            HAS_INDICES=True, NEED_SUM=True, NEED_MAX=True, PROB_BINS=bins, ROWS=1, BLOCK=2048, NUM_TILES=2))
+            HAS_INDICES=True, NEED_SUM=True, NEED_MAX=True, PROB_BINS=bins, RENORMED=False, ROWS=1, BLOCK=2048,
+            NUM_TILES=2))
+    cases["bound-pass-renormed"] = (ks.bound_pass_kernel, dict(HAS_INDICES=True, NEED_SUM=True, NEED_MAX=False,
+                                                               PROB_BINS=True, RENORMED=True, ROWS=1, BLOCK=2048,
+                                                               NUM_TILES=2))
     rules = {"topk": dict(USE_K=True, USE_P=False, USE_MIN_P=False, K_ARR=True, P_ARR=False),
              "topp": dict(USE_K=False, USE_P=True, USE_MIN_P=False, K_ARR=False, P_ARR=True),
              "joint": dict(USE_K=True, USE_P=True, USE_MIN_P=False, K_ARR=True, P_ARR=True),
              "minp": dict(USE_K=False, USE_P=False, USE_MIN_P=True, K_ARR=False, P_ARR=True)}
     for name, rule in rules.items():
         cases[f"compact-{name}"] = (ks.compact_kernel, dict(rule, HAS_INDICES=True, PARAM_BY_SOURCE=True,
-                                                            PROB_BINS=True, **stream))
+                                                            PROB_BINS=True, RENORMED=False, **stream))
         cases[f"compact-finish-{name}"] = (ks.compact_finish_kernel, dict(rule, HAS_INDICES=True, RENORM=False,
                                                                           PARAM_BY_SOURCE=True, ROWS=1, SEGS_P2=32,
                                                                           CBLOCK=512))
     cases["compact-topk-logits"] = (ks.compact_kernel, dict(rules["topk"], HAS_INDICES=False, PARAM_BY_SOURCE=True,
-                                                           PROB_BINS=False, **stream))
+                                                           PROB_BINS=False, RENORMED=False, **stream))
+    cases["compact-topp-renormed"] = (ks.compact_kernel, dict(rules["topp"], HAS_INDICES=True, PARAM_BY_SOURCE=True,
+                                                             PROB_BINS=True, RENORMED=True, **stream))
     cases["compact-finish-renorm"] = (ks.compact_finish_kernel, dict(rules["joint"], HAS_INDICES=False, RENORM=True,
                                                                      PARAM_BY_SOURCE=True, ROWS=1, SEGS_P2=32,
                                                                      CBLOCK=512))
     for name, use_k, use_p in (("topk", True, False), ("topp", False, True), ("joint", True, True)):
         cases[f"rejection-{name}"] = (ks.rejection_sample_kernel, dict(
             HAS_INDICES=True, GATE=True, USE_K=use_k, USE_P=use_p, K_ARR=use_k, P_ARR=use_p, PARAM_BY_SOURCE=False,
-            MAX_ROUNDS=64, TILES_P2=64, **row_stream))
+            RENORMED=False, MAX_ROUNDS=64, TILES_P2=64, **row_stream))
+    cases["rejection-topp-renormed"] = (ks.rejection_sample_kernel, dict(
+        HAS_INDICES=True, GATE=True, USE_K=False, USE_P=True, K_ARR=False, P_ARR=True, PARAM_BY_SOURCE=False,
+        RENORMED=True, MAX_ROUNDS=64, TILES_P2=64, **row_stream))
     cases["softmax"] = (ks.softmax_kernel, dict(T_ARR=True, **row_stream))
     cases["chain-speculative"] = (ks.chain_speculative_kernel, dict(N=4, **row_stream))
     return cases

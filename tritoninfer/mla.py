@@ -73,9 +73,11 @@ _LN2 = math.log(2.0)
 # load, and that chain takes stages. At 16 rows (TTGIR for sm_90) 3-4 stages give the tile one shared
 # buffer (its next load is issued after the current tile's last dot: no overlap), 5-6 give two, 7
 # three (131 KB, 160 registers); at 32 rows 2-4 give one, 5-6 two (113 KB); at 64 rows 2-4 give two,
-# 5 three (185 KB). An fp8 tile is converted in registers, not pipelined through shared memory.
-_KV_TILE_16, _STAGES_16, _WARPS_16, _KV_AS_M_16, _MASK_FREE_16 = 32, 7, 8, True, True
-_KV_TILE, _STAGES, _STAGES_32, _WARPS = 32, 2, 5, 8
+# 5 three (185 KB). An fp8 tile is converted in registers, not pipelined through shared memory. Yet on
+# the H200 three buffers at 16 rows ran slower than one (16 heads, 64 x 8K: 437 against 346 us,
+# benchmarks/NOTES.md session 13): the single-buffered choice stays.
+_KV_TILE_16, _STAGES_16, _WARPS_16, _KV_AS_M_16, _MASK_FREE_16 = 32, 3, 8, True, True
+_KV_TILE, _STAGES, _STAGES_32, _WARPS = 32, 2, 2, 8
 
 
 def mla_tiles(num_heads: int, avg_q_len: float, kv_fp8: bool = False) -> Tiles:

@@ -381,10 +381,13 @@ def _compact_cap(batch: int) -> int:
 
 
 def _compact(split: _Split, x, indices, batch, cap: int, k_arr, p_arr, k_val, p_val, use_k: bool, use_p: bool,
-             use_min_p: bool, by_source: bool, u=None, out=None, prob_bins: bool = True) -> _Compacted:
+             use_min_p: bool, by_source: bool, u=None, out=None, prob_bins: bool = True,
+             renorm: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> _Compacted:
     """The bound pass, the compaction and the finish (the sample into ``out``, or with ``out`` None
     the renorm thresholds) of every row with at most ``cap`` (> 0) candidates. ``prob_bins``: ``x``
-    holds probabilities (the bound's bins are finer between 2**-32 and 1); False for logits."""
+    holds probabilities (the bound's bins are finer between 2**-32 and 1); False for logits.
+    ``renorm``: the rows read top-k renormalised (``_sample``)."""
+    rt, rinv = renorm or (None, None)
     num_rows, vocab = x.shape
     dev = x.device
     segs = split.segs
@@ -393,18 +396,18 @@ def _compact(split: _Split, x, indices, batch, cap: int, k_arr, p_arr, k_val, p_
     sum_part = torch.empty((batch, segs), dtype=torch.float32, device=dev) if use_p else None
     max_part = torch.empty((batch, segs), dtype=torch.float32, device=dev) if use_min_p else None
     tiles = split.stream()  # a histogram and sums: the streaming tile (one histogram call a tile)
-    _BOUND_PASS[split.grid](x, indices, cnt_part, sum_part, max_part, batch, num_rows, vocab, x.stride(0), segs,
-                            HAS_INDICES=has_idx, NEED_SUM=use_p, NEED_MAX=use_min_p, PROB_BINS=prob_bins,
-                            ROWS=tiles["ROWS"],
+    _BOUND_PASS[split.grid](x, indices, cnt_part, sum_part, max_part, rt, rinv, batch, num_rows, vocab, x.stride(0),
+                            segs, HAS_INDICES=has_idx, NEED_SUM=use_p, NEED_MAX=use_min_p, PROB_BINS=prob_bins,
+                            RENORMED=rt is not None, ROWS=tiles["ROWS"],
                             BLOCK=tiles["BLOCK"], NUM_TILES=tiles["NUM_TILES"], num_warps=tiles["num_warps"])
     ncand = torch.empty(batch, dtype=torch.int32, device=dev)
     cval = torch.empty((batch, cap), dtype=torch.float32, device=dev)
     cid = torch.empty((batch, cap), dtype=torch.int32, device=dev)
     flags = dict(USE_K=use_k, USE_P=use_p, USE_MIN_P=use_min_p, K_ARR=k_arr is not None,
                  P_ARR=p_arr is not None, PARAM_BY_SOURCE=by_source)
-    _COMPACT[split.grid](x, indices, k_arr, p_arr, cnt_part, sum_part, max_part, ncand, cval, cid,
+    _COMPACT[split.grid](x, indices, k_arr, p_arr, cnt_part, sum_part, max_part, ncand, cval, cid, rt, rinv,
                          k_val, p_val, batch, num_rows, vocab, x.stride(0), segs, cap, HAS_INDICES=has_idx,
-                         PROB_BINS=prob_bins, **flags, **split.stream())
+                         PROB_BINS=prob_bins, RENORMED=rt is not None, **flags, **split.stream())
     fin = None
     if out is None:
         fin = (torch.empty(batch, dtype=torch.int32, device=dev), torch.empty(batch, dtype=torch.int32, device=dev),
@@ -432,7 +435,10 @@ def _uniforms(n: int, device: torch.device, generator: Optional[torch.Generator]
 
 
 def _sample(x: torch.Tensor, indices, generator, *, is_logits=False, top_k: Optional[_Params] = None,
-            top_p: Optional[_Params] = None, min_p: Optional[_Params] = None) -> torch.Tensor:
+            top_p: Optional[_Params] = None, min_p: Optional[_Params] = None,
+            renorm: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    """``renorm``: (threshold keys, 1 / Z) of each row's top-k renorm (``_renorm_params``), applied as
+    the rows are read (top-p only; ``_renorm_on_load`` says when)."""
     num_rows, vocab = x.shape
     batch = num_rows if indices is None else indices.shape[0]
     out = torch.empty(batch, dtype=torch.int32, device=x.device)
@@ -446,19 +452,22 @@ def _sample(x: torch.Tensor, indices, generator, *, is_logits=False, top_k: Opti
         x, indices, u, out, top_k.arr if top_k is not None else None, p.arr if p is not None else None,
         top_k.val if top_k is not None and top_k.arr is None else 0,
         float(p.val) if p is not None and p.arr is None else 1.0,
-        is_logits, top_k is not None, top_p is not None, min_p is not None, _by_source(top_k, p))
+        is_logits, top_k is not None, top_p is not None, min_p is not None, _by_source(top_k, p),
+        *(renorm or (None, None)))
     return out
 
 
 def _launch_sample(x: torch.Tensor, indices: Optional[torch.Tensor], u: torch.Tensor, out: torch.Tensor,
                    k_arr: Optional[torch.Tensor], p_arr: Optional[torch.Tensor], k_val: int, p_val: float,
-                   is_logits: bool, use_k: bool, use_p: bool, use_min_p: bool, by_source: bool) -> None:
+                   is_logits: bool, use_k: bool, use_p: bool, use_min_p: bool, by_source: bool,
+                   rt: Optional[torch.Tensor] = None, rinv: Optional[torch.Tensor] = None) -> None:
     """The sampling kernels over checked arguments: ``out[i]`` from row ``indices[i]`` (or ``i``) of ``x``
     with uniform ``u[i]``; ``k_arr``/``p_arr`` per-row parameters or ``k_val``/``p_val`` for all rows
     (``p`` is top-p's or min-p's). With a filter, rows with at most ``_CAP`` candidates are finished on
     their compacted copy; the rest take the rejection sampler (top-k / top-p of probabilities, one
     launch) or the full passes (gated, every launch still made: fixed shapes, no host sync). From
-    ``_REJECTION_ONLY_ROWS`` rows the rejection sampler takes every row of the functions it serves."""
+    ``_REJECTION_ONLY_ROWS`` rows the rejection sampler takes every row of the functions it serves.
+    ``rt``/``rinv``: the rows are read top-k renormalised (top-p only, where ``_renorm_on_load``)."""
     _device.check_launchable(x.device, "sampling")
     num_rows, vocab = x.shape
     batch = out.shape[0]
@@ -470,7 +479,7 @@ def _launch_sample(x: torch.Tensor, indices: Optional[torch.Tensor], u: torch.Te
         cap = 0  # enough rows to fill the GPU with one program a row: the compaction's two reads are spent
     if (use_k or use_p or use_min_p) and cap:
         done = _compact(split, x, indices, batch, cap, k_arr, p_arr, k_val, p_val, use_k, use_p, use_min_p,
-                        by_source, u, out)
+                        by_source, u, out, renorm=(rt, rinv) if rt is not None else None)
         gate, max_part = done.gate(), done.max_part
     if (use_k or use_p) and not (use_min_p or is_logits) and _REJECTION \
             and not _per_source(indices, by_source, gate, batch, num_rows):
@@ -478,12 +487,15 @@ def _launch_sample(x: torch.Tensor, indices: Optional[torch.Tensor], u: torch.Te
         gate_arr, gate_min = gate if gate is not None else (None, 0)
         # the seed of the later rounds' uniforms: the bits of u[0] (drawn from the caller's generator)
         _REJECTION_SAMPLE[(cdiv(batch, rows),)](
-            x, indices, k_arr, p_arr, u, u, out, gate_arr, k_val, p_val, batch, num_rows, vocab, x.stride(0),
+            x, indices, k_arr, p_arr, u, u, out, gate_arr, rt, rinv, k_val, p_val, batch, num_rows, vocab, x.stride(0),
             gate_min, HAS_INDICES=indices is not None, GATE=gate is not None, USE_K=use_k, USE_P=use_p,
-            K_ARR=k_arr is not None, P_ARR=p_arr is not None, PARAM_BY_SOURCE=by_source, MAX_ROUNDS=_MAX_ROUNDS,
+            K_ARR=k_arr is not None, P_ARR=p_arr is not None, PARAM_BY_SOURCE=by_source, RENORMED=rt is not None,
+            MAX_ROUNDS=_MAX_ROUNDS,
             ROWS=rows, BLOCK=block, NUM_TILES=tiles, TILES_P2=max(next_pow2(tiles), _GPU_MIN_SEGS_P2),
             num_warps=warps)
         return
+    if rt is not None:
+        raise AssertionError("rows renormalised on load reached the full passes (_renorm_on_load)")
     _sample_passes(split, x, indices, u, out, k_arr, p_arr, k_val, p_val, is_logits, use_k, use_p, use_min_p,
                    by_source, gate, max_part)
 
@@ -529,9 +541,11 @@ def _sample_passes(split: _Split, x, indices, u, out, k_arr, p_arr, k_val, p_val
 @_ops.custom_op("sample", mutates_args=("out",))
 def _sample_op(x: torch.Tensor, indices: Optional[torch.Tensor], u: torch.Tensor, out: torch.Tensor,
                k_arr: Optional[torch.Tensor], p_arr: Optional[torch.Tensor], k_val: int, p_val: float,
-               is_logits: bool, use_k: bool, use_p: bool, use_min_p: bool, by_source: bool) -> None:
+               is_logits: bool, use_k: bool, use_p: bool, use_min_p: bool, by_source: bool,
+               rt: Optional[torch.Tensor], rinv: Optional[torch.Tensor]) -> None:
     """``_launch_sample`` for torch.compile (``_ops.py``)."""
-    _launch_sample(x, indices, u, out, k_arr, p_arr, k_val, p_val, is_logits, use_k, use_p, use_min_p, by_source)
+    _launch_sample(x, indices, u, out, k_arr, p_arr, k_val, p_val, is_logits, use_k, use_p, use_min_p, by_source,
+                   rt, rinv)
 
 
 def _renorm(x: torch.Tensor, *, top_k: Optional[_Params] = None, top_p: Optional[_Params] = None,
@@ -548,11 +562,13 @@ def _renorm(x: torch.Tensor, *, top_k: Optional[_Params] = None, top_p: Optional
     return out
 
 
-def _launch_renorm(x: torch.Tensor, out: torch.Tensor, k_arr: Optional[torch.Tensor], p_arr: Optional[torch.Tensor],
-                   k_val: int, p_val: float, use_k: bool, use_p: bool, mask_logits: bool) -> None:
+def _launch_renorm(x: torch.Tensor, out: Optional[torch.Tensor], k_arr: Optional[torch.Tensor],
+                   p_arr: Optional[torch.Tensor], k_val: int, p_val: float, use_k: bool, use_p: bool,
+                   mask_logits: bool, rt: Optional[torch.Tensor] = None, rinv: Optional[torch.Tensor] = None) -> None:
     """The renorm / mask kernels over checked arguments, into ``out`` [num_rows, vocab] float32: the
     thresholds of rows with at most ``_CAP`` candidates from their compacted copy, the full searches
-    (gated) for the rest, then one write of every row."""
+    (gated) for the rest, then one write of every row. ``out`` None (top-k of probabilities): no row
+    is written; ``rt``/``rinv`` [num_rows] get each row's threshold key and ``1 / Z`` instead."""
     _device.check_launchable(x.device, "sampling")
     num_rows, vocab = x.shape
     split = _Split(vocab, num_rows, x.device)
@@ -571,9 +587,12 @@ def _launch_renorm(x: torch.Tensor, out: torch.Tensor, k_arr: Optional[torch.Ten
         z_part = torch.empty((num_rows, split.segs), dtype=torch.float32, device=x.device)
         _RENORM_MASS[split.grid](x, k_arr, p_arr, *scratch, z_part, gate_arr, k_val, p_val, num_rows, vocab,
                                  x.stride(0), split.segs, gate_min, GATE=gate is not None, **flags, **split.stream())
-    _RENORM_WRITE[split.grid](x, out, k_arr, p_arr, *scratch, z_part, gate_arr, *(fin or (None, None, None)),
-                              k_val, p_val, num_rows, vocab, x.stride(0), out.stride(0), split.segs, gate_min,
-                              FIN=fin is not None, MASK_LOGITS=mask_logits, **flags, **split.stream())
+    params_only = out is None
+    grid = (split.grid[0], 1) if params_only else split.grid
+    _RENORM_WRITE[grid](x, out, k_arr, p_arr, *scratch, z_part, gate_arr, *(fin or (None, None, None)), rt, rinv,
+                        k_val, p_val, num_rows, vocab, x.stride(0), 0 if params_only else out.stride(0), split.segs,
+                        gate_min, FIN=fin is not None, MASK_LOGITS=mask_logits, PARAMS_ONLY=params_only, **flags,
+                        **split.stream())
 
 
 @_ops.custom_op("renorm", mutates_args=("out",))
@@ -581,6 +600,36 @@ def _renorm_op(x: torch.Tensor, out: torch.Tensor, k_arr: Optional[torch.Tensor]
                k_val: int, p_val: float, use_k: bool, use_p: bool, mask_logits: bool) -> None:
     """``_launch_renorm`` for torch.compile (``_ops.py``)."""
     _launch_renorm(x, out, k_arr, p_arr, k_val, p_val, use_k, use_p, mask_logits)
+
+
+def _renorm_params(x: torch.Tensor, top_k: _Params) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(int32 threshold keys, float32 ``1 / Z``) [num_rows] of ``top_k_renorm_probs(x, top_k)``: what
+    ``_sample(renorm=...)`` applies as it reads ``x``, for the values the renorm would have written."""
+    num_rows = x.shape[0]
+    rt = torch.empty(num_rows, dtype=torch.int32, device=x.device)
+    rinv = torch.empty(num_rows, dtype=torch.float32, device=x.device)
+    (_renorm_params_op if _ops.compiling() else _launch_renorm_params)(x, rt, rinv, top_k.arr, top_k.val if top_k.arr
+                                                                       is None else 0)
+    return rt, rinv
+
+
+def _launch_renorm_params(x: torch.Tensor, rt: torch.Tensor, rinv: torch.Tensor, k_arr: Optional[torch.Tensor],
+                          k_val: int) -> None:
+    _launch_renorm(x, None, k_arr, None, k_val, 1.0, True, False, False, rt, rinv)
+
+
+@_ops.custom_op("renorm_params", mutates_args=("rt", "rinv"))
+def _renorm_params_op(x: torch.Tensor, rt: torch.Tensor, rinv: torch.Tensor, k_arr: Optional[torch.Tensor],
+                      k_val: int) -> None:
+    """``_launch_renorm_params`` for torch.compile (``_ops.py``)."""
+    _launch_renorm_params(x, rt, rinv, k_arr, k_val)
+
+
+def _renorm_on_load(batch: int) -> bool:
+    """Whether top-p sampling of a top-k renorm of ``batch`` outputs can read the rows renormalised
+    rather than written: its routes then are the compaction and the rejection sampler only (the full
+    passes, with ``_REJECTION`` off or without a compaction cap, read the written rows)."""
+    return bool(_REJECTION) and _compact_cap(batch) > 0
 
 
 def _launch_softmax(logits: torch.Tensor, out: torch.Tensor, t_arr: Optional[torch.Tensor], t_val: float) -> None:
@@ -834,8 +883,10 @@ def top_k_top_p_sampling_from_probs(
         # per-output top-k: renormalise each output's own copy of its row
         probs, indices = probs.index_select(0, indices), None
         k.by_source = p.by_source = True
-    # literally top-p sampling of the top-k renorm: FlashInfer's pipeline tests compare the two for
-    # equality, and the samplers' orders (compacted, rejection) differ between routes
+    # literally top-p sampling of the top-k renorm (FlashInfer's pipeline tests compare the two for
+    # equality), the renormalised rows read as they are computed rather than written and read back
+    if _renorm_on_load(batch):
+        return _sample(probs, indices, generator, top_p=p, renorm=_renorm_params(probs, k))
     return _sample(_renorm(probs, top_k=k), indices, generator, top_p=p)
 
 

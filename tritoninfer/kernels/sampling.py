@@ -111,6 +111,29 @@ def _tile(x_ptr, row_off, m_s, t, V, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _renorm_rows(rt_ptr, rinv_ptr, src, m_s, RENORMED: tl.constexpr):
+    """(int32 key threshold, float32 1 / Z) [ROWS] of each source row's top-k renorm, as
+    ``renorm_write_kernel`` with ``PARAMS_ONLY`` stores them (unused without ``RENORMED``)."""
+    if RENORMED:
+        t = tl.load(rt_ptr + src, mask=m_s, other=0)
+        inv = tl.load(rinv_ptr + src, mask=m_s, other=0.0)
+    else:
+        t = tl.zeros_like(src).to(tl.int32)
+        inv = tl.zeros_like(src).to(tl.float32)
+    return t, inv
+
+
+@triton.jit
+def _renormed(x, t, inv, RENORMED: tl.constexpr):
+    """With ``RENORMED``, ``x`` [ROWS, BLOCK] as ``renorm_write_kernel`` writes the top-k renorm (``x *
+    inv`` where ``key >= t`` and ``x > 0``, else 0): the sampler then reads the renormalised rows
+    without them being written (``top_k_first``)."""
+    if RENORMED:
+        x = tl.where((_ordered_key(x) >= t[:, None]) & (x > 0.0), x * inv[:, None], 0.0)
+    return x
+
+
+@triton.jit
 def _suffix_sum(h, NB: tl.constexpr):
     """[ROWS, NB] -> [ROWS, NB]: the sum of each row's entries at or after each position (a reverse
     cumsum). Not ``tl.cumsum(reverse=True)``: its sm_90 lowering put ~2.3 KB a thread on the stack
@@ -457,10 +480,10 @@ def renorm_mass_kernel(
 @triton.jit
 def renorm_write_kernel(
     x_ptr, out_ptr, k_ptr, p_ptr, k_state, k_part, p_state, p_part, z_part, gate_ptr,
-    fin_t_ptr, fin_p_ptr, fin_inv_ptr,
+    fin_t_ptr, fin_p_ptr, fin_inv_ptr, rt_ptr, rinv_ptr,
     k_val, p_val, B, V, stride_x, stride_o, n_segs, gate_min,
     FIN: tl.constexpr, USE_K: tl.constexpr, USE_P: tl.constexpr, MASK_LOGITS: tl.constexpr,
-    K_ARR: tl.constexpr, P_ARR: tl.constexpr,
+    K_ARR: tl.constexpr, P_ARR: tl.constexpr, PARAMS_ONLY: tl.constexpr,
     ROWS: tl.constexpr, SEGS_P2: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
 ):
     """float32 rows of ``out``, one segment a program: the top-k (``USE_K``) or top-p (``USE_P``)
@@ -468,7 +491,9 @@ def renorm_write_kernel(
     elsewhere; with ``MASK_LOGITS`` the top-k logits themselves, ``-inf`` elsewhere. A row with
     ``k <= 0`` or ``k >= V`` is copied unchanged; ``top_p >= 1`` divides the row by its sum. With
     ``FIN``, rows that did not overflow (``gate[row] <= gate_min``) take their thresholds and ``1 / Z``
-    from ``fin_*`` (``compact_finish_kernel``'s)."""
+    from ``fin_*`` (``compact_finish_kernel``'s). ``PARAMS_ONLY`` (top-k of probabilities, grid
+    ``(row blocks, 1)``): no row is written; ``rt``/``rinv`` [B] get each row's threshold key and ``1 / Z``
+    (``-2**31`` and 1 for a row without filter), what ``_renormed`` applies on load."""
     rows, m_r, src, row_off, m_s = _gated_rows(B, B, x_ptr, stride_x, gate_ptr, gate_min, False, False, ROWS)
     seg = tl.program_id(1)
     out_off = rows.to(tl.int64) * stride_o
@@ -487,7 +512,10 @@ def renorm_write_kernel(
         lo_p = tl.where(compacted, tl.load(fin_p_ptr + rows, mask=compacted, other=0), lo_p)
         if not MASK_LOGITS:
             inv = tl.where(compacted, tl.load(fin_inv_ptr + rows, mask=compacted, other=0.0), inv)
-    if tl.max(m_r.to(tl.int32), axis=0) > 0:
+    if PARAMS_ONLY:
+        tl.store(rt_ptr + rows, tl.where(no_filter, _KEY_MIN, lo_k), mask=m_r)
+        tl.store(rinv_ptr + rows, tl.where(no_filter, 1.0, inv), mask=m_r)
+    elif tl.max(m_r.to(tl.int32), axis=0) > 0:
         for t in range(NUM_TILES):
             offs, m, x = _tile(x_ptr, row_off, m_s, seg * NUM_TILES + t, V, BLOCK)
             key = _ordered_key(x)
@@ -544,14 +572,15 @@ def renorm_write_kernel(
 
 @triton.jit
 def bound_pass_kernel(
-    x_ptr, idx_ptr, cnt_part, sum_part, max_part, B, n_src, V, stride_x, n_segs,
+    x_ptr, idx_ptr, cnt_part, sum_part, max_part, rt_ptr, rinv_ptr, B, n_src, V, stride_x, n_segs,
     HAS_INDICES: tl.constexpr, NEED_SUM: tl.constexpr, NEED_MAX: tl.constexpr, PROB_BINS: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
+    RENORMED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
 ):
     """Per (row, segment): ``cnt_part[row, seg, 256]`` the keys' histogram over ``_bound_bin``'s
     bins (masked lanes in bin 0), ``sum_part[row, seg]`` the positive mass (``NEED_SUM``), ``max_part[row, seg]`` the
-    max (``NEED_MAX``, as ``max_pass_kernel``'s)."""
+    max (``NEED_MAX``, as ``max_pass_kernel``'s). ``RENORMED``: of the rows top-k renormalised on load."""
     rows, m_r, src, row_off, m_s = _rows(B, n_src, idx_ptr, stride_x, HAS_INDICES, ROWS)
+    rt, rinv = _renorm_rows(rt_ptr, rinv_ptr, src, m_s, RENORMED)
     seg = tl.program_id(1)
     KB: tl.constexpr = K_BINS
     r = tl.arange(0, ROWS)
@@ -560,6 +589,7 @@ def bound_pass_kernel(
     mx = tl.full([ROWS, BLOCK], float("-inf"), tl.float32)
     for t in range(NUM_TILES):
         offs, m, x = _tile(x_ptr, row_off, m_s, seg * NUM_TILES + t, V, BLOCK)
+        x = _renormed(x, rt, rinv, RENORMED)
         key = tl.where(m, _ordered_key(x), _KEY_MIN)
         count += tl.histogram(tl.reshape(_bound_bin(key, PROB_BINS) + (r * KB)[:, None], [ROWS * BLOCK]), ROWS * KB)
         if NEED_SUM:
@@ -677,12 +707,12 @@ def _put_candidates(cval_row, cid_row, at, cap, x, c, offs):
 
 @triton.jit
 def compact_kernel(
-    x_ptr, idx_ptr, k_ptr, p_ptr, cnt_part, sum_part, max_part, ncand_ptr, cval_ptr, cid_ptr,
+    x_ptr, idx_ptr, k_ptr, p_ptr, cnt_part, sum_part, max_part, ncand_ptr, cval_ptr, cid_ptr, rt_ptr, rinv_ptr,
     k_val, p_val, B, n_src, V, stride_x, n_segs, cap,
     HAS_INDICES: tl.constexpr, USE_K: tl.constexpr, USE_P: tl.constexpr,
     USE_MIN_P: tl.constexpr, K_ARR: tl.constexpr, P_ARR: tl.constexpr,
-    PARAM_BY_SOURCE: tl.constexpr, PROB_BINS: tl.constexpr, ROWS: tl.constexpr, SEGS_P2: tl.constexpr,
-    BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
+    PARAM_BY_SOURCE: tl.constexpr, PROB_BINS: tl.constexpr, RENORMED: tl.constexpr, ROWS: tl.constexpr,
+    SEGS_P2: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
 ):
     """Copies the segment's candidates (``key >= bound``) of rows with at most ``cap`` of them to
     ``cval``/``cid`` ``[B, cap]`` (values, token ids) from the row's position for the segment on,
@@ -690,8 +720,10 @@ def compact_kernel(
     order, ``sample_pick_kernel``); segment 0 stores ``ncand[row]`` (``> cap``: the row overflowed).
     Two reads of the segment: per-lane counts, one scan over the lanes,
     then each lane writes at its own offset, with no scan a tile (a loop-carried scan a tile cost
-    100-290 µs at 64-256 rows of 128K on the H200)."""
+    100-290 µs at 64-256 rows of 128K on the H200). ``RENORMED``: the rows top-k renormalised on load
+    (the copy holds the renormalised values)."""
     rows, m_r, src, row_off, m_s = _rows(B, n_src, idx_ptr, stride_x, HAS_INDICES, ROWS)
+    rt, rinv = _renorm_rows(rt_ptr, rinv_ptr, src, m_s, RENORMED)
     seg = tl.program_id(1)
     lo, count, pos = _candidates(cnt_part, sum_part, max_part, k_ptr, p_ptr, k_val, p_val, rows, m_r, src, m_s,
                                  V, n_segs, seg, NUM_TILES * BLOCK, USE_K, USE_P, USE_MIN_P,
@@ -712,6 +744,8 @@ def compact_kernel(
             o1, m1, x1 = _tile(x_ptr, row_off, fits & (t + 1 < NUM_TILES), seg * NUM_TILES + t + 1, V, BLOCK)
             o2, m2, x2 = _tile(x_ptr, row_off, fits & (t + 2 < NUM_TILES), seg * NUM_TILES + t + 2, V, BLOCK)
             o3, m3, x3 = _tile(x_ptr, row_off, fits & (t + 3 < NUM_TILES), seg * NUM_TILES + t + 3, V, BLOCK)
+            x0, x1 = _renormed(x0, rt, rinv, RENORMED), _renormed(x1, rt, rinv, RENORMED)
+            x2, x3 = _renormed(x2, rt, rinv, RENORMED), _renormed(x3, rt, rinv, RENORMED)
             cnt += (_is_candidate(x0, m0, lo).to(tl.int32) + _is_candidate(x1, m1, lo).to(tl.int32)
                     + _is_candidate(x2, m2, lo).to(tl.int32) + _is_candidate(x3, m3, lo).to(tl.int32))
         # [ROWS, BLOCK]: each lane's next slot in its row's copy
@@ -721,6 +755,8 @@ def compact_kernel(
             o1, m1, x1 = _tile(x_ptr, row_off, fits & (t + 1 < NUM_TILES), seg * NUM_TILES + t + 1, V, BLOCK)
             o2, m2, x2 = _tile(x_ptr, row_off, fits & (t + 2 < NUM_TILES), seg * NUM_TILES + t + 2, V, BLOCK)
             o3, m3, x3 = _tile(x_ptr, row_off, fits & (t + 3 < NUM_TILES), seg * NUM_TILES + t + 3, V, BLOCK)
+            x0, x1 = _renormed(x0, rt, rinv, RENORMED), _renormed(x1, rt, rinv, RENORMED)
+            x2, x3 = _renormed(x2, rt, rinv, RENORMED), _renormed(x3, rt, rinv, RENORMED)
             at = _put_candidates(cval_row, cid_row, at, cap, x0, _is_candidate(x0, m0, lo), o0)
             at = _put_candidates(cval_row, cid_row, at, cap, x1, _is_candidate(x1, m1, lo), o1)
             at = _put_candidates(cval_row, cid_row, at, cap, x2, _is_candidate(x2, m2, lo), o2)
@@ -966,10 +1002,10 @@ def _count_above(x, pivot):
 
 @triton.jit
 def rejection_sample_kernel(
-    x_ptr, idx_ptr, k_ptr, p_ptr, u_ptr, seed_ptr, out_ptr, gate_ptr,
+    x_ptr, idx_ptr, k_ptr, p_ptr, u_ptr, seed_ptr, out_ptr, gate_ptr, rt_ptr, rinv_ptr,
     k_val, p_val, B, n_src, V, stride_x, gate_min,
     HAS_INDICES: tl.constexpr, GATE: tl.constexpr, USE_K: tl.constexpr, USE_P: tl.constexpr,
-    K_ARR: tl.constexpr, P_ARR: tl.constexpr, PARAM_BY_SOURCE: tl.constexpr,
+    K_ARR: tl.constexpr, P_ARR: tl.constexpr, PARAM_BY_SOURCE: tl.constexpr, RENORMED: tl.constexpr,
     MAX_ROUNDS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
     TILES_P2: tl.constexpr,
 ):
@@ -990,9 +1026,11 @@ def rejection_sample_kernel(
     whose kept set holds most of its mass accepts in round 0 most of the time. Round 0 uses
     ``u[row]``, later rounds ``tl.rand(seed, row * MAX_ROUNDS + round)``. After ``MAX_ROUNDS``
     rejections a row keeps its last sample (never seen: each round halves ``high - low`` or
-    accepts). ``GATE``: only rows with ``gate[row] > gate_min``."""
+    accepts). ``GATE``: only rows with ``gate[row] > gate_min``. ``RENORMED``: the rows top-k
+    renormalised on load (``top_k_first``: what the renorm would have written)."""
     rows, m_r, src, row_off, m_s = _gated_rows(B, n_src, idx_ptr, stride_x, gate_ptr, gate_min, HAS_INDICES, GATE,
                                                ROWS)
+    rt, rinv = _renorm_rows(rt_ptr, rinv_ptr, src, m_s, RENORMED)
     # top_p <= 0 keeps the largest entries only, >= 1 every entry; k <= 0 or >= V: no top-k filter
     p_on = rows < 0
     top_p = tl.full([ROWS], 1.0, tl.float32)
@@ -1016,6 +1054,8 @@ def rejection_sample_kernel(
         # load-then-use tile loop keeps one tile in flight (~20 GB/s a program on the H200)
         for t in range(0, NUM_TILES, 4):
             x0, x1, x2, x3 = _tiles4(x_ptr, row_off, m_s, t, V, BLOCK)
+            x0, x1 = _renormed(x0, rt, rinv, RENORMED), _renormed(x1, rt, rinv, RENORMED)
+            x2, x3 = _renormed(x2, rt, rinv, RENORMED), _renormed(x3, rt, rinv, RENORMED)
             lane_w += (tl.where(x0 > 0.0, x0, 0.0) + tl.where(x1 > 0.0, x1, 0.0)
                        + tl.where(x2 > 0.0, x2, 0.0) + tl.where(x3 > 0.0, x3, 0.0))
             mx_lanes = tl.maximum(tl.maximum(mx_lanes, tl.maximum(x0, x1)), tl.maximum(x2, x3))
@@ -1040,6 +1080,7 @@ def rejection_sample_kernel(
         col = tiles[None, :] * BLOCK + lane[:, None]
         m_col = (m_s & ~done)[:, None] & (tiles < NUM_TILES)[None, :] & (col < V)
         x_col = tl.load(x_ptr + row_off[:, None] + col, mask=m_col, other=0.0).to(tl.float32)
+        x_col = _renormed(x_col, rt, rinv, RENORMED)
         w_col = tl.where(x_col > low[:, None], x_col, 0.0)
         hit = (tl.cumsum(w_col, axis=1) > (target - before)[:, None]) & (w_col > 0.0)
         first_t = tl.min(tl.where(hit, tiles[None, :], TILES_P2), axis=1)
@@ -1047,6 +1088,8 @@ def rejection_sample_kernel(
         tile = tl.where(first_t < TILES_P2, first_t, tl.maximum(last_t, 0))
         j = tile * BLOCK + lane
         p_j = tl.load(x_ptr + row_off + j, mask=m_s & ~done, other=0.0).to(tl.float32)
+        if RENORMED:
+            p_j = tl.sum(_renormed(p_j[:, None], rt, rinv, RENORMED), axis=1)
         mid = (p_j + high) * 0.5
         # (2) per lane, the mass (and count) of the entries above p_j and above mid
         mass_j = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
@@ -1055,6 +1098,8 @@ def rejection_sample_kernel(
         cnt_mid = tl.zeros([ROWS, BLOCK], dtype=tl.int32)
         for t in range(0, NUM_TILES, 4):
             x0, x1, x2, x3 = _tiles4(x_ptr, row_off, m_s & ~done, t, V, BLOCK)
+            x0, x1 = _renormed(x0, rt, rinv, RENORMED), _renormed(x1, rt, rinv, RENORMED)
+            x2, x3 = _renormed(x2, rt, rinv, RENORMED), _renormed(x3, rt, rinv, RENORMED)
             mass_j += _above(x0, p_j) + _above(x1, p_j) + _above(x2, p_j) + _above(x3, p_j)
             mass_mid += _above(x0, mid) + _above(x1, mid) + _above(x2, mid) + _above(x3, mid)
             if USE_K:
