@@ -501,8 +501,8 @@ def _bin_edge_rows(device) -> torch.Tensor:
     smallest float and the float just below it, 1.0 and above (an unnormalised row), values under
     the smallest bin, zeros, in random order."""
     g = torch.Generator().manual_seed(8)
-    base = int(sampling._k.PROB_BIN_BASE)
-    edges = torch.tensor([(b + base) << 20 for b in range(1, 256, 7)], dtype=torch.int32).view(torch.float32)
+    base, shift, bins = int(sampling._k.PROB_BIN_BASE), int(sampling._k.PROB_BIN_SHIFT), int(sampling._k.PROB_BOUND_BINS)
+    edges = torch.tensor([(b + base) << shift for b in range(1, bins, 2)], dtype=torch.int32).view(torch.float32)
     below = (edges.view(torch.int32) - 1).view(torch.float32)
     tiny = torch.tensor([1e-12, 2e-10, 0.0, 0.0, 3e-38])
     big = torch.tensor([1.0, 1.0, 1.5, 3.0])
@@ -532,16 +532,16 @@ def test_probability_bins_keep_thresholds_exact(monkeypatch, device):
 
 
 def test_probability_bins_make_flat_top_p_rows_fit(monkeypatch, device):
-    """The bench's flat rows (softmax(randn * 3)): the probability bins (a factor 2**(1/8) wide) make
-    a top-p row's candidates a few per cent more than its kept entries; the float bins (a factor 4)
-    made them ~3x as many, which overflowed the cap (kept ~6K of 128K: 20K candidates)."""
+    """The bench's flat rows (softmax(randn * 3)): the probability bins (a factor 4/3 or 3/2 wide)
+    make a top-p row's candidates at most ~1.6x its kept entries; the float bins (a factor 4) made
+    them ~3x as many, which overflowed the cap (kept ~6K of 128K: 20K candidates)."""
     torch.manual_seed(0)
     probs = torch.softmax(torch.randn(4, 8192, device=device) * 3, -1)
     seen = spy_compaction(monkeypatch)
     assert_close(sampling.top_p_renorm_probs(probs, 0.9), reference.top_p_renorm_probs(probs, 0.9), torch.float32)
     kept = reference.top_p_keep_mask(probs, 0.9).sum(-1)
     (ncand, _), = seen
-    assert (ncand.cpu() >= kept.cpu()).all() and (ncand.cpu() <= kept.cpu() * 1.3).all(), (ncand, kept)
+    assert (ncand.cpu() >= kept.cpu()).all() and (ncand.cpu() <= kept.cpu() * 1.8).all(), (ncand, kept)
 
 
 def test_per_output_parameters(device):

@@ -392,12 +392,13 @@ def _compact(split: _Split, x, indices, batch, cap: int, k_arr, p_arr, k_val, p_
     dev = x.device
     segs = split.segs
     has_idx = indices is not None
-    cnt_part = torch.empty((batch, segs, int(_k.K_BINS)), dtype=torch.int32, device=dev)
+    nb = _k.bound_bins(prob_bins)
+    cnt_part = torch.empty((batch, segs, nb), dtype=torch.int32, device=dev)
     sum_part = torch.empty((batch, segs), dtype=torch.float32, device=dev) if use_p else None
     max_part = torch.empty((batch, segs), dtype=torch.float32, device=dev) if use_min_p else None
     tiles = split.stream()  # a histogram and sums: the streaming tile (one histogram call a tile)
     _BOUND_PASS[split.grid](x, indices, cnt_part, sum_part, max_part, rt, rinv, batch, num_rows, vocab, x.stride(0),
-                            segs, HAS_INDICES=has_idx, NEED_SUM=use_p, NEED_MAX=use_min_p, PROB_BINS=prob_bins,
+                            segs, HAS_INDICES=has_idx, NEED_SUM=use_p, NEED_MAX=use_min_p, PROB_BINS=prob_bins, NB=nb,
                             RENORMED=rt is not None, ROWS=tiles["ROWS"],
                             BLOCK=tiles["BLOCK"], NUM_TILES=tiles["NUM_TILES"], num_warps=tiles["num_warps"])
     ncand = torch.empty(batch, dtype=torch.int32, device=dev)
@@ -407,7 +408,7 @@ def _compact(split: _Split, x, indices, batch, cap: int, k_arr, p_arr, k_val, p_
                  P_ARR=p_arr is not None, PARAM_BY_SOURCE=by_source)
     _COMPACT[split.grid](x, indices, k_arr, p_arr, cnt_part, sum_part, max_part, ncand, cval, cid, rt, rinv,
                          k_val, p_val, batch, num_rows, vocab, x.stride(0), segs, cap, HAS_INDICES=has_idx,
-                         PROB_BINS=prob_bins, RENORMED=rt is not None, **flags, **split.stream())
+                         PROB_BINS=prob_bins, NB=nb, RENORMED=rt is not None, **flags, **split.stream())
     fin = None
     if out is None:
         fin = (torch.empty(batch, dtype=torch.int32, device=dev), torch.empty(batch, dtype=torch.int32, device=dev),

@@ -48,9 +48,19 @@ P_BITS = tl.constexpr(4)
 P_BINS = tl.constexpr(16)
 P_PASSES = tl.constexpr(8)
 _KEY_MIN = tl.constexpr(-2147483648)
-# probability bins (kernels' compaction comment): bin b >= 1 holds keys with key >> 20 == b + this;
-# 1.0 (0x3F800000) opens bin 255
-PROB_BIN_BASE = tl.constexpr(761)
+# the bound pass's probability bins (compaction comment below): bin b >= 1 holds the keys with
+# key >> PROB_BIN_SHIFT == b + PROB_BIN_BASE (the exponent and one mantissa bit: from 1.5 * 2**-32, a
+# factor 4/3 or 3/2 a bin); 0.75 and above share the top bin. 64 bins, not 256: tl.histogram makes a warp ballot per bit of the bin and a popcount per bin a
+# lane owns, ~22 instructions an entry for 64 bins against ~88 for 256, and the 256-bin bound pass was
+# compute-bound on the H200 (0.8 TB/s); the coarser bins add ~10-35 % candidates (bench rows)
+PROB_BIN_SHIFT = tl.constexpr(22)
+PROB_BIN_BASE = tl.constexpr(190)
+PROB_BOUND_BINS = tl.constexpr(64)
+
+
+def bound_bins(prob_bins: bool) -> int:
+    """The bound pass's bins: ``PROB_BOUND_BINS`` for probabilities, ``K_BINS`` for any floats."""
+    return int(PROB_BOUND_BINS) if prob_bins else int(K_BINS)
 
 
 @triton.jit
@@ -533,7 +543,7 @@ def renorm_write_kernel(
 # compaction: a row's candidates into [B, cap], the searches and the sample finished there
 # --------------------------------------------------------------------------------------------------
 #
-# ``bound_pass_kernel`` (one read) counts each segment's keys in 256 bins and sums the positive
+# ``bound_pass_kernel`` (one read) counts each segment's keys in 64 (probabilities) or 256 bins and sums the positive
 # entries (top-p) and takes the max (min-p). From those every program of ``compact_kernel`` derives the
 # same bound bin ``bb`` per row: every entry the filters can keep has ``key >= lo(bb)`` (below), so the
 # candidates are whole bins and their number, and each segment's write offset, follow exactly from
@@ -551,10 +561,11 @@ def renorm_write_kernel(
 # The bins (``_bound_bin``), each a contiguous key range [lo(b), lo(b + 1)), increasing with b:
 # - any floats (logits): the keys' top 8 bits, bin b holding [KEY_MIN + b * 2**24, KEY_MIN + (b + 1) *
 #   2**24): two binary exponents a bin (a factor 4 in value), half of the bins for negative floats;
-# - probabilities (``PROB_BINS``): bin b >= 1 holds the keys whose top 12 bits (sign, exponent, 3
-#   mantissa bits) are b + PROB_BIN_BASE, a factor 2**(1/8) in value, from 1.25 * 2**-32 up to 1
-#   (bin 255: 1 and above, negative and smaller values in bin 0). A flat row's top-p 0.9 set
-#   (softmax(randn * 3) over 128K: ~6K entries) then has ~6.5K candidates instead of ~20K.
+# - probabilities (``PROB_BINS``): bin b >= 1 holds the keys whose top 10 bits (sign, exponent, 1
+#   mantissa bit) are b + PROB_BIN_BASE, a factor 4/3 or 3/2 in value, from 1.5 * 2**-32 up to 0.75
+#   (bin 63: 0.75 and above, negative and smaller values in bin 0). A flat row's top-p 0.9 set
+#   (softmax(randn * 3) over 128K: ~6K entries) then has ~7.9K candidates (~5.8K with 256 bins of
+#   2**(1/8), ~20K with the float binning); top-k 50 ~60 (54), min-p 0.05 ~47 (39).
 # - top-k (k-th largest T): the largest bin b >= 1 whose keys and those above number >= k (the first
 #   radix digit): count(key >= lo(b)) >= k gives T >= lo(b).
 # - top-p (L': the smallest kept key; kept j when mass of the entries above p_j < top_p): with Z the
@@ -574,15 +585,15 @@ def renorm_write_kernel(
 def bound_pass_kernel(
     x_ptr, idx_ptr, cnt_part, sum_part, max_part, rt_ptr, rinv_ptr, B, n_src, V, stride_x, n_segs,
     HAS_INDICES: tl.constexpr, NEED_SUM: tl.constexpr, NEED_MAX: tl.constexpr, PROB_BINS: tl.constexpr,
-    RENORMED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
+    NB: tl.constexpr, RENORMED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
 ):
-    """Per (row, segment): ``cnt_part[row, seg, 256]`` the keys' histogram over ``_bound_bin``'s
+    """Per (row, segment): ``cnt_part[row, seg, NB]`` (``bound_bins(PROB_BINS)``) the keys' histogram over ``_bound_bin``'s
     bins (masked lanes in bin 0), ``sum_part[row, seg]`` the positive mass (``NEED_SUM``), ``max_part[row, seg]`` the
     max (``NEED_MAX``, as ``max_pass_kernel``'s). ``RENORMED``: of the rows top-k renormalised on load."""
     rows, m_r, src, row_off, m_s = _rows(B, n_src, idx_ptr, stride_x, HAS_INDICES, ROWS)
     rt, rinv = _renorm_rows(rt_ptr, rinv_ptr, src, m_s, RENORMED)
     seg = tl.program_id(1)
-    KB: tl.constexpr = K_BINS
+    KB: tl.constexpr = NB
     r = tl.arange(0, ROWS)
     count = tl.zeros([ROWS * KB], dtype=tl.int32)
     z = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
@@ -607,9 +618,10 @@ def bound_pass_kernel(
 
 @triton.jit
 def _bound_bin(key, PROB_BINS: tl.constexpr):
-    """The bound pass's bin (0-255) of int32 ``key``s, the probability or the float binning."""
+    """The bound pass's bin of int32 ``key``s: the probability binning (0 to ``PROB_BOUND_BINS - 1``)
+    or the float binning (0-255)."""
     if PROB_BINS:
-        return tl.minimum(tl.maximum((key >> 20) - PROB_BIN_BASE, 0), 255)
+        return tl.minimum(tl.maximum((key >> PROB_BIN_SHIFT) - PROB_BIN_BASE, 0), PROB_BOUND_BINS - 1)
     return (key >> 24) + 128
 
 
@@ -618,7 +630,7 @@ def _bin_lo(b, PROB_BINS: tl.constexpr):
     """int64 smallest key of bin ``b`` (KEY_MIN for bin 0)."""
     b = b.to(tl.int64)
     if PROB_BINS:
-        return tl.where(b == 0, _KEY_MIN, (b + PROB_BIN_BASE) << 20)
+        return tl.where(b == 0, _KEY_MIN, (b + PROB_BIN_BASE) << PROB_BIN_SHIFT)
     return (b << 24) + _KEY_MIN  # tensor first: the interpreter keeps constexpr + tensor a constexpr
 
 
@@ -626,15 +638,15 @@ def _bin_lo(b, PROB_BINS: tl.constexpr):
 def _candidates(cnt_part, sum_part, max_part, k_ptr, p_ptr, k_val, p_val, rows, m_r, src, m_s, V, n_segs, seg,
                 SEG_LEN: tl.constexpr, USE_K: tl.constexpr, USE_P: tl.constexpr, USE_MIN_P: tl.constexpr,
                 K_ARR: tl.constexpr, P_ARR: tl.constexpr, BY_SOURCE: tl.constexpr, PROB_BINS: tl.constexpr,
-                ROWS: tl.constexpr, SEGS_P2: tl.constexpr):
+                NB: tl.constexpr, ROWS: tl.constexpr, SEGS_P2: tl.constexpr):
     """(int64 key bound [ROWS], candidates of the row (``key >= bound``), candidates in the segments
     before ``seg``): the bound bin of the comment above, from ``bound_pass_kernel``'s partials."""
-    KB: tl.constexpr = K_BINS
+    KB: tl.constexpr = NB
     b = tl.arange(0, KB)
     s = tl.arange(0, SEGS_P2)
     m_seg = m_r[:, None] & (s < n_segs)[None, :]
     base = (rows.to(tl.int64) * n_segs)[:, None] + s[None, :]
-    # [ROWS, SEGS_P2, 256] -> [ROWS, 256]
+    # [ROWS, SEGS_P2, NB] -> [ROWS, NB]
     h = tl.load(cnt_part + base[:, :, None] * KB + b[None, None, :], mask=m_seg[:, :, None], other=0)
     hs = tl.sum(h, axis=1)
     bb = tl.zeros([ROWS], dtype=tl.int32)
@@ -652,9 +664,9 @@ def _candidates(cnt_part, sum_part, max_part, k_ptr, p_ptr, k_val, p_val, rows, 
         p = _param(p_ptr, p_val, rows, src, m_r, P_ARR, BY_SOURCE).to(tl.float32)
         zs = tl.sum(tl.load(sum_part + base, mask=m_seg, other=0.0), axis=1)
         if PROB_BINS:
-            # upper value of bin c < 255: the next bin's smallest float (bin 0's positive values are
-            # below bin 1's); the open top bin costs inf when not empty
-            hi = tl.where(b >= KB - 1, 0.0, ((b + PROB_BIN_BASE + 1) << 20).to(tl.float32, bitcast=True))
+            # upper value of a bin below the top one: the next bin's smallest float (bin 0's positive
+            # values are below bin 1's); the open top bin costs inf when not empty
+            hi = tl.where(b >= KB - 1, 0.0, ((b + PROB_BIN_BASE + 1) << PROB_BIN_SHIFT).to(tl.float32, bitcast=True))
             cost = hs.to(tl.float32) * hi[None, :]
         else:
             # upper value of bin c >= 128 (non-negative floats): the float whose bits are (c - 127) << 24
@@ -711,7 +723,8 @@ def compact_kernel(
     k_val, p_val, B, n_src, V, stride_x, n_segs, cap,
     HAS_INDICES: tl.constexpr, USE_K: tl.constexpr, USE_P: tl.constexpr,
     USE_MIN_P: tl.constexpr, K_ARR: tl.constexpr, P_ARR: tl.constexpr,
-    PARAM_BY_SOURCE: tl.constexpr, PROB_BINS: tl.constexpr, RENORMED: tl.constexpr, ROWS: tl.constexpr,
+    PARAM_BY_SOURCE: tl.constexpr, PROB_BINS: tl.constexpr, NB: tl.constexpr, RENORMED: tl.constexpr,
+    ROWS: tl.constexpr,
     SEGS_P2: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
 ):
     """Copies the segment's candidates (``key >= bound``) of rows with at most ``cap`` of them to
@@ -727,7 +740,7 @@ def compact_kernel(
     seg = tl.program_id(1)
     lo, count, pos = _candidates(cnt_part, sum_part, max_part, k_ptr, p_ptr, k_val, p_val, rows, m_r, src, m_s,
                                  V, n_segs, seg, NUM_TILES * BLOCK, USE_K, USE_P, USE_MIN_P,
-                                 K_ARR, P_ARR, PARAM_BY_SOURCE, PROB_BINS, ROWS, SEGS_P2)
+                                 K_ARR, P_ARR, PARAM_BY_SOURCE, PROB_BINS, NB, ROWS, SEGS_P2)
     if seg == 0:
         tl.store(ncand_ptr + rows, count, mask=m_r)
     fits = m_s & (count <= cap)
