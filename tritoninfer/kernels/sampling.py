@@ -50,9 +50,10 @@ P_PASSES = tl.constexpr(8)
 _KEY_MIN = tl.constexpr(-2147483648)
 # the bound pass's probability bins (compaction comment below): bin b >= 1 holds the keys with
 # key >> PROB_BIN_SHIFT == b + PROB_BIN_BASE (the exponent and one mantissa bit: from 1.5 * 2**-32, a
-# factor 4/3 or 3/2 a bin); 0.75 and above share the top bin. 64 bins, not 256: tl.histogram makes a warp ballot per bit of the bin and a popcount per bin a
-# lane owns, ~22 instructions an entry for 64 bins against ~88 for 256, and the 256-bin bound pass was
-# compute-bound on the H200 (0.8 TB/s); the coarser bins add ~10-35 % candidates (bench rows)
+# factor 4/3 or 3/2 a bin); 0.75 and above share the top bin. 64 bins, not 256: the 256-bin pass was
+# compute-bound on the H200 (0.8 TB/s), and tl.histogram's ballots per bit of the bin plus its
+# shared-memory merge compile (sm_90) to ~49 instructions an entry of the tile loop with 64 bins
+# against ~68 with 256; the coarser bins add ~10-35 % candidates (the bench's rows)
 PROB_BIN_SHIFT = tl.constexpr(22)
 PROB_BIN_BASE = tl.constexpr(190)
 PROB_BOUND_BINS = tl.constexpr(64)
