@@ -445,8 +445,10 @@ def sample_pick_kernel(
                        + _kept(x1, m1, lo_k, lo_p, pivot, shift_max, IS_LOGITS, USE_K, USE_P, USE_MIN_P)
                        + _kept(x2, m2, lo_k, lo_p, pivot, shift_max, IS_LOGITS, USE_K, USE_P, USE_MIN_P)
                        + _kept(x3, m3, lo_k, lo_p, pivot, shift_max, IS_LOGITS, USE_K, USE_P, USE_MIN_P))
-    cum = tl.cumsum(lane_w, axis=1) + run[:, None]
-    hit_lane = tl.min(tl.where((cum > target[:, None]) & (lane_w > 0.0), lanes[None, :], BLOCK), axis=1)
+    # the running mass less u * Z (> 0: past the target); `cum > target[:, None]` made the 19.5 us
+    # pick of one row on the H200 (_row_column)
+    cum = tl.cumsum(lane_w, axis=1) + _row_column(run - target, ROWS)
+    hit_lane = tl.min(tl.where((cum > 0.0) & (lane_w > 0.0), lanes[None, :], BLOCK), axis=1)
     last_lane = tl.max(tl.where(lane_w > 0.0, lanes[None, :], -1), axis=1)
     # no hit: rounding put u * Z at or past the running total (the last lane with mass); no kept mass
     # at all: lane 0, tile 0 of segment 0, entry 0
@@ -458,7 +460,7 @@ def sample_pick_kernel(
     m_col = m_own[:, None] & (tiles < NUM_TILES)[None, :] & (col < V)
     x_col = tl.load(x_ptr + row_off[:, None] + col, mask=m_col, other=0.0).to(tl.float32)
     w_col = _kept(x_col, m_col, lo_k, lo_p, pivot, shift_max, IS_LOGITS, USE_K, USE_P, USE_MIN_P)
-    hit = ((tl.cumsum(w_col, axis=1) + before[:, None]) > target[:, None]) & (w_col > 0.0)
+    hit = ((tl.cumsum(w_col, axis=1) + before[:, None]) > 0.0) & (w_col > 0.0)
     first_t = tl.min(tl.where(hit, tiles[None, :], TILES_P2), axis=1)
     last_t = tl.max(tl.where(w_col > 0.0, tiles[None, :], -1), axis=1)
     tile = tl.where(first_t < TILES_P2, first_t, tl.maximum(last_t, 0))
@@ -697,9 +699,21 @@ def _candidates(cnt_part, sum_part, max_part, k_ptr, p_ptr, k_val, p_val, rows, 
 
 
 @triton.jit
-def _is_candidate(x, m, lo):
-    # lo is a key (int32 range) kept in int64 by the bound's arithmetic: compared in 32 bits
-    return m & (_ordered_key(x) >= lo.to(tl.int32)[:, None])
+def _is_candidate(x, m, lo_col):
+    # lo_col: the bound key as a [ROWS, 1] int32 column, or a scalar (_row_column)
+    return m & (_ordered_key(x) >= lo_col)
+
+
+@triton.jit
+def _row_column(v, ROWS: tl.constexpr):
+    """A per-row value [ROWS] to compare or add across a [ROWS, BLOCK] tile: a scalar for one row a
+    program (the GPU's tiles). As a [ROWS, 1] column Triton broadcast some of these to [ROWS, BLOCK]
+    in another layout and converted the tile through shared memory (sm_90 SASS: 1,042 stores a
+    thread in the one-row pick at BLOCK 4096, 560 in the top-p compaction)."""
+    if ROWS == 1:
+        return tl.sum(v, axis=0)
+    else:
+        return v[:, None]
 
 
 @triton.jit
@@ -752,6 +766,8 @@ def compact_kernel(
     cid_row = cid_ptr + c_row[:, None]
     if tl.max(fits.to(tl.int32), axis=0) > 0:
         # four tiles a step, loaded before they are used (tiles past the segment masked)
+        # lo is a key (int32 range) kept in int64 by the bound's arithmetic: compared in 32 bits
+        lo_col = _row_column(lo.to(tl.int32), ROWS)
         cnt = tl.zeros([ROWS, BLOCK], dtype=tl.int32)
         for t in range(0, NUM_TILES, 4):
             o0, m0, x0 = _tile(x_ptr, row_off, fits, seg * NUM_TILES + t, V, BLOCK)
@@ -760,10 +776,10 @@ def compact_kernel(
             o3, m3, x3 = _tile(x_ptr, row_off, fits & (t + 3 < NUM_TILES), seg * NUM_TILES + t + 3, V, BLOCK)
             x0, x1 = _renormed(x0, rt, rinv, RENORMED), _renormed(x1, rt, rinv, RENORMED)
             x2, x3 = _renormed(x2, rt, rinv, RENORMED), _renormed(x3, rt, rinv, RENORMED)
-            cnt += (_is_candidate(x0, m0, lo).to(tl.int32) + _is_candidate(x1, m1, lo).to(tl.int32)
-                    + _is_candidate(x2, m2, lo).to(tl.int32) + _is_candidate(x3, m3, lo).to(tl.int32))
+            cnt += (_is_candidate(x0, m0, lo_col).to(tl.int32) + _is_candidate(x1, m1, lo_col).to(tl.int32)
+                    + _is_candidate(x2, m2, lo_col).to(tl.int32) + _is_candidate(x3, m3, lo_col).to(tl.int32))
         # [ROWS, BLOCK]: each lane's next slot in its row's copy
-        at = (pos[:, None] + tl.cumsum(cnt, axis=1) - cnt).to(tl.int32)
+        at = (_row_column(pos, ROWS) + tl.cumsum(cnt, axis=1) - cnt).to(tl.int32)
         for t in range(0, NUM_TILES, 4):
             o0, m0, x0 = _tile(x_ptr, row_off, fits, seg * NUM_TILES + t, V, BLOCK)
             o1, m1, x1 = _tile(x_ptr, row_off, fits & (t + 1 < NUM_TILES), seg * NUM_TILES + t + 1, V, BLOCK)
@@ -771,10 +787,10 @@ def compact_kernel(
             o3, m3, x3 = _tile(x_ptr, row_off, fits & (t + 3 < NUM_TILES), seg * NUM_TILES + t + 3, V, BLOCK)
             x0, x1 = _renormed(x0, rt, rinv, RENORMED), _renormed(x1, rt, rinv, RENORMED)
             x2, x3 = _renormed(x2, rt, rinv, RENORMED), _renormed(x3, rt, rinv, RENORMED)
-            at = _put_candidates(cval_row, cid_row, at, cap, x0, _is_candidate(x0, m0, lo), o0)
-            at = _put_candidates(cval_row, cid_row, at, cap, x1, _is_candidate(x1, m1, lo), o1)
-            at = _put_candidates(cval_row, cid_row, at, cap, x2, _is_candidate(x2, m2, lo), o2)
-            at = _put_candidates(cval_row, cid_row, at, cap, x3, _is_candidate(x3, m3, lo), o3)
+            at = _put_candidates(cval_row, cid_row, at, cap, x0, _is_candidate(x0, m0, lo_col), o0)
+            at = _put_candidates(cval_row, cid_row, at, cap, x1, _is_candidate(x1, m1, lo_col), o1)
+            at = _put_candidates(cval_row, cid_row, at, cap, x2, _is_candidate(x2, m2, lo_col), o2)
+            at = _put_candidates(cval_row, cid_row, at, cap, x3, _is_candidate(x3, m3, lo_col), o3)
 
 
 @triton.jit
