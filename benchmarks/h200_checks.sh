@@ -68,6 +68,11 @@
 # --quick ~95 s after warm-fi; bench-mla --quick < 120 s after warm-mla; sampling-profile (64, 256 rows,
 # no FlashInfer) ~60 s. A fresh machine costs ~60-90 s of device time before the command starts.
 #
+# Measured in session 13: tests-tf + tests-core + tests-sampling + warm-fi at LIMIT=300 then transformers
+# (LIMIT=200) fit one 430 s command (tests-tf reached 10 of 15 tests; the other 5 took 169 s alone);
+# fit + warm-mla 200 s, bench-sampling --quick < 140 s, bench-mla --quick < 90 s after warm-mla. Speed
+# parts log what else ran on the machine when they started (busy-PART.txt).
+#
 # Measured in session 12: tests-core + tests-new-a1 + tests-new-b + tests-rest in parallel: only tests-rest
 # finished in 300 s (60 passed, 168 s); at 230 s tests-core reached 42 tests, tests-new-a1 37, tests-new-b 16
 # (tests-new-b's transformers files alone: 8 tests in 170 s). fit-lp-vs finished (225 passed) within 240 s; bench-sampling
@@ -88,6 +93,13 @@ if [[ $parts == *,* ]]; then
 fi
 part=$parts
 export FLASHINFER_WORKSPACE_BASE=/tmp/fiws MAX_JOBS=16
+case "$part" in
+  transformers|bench-*|host|sampling-*|ab-merge)
+    # a speed part: what else holds the GPU or the CPU when it starts (session 13's transformers run
+    # followed test parts cut by their limit, and both implementations came out 11-50 % slower)
+    { echo "# before $part, $(date -u +%T)"; nvidia-smi --query-compute-apps=pid,used_memory --format=csv 2>&1
+      ps -eo pid,ppid,pcpu,etime,args --sort=-pcpu 2>/dev/null | head -12; } > "$out/busy-$part.txt" 2>&1 || true ;;
+esac
 core="tests/test_launch.py tests/test_decode.py tests/test_prefill.py tests/test_cascade.py tests/test_safety.py tests/test_route.py"
 new_a="tests/test_mla.py tests/test_pod.py tests/test_batch_attention.py tests/test_sparse.py tests/test_fp8_query.py
   tests/test_multi_item.py"
