@@ -84,6 +84,12 @@ _GPU_BLOCK_STREAM = 2048
 _GPU_PROGRAMS_PER_SM = 8
 # the pick's largest single tile (``_Split.pick``)
 _GPU_BLOCK_PICK = 4096
+# the rejection sampler's tile and warps (one program streams a whole row, so these set the bytes it
+# keeps in flight: ~40 GB/s a program measured at 64 rows, where FlashInfer's 1,024-thread CTA reads a
+# row at ~100): module constants, so `tritoninfer bench sampling --set sampling._GPU_REJECTION_WARPS=16`
+# can try others
+_GPU_REJECTION_BLOCK = 2048
+_GPU_REJECTION_WARPS = 8
 _GPU_MIN_SEGMENT = 4096
 # The per-row arrays of segment partials (and the rejection sampler's per-tile gather) are at least
 # this wide: Triton 3.6's scan lowering asserts (ScanOpToLLVM, on the GPU; the CPU build compiles it)
@@ -485,6 +491,9 @@ def _launch_sample(x: torch.Tensor, indices: Optional[torch.Tensor], u: torch.Te
     if (use_k or use_p) and not (use_min_p or is_logits) and _REJECTION \
             and not _per_source(indices, by_source, gate, batch, num_rows):
         rows, block, tiles, warps = _tiles(vocab, batch, search=False)
+        if not _device.is_interpreter():
+            block = min(next_pow2(vocab), int(_GPU_REJECTION_BLOCK))
+            tiles, warps = cdiv(vocab, block), int(_GPU_REJECTION_WARPS) if block > 512 else 4
         gate_arr, gate_min = gate if gate is not None else (None, 0)
         # the seed of the later rounds' uniforms: the bits of u[0] (drawn from the caller's generator)
         _REJECTION_SAMPLE[(cdiv(batch, rows),)](
