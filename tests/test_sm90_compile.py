@@ -312,6 +312,10 @@ def sampling_cases():
         cases[f"bound-pass-{'probs' if bins else 'floats'}"] = (ks.bound_pass_kernel, dict(
             HAS_INDICES=True, NEED_SUM=True, NEED_MAX=True, PROB_BINS=bins, NB=ks.bound_bins(bins), RENORMED=False, ROWS=1, BLOCK=2048,
             NUM_TILES=2))
+    # the widest bound tile `bench --set sampling._GPU_BLOCK_BOUND=8192` would launch
+    cases["bound-pass-probs-8192"] = (ks.bound_pass_kernel, dict(
+        HAS_INDICES=False, NEED_SUM=True, NEED_MAX=True, PROB_BINS=True, NB=64, RENORMED=False, ROWS=1, BLOCK=8192,
+        NUM_TILES=4))
     cases["bound-pass-renormed"] = (ks.bound_pass_kernel, dict(HAS_INDICES=True, NEED_SUM=True, NEED_MAX=False,
                                                                PROB_BINS=True, NB=64, RENORMED=True, ROWS=1, BLOCK=2048,
                                                                NUM_TILES=2))

@@ -84,6 +84,9 @@ _GPU_BLOCK_STREAM = 2048
 _GPU_PROGRAMS_PER_SM = 8
 # the pick's largest single tile (``_Split.pick``)
 _GPU_BLOCK_PICK = 4096
+# the bound pass's largest tile (``_Split.bound``): 2,048, the streaming tile, measured; 8,192 would make
+# a quarter of the histogram calls (three barriers each in the sm_90 SASS), to try with `bench --set`
+_GPU_BLOCK_BOUND = 2048
 # the rejection sampler's tile and warps (one program streams a whole row, so these set the bytes it
 # keeps in flight: ~40 GB/s a program measured at 64 rows, where FlashInfer's 1,024-thread CTA reads a
 # row at ~100): module constants, so `tritoninfer bench sampling --set sampling._GPU_REJECTION_WARPS=16`
@@ -325,6 +328,18 @@ class _Split:
         return dict(ROWS=self.rows, SEGS_P2=self.segs_p2, BLOCK=self.block_stream,
                     NUM_TILES=self.seg_len // self.block_stream, num_warps=self.warps_stream)
 
+    def bound(self) -> dict:
+        """The bound pass's tiles: the streaming tile, on the GPU widened (up to
+        ``_GPU_BLOCK_BOUND`` entries, within a segment) so that fewer ``tl.histogram`` calls, each with
+        its shared-memory merge and barriers, cover a segment."""
+        tiles = self.stream()
+        if not _device.is_interpreter():
+            block = tiles["BLOCK"]
+            while block * 2 <= int(_GPU_BLOCK_BOUND) and self.seg_len % (block * 2) == 0:
+                block *= 2
+            tiles.update(BLOCK=block, NUM_TILES=self.seg_len // block)
+        return tiles
+
     def pick(self) -> dict:
         """The pick's tiles (``sample_pick_kernel``): the compaction's (its candidates are in the
         same lane-major order), or for plain sampling (``short``, no compaction) the whole segment
@@ -402,7 +417,7 @@ def _compact(split: _Split, x, indices, batch, cap: int, k_arr, p_arr, k_val, p_
     cnt_part = torch.empty((batch, segs, nb), dtype=torch.int32, device=dev)
     sum_part = torch.empty((batch, segs), dtype=torch.float32, device=dev) if use_p else None
     max_part = torch.empty((batch, segs), dtype=torch.float32, device=dev) if use_min_p else None
-    tiles = split.stream()  # a histogram and sums: the streaming tile (one histogram call a tile)
+    tiles = split.bound()  # a histogram and sums (one histogram call a tile)
     _BOUND_PASS[split.grid](x, indices, cnt_part, sum_part, max_part, rt, rinv, batch, num_rows, vocab, x.stride(0),
                             segs, HAS_INDICES=has_idx, NEED_SUM=use_p, NEED_MAX=use_min_p, PROB_BINS=prob_bins, NB=nb,
                             RENORMED=rt is not None, ROWS=tiles["ROWS"],
