@@ -88,9 +88,9 @@ _GPU_BLOCK_PICK = 4096
 # a quarter of the histogram calls (three barriers each in the sm_90 SASS), to try with `bench --set`
 _GPU_BLOCK_BOUND = 2048
 # the rejection sampler's tile and warps (one program streams a whole row, so these set the bytes it
-# keeps in flight: ~40 GB/s a program measured at 64 rows, where FlashInfer's 1,024-thread CTA reads a
-# row at ~100): module constants, so `tritoninfer bench sampling --set sampling._GPU_REJECTION_WARPS=16`
-# can try others
+# keeps in flight: ~40 GB/s a program by the H200's 64-row top-p time, 34 us for ~2-3 reads of a 512 KB
+# row, where FlashInfer's 1,024-thread CTA reads ~100 by its batch-1 time): module constants, so
+# `tritoninfer bench sampling --set sampling._GPU_REJECTION_WARPS=16` can try others
 _GPU_REJECTION_BLOCK = 2048
 _GPU_REJECTION_WARPS = 8
 _GPU_MIN_SEGMENT = 4096
