@@ -310,14 +310,14 @@ def sampling_cases():
     # the compaction: bound pass, copy, finish (sampling and renorm) for each bound rule
     for bins in (True, False):
         cases[f"bound-pass-{'probs' if bins else 'floats'}"] = (ks.bound_pass_kernel, dict(
-            HAS_INDICES=True, NEED_SUM=True, NEED_MAX=True, PROB_BINS=bins, NB=ks.bound_bins(bins), RENORMED=False, ROWS=1, BLOCK=2048,
+            HAS_INDICES=True, NEED_SUM=True, NEED_MAX=True, PROB_BINS=bins, RENORMED=False, ROWS=1, BLOCK=2048,
             NUM_TILES=2))
     # the widest bound tile `bench --set sampling._GPU_BLOCK_BOUND=8192` would launch
     cases["bound-pass-probs-8192"] = (ks.bound_pass_kernel, dict(
-        HAS_INDICES=False, NEED_SUM=True, NEED_MAX=True, PROB_BINS=True, NB=64, RENORMED=False, ROWS=1, BLOCK=8192,
+        HAS_INDICES=False, NEED_SUM=True, NEED_MAX=True, PROB_BINS=True, RENORMED=False, ROWS=1, BLOCK=8192,
         NUM_TILES=4))
     cases["bound-pass-renormed"] = (ks.bound_pass_kernel, dict(HAS_INDICES=True, NEED_SUM=True, NEED_MAX=False,
-                                                               PROB_BINS=True, NB=64, RENORMED=True, ROWS=1, BLOCK=2048,
+                                                               PROB_BINS=True, RENORMED=True, ROWS=1, BLOCK=2048,
                                                                NUM_TILES=2))
     rules = {"topk": dict(USE_K=True, USE_P=False, USE_MIN_P=False, K_ARR=True, P_ARR=False),
              "topp": dict(USE_K=False, USE_P=True, USE_MIN_P=False, K_ARR=False, P_ARR=True),
@@ -325,14 +325,14 @@ def sampling_cases():
              "minp": dict(USE_K=False, USE_P=False, USE_MIN_P=True, K_ARR=False, P_ARR=True)}
     for name, rule in rules.items():
         cases[f"compact-{name}"] = (ks.compact_kernel, dict(rule, HAS_INDICES=True, PARAM_BY_SOURCE=True,
-                                                            PROB_BINS=True, NB=64, RENORMED=False, **stream))
+                                                            PROB_BINS=True, RENORMED=False, **stream))
         cases[f"compact-finish-{name}"] = (ks.compact_finish_kernel, dict(rule, HAS_INDICES=True, RENORM=False,
                                                                           PARAM_BY_SOURCE=True, ROWS=1, SEGS_P2=32,
                                                                           CBLOCK=512))
     cases["compact-topk-logits"] = (ks.compact_kernel, dict(rules["topk"], HAS_INDICES=False, PARAM_BY_SOURCE=True,
-                                                           PROB_BINS=False, NB=256, RENORMED=False, **stream))
+                                                           PROB_BINS=False, RENORMED=False, **stream))
     cases["compact-topp-renormed"] = (ks.compact_kernel, dict(rules["topp"], HAS_INDICES=True, PARAM_BY_SOURCE=True,
-                                                             PROB_BINS=True, NB=64, RENORMED=True, **stream))
+                                                             PROB_BINS=True, RENORMED=True, **stream))
     cases["compact-finish-renorm"] = (ks.compact_finish_kernel, dict(rules["joint"], HAS_INDICES=False, RENORM=True,
                                                                      PARAM_BY_SOURCE=True, ROWS=1, SEGS_P2=32,
                                                                      CBLOCK=512))

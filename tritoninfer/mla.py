@@ -67,7 +67,7 @@ _LN2 = math.log(2.0)
 
 
 # The GPU tiles below as constants, so that a run can try others (``tritoninfer bench mla --set
-# mla._STAGES_16=3``; the sm_90 compile test guards the defaults): KV positions a loop step, pipeline
+# mla._STAGES_16=7``; the sm_90 compile test guards the defaults): KV positions a loop step, pipeline
 # stages and warps of the 16-row blocks (KV as the dots' M) and of the larger ones. Stages are what
 # Triton's pipeliner is given, not the buffers it makes: the latent tile's load waits on its page ids'
 # load, and that chain takes stages. At 16 rows (TTGIR for sm_90) 3-4 stages give the tile one shared
@@ -92,9 +92,8 @@ def mla_tiles(num_heads: int, avg_q_len: float, kv_fp8: bool = False) -> Tiles:
     timed on a GPU yet; ``tests/test_sm90_compile.py`` asserts no spills):
 
     - 16 rows: KV as the dots' M (wgmma reads the latent tile from shared memory), 32-position
-      tiles, 7 stages (three buffers of the tile, above): 160 registers;
-    - 32 rows: 196 registers at 5 stages (two buffers of the tile; mma.sync: wgmma needs 64 rows
-      per warpgroup);
+      tiles, 3 stages (one buffer of the tile, above): 125 registers;
+    - 32 rows: 181 registers at 2 stages (mma.sync: wgmma needs 64 rows per warpgroup);
     - 64 rows: 32-position tiles, 2 stages, one masked loop (``mask_free_tiles=False``): 255
       registers, no spills, 148 KB of shared memory. Two loop bodies (mask-free, then masked)
       spill 124-220 bytes; 64-position tiles spill 8-32 bytes outside the loop and need 221 KB;

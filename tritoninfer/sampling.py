@@ -292,6 +292,14 @@ def _tiles(vocab: int, rows: int, search: bool) -> Tuple[int, int, int, int]:
     return 1, block, cdiv(vocab, block), 4 if block <= 512 else 8
 
 
+def _rejection_tiles(vocab: int, rows: int) -> Tuple[int, int, int, int]:
+    """``_tiles`` of the rejection sampler: on the GPU its tile and warps are ``_GPU_REJECTION_*``."""
+    if _device.is_interpreter():
+        return _tiles(vocab, rows, search=False)
+    block = min(next_pow2(vocab), int(_GPU_REJECTION_BLOCK))
+    return 1, block, cdiv(vocab, block), int(_GPU_REJECTION_WARPS) if block > 512 else 4
+
+
 class _Split:
     """How the segmented kernels cover ``[rows, vocab]``: ``ROWS`` rows a program, ``segs`` segments
     of ``seg_len`` entries a row (grid ``(cdiv(rows, ROWS), segs)``), and each kind of pass's tile."""
@@ -413,13 +421,12 @@ def _compact(split: _Split, x, indices, batch, cap: int, k_arr, p_arr, k_val, p_
     dev = x.device
     segs = split.segs
     has_idx = indices is not None
-    nb = _k.bound_bins(prob_bins)
-    cnt_part = torch.empty((batch, segs, nb), dtype=torch.int32, device=dev)
+    cnt_part = torch.empty((batch, segs, _k.bound_bins(prob_bins)), dtype=torch.int32, device=dev)
     sum_part = torch.empty((batch, segs), dtype=torch.float32, device=dev) if use_p else None
     max_part = torch.empty((batch, segs), dtype=torch.float32, device=dev) if use_min_p else None
     tiles = split.bound()  # a histogram and sums (one histogram call a tile)
     _BOUND_PASS[split.grid](x, indices, cnt_part, sum_part, max_part, rt, rinv, batch, num_rows, vocab, x.stride(0),
-                            segs, HAS_INDICES=has_idx, NEED_SUM=use_p, NEED_MAX=use_min_p, PROB_BINS=prob_bins, NB=nb,
+                            segs, HAS_INDICES=has_idx, NEED_SUM=use_p, NEED_MAX=use_min_p, PROB_BINS=prob_bins,
                             RENORMED=rt is not None, ROWS=tiles["ROWS"],
                             BLOCK=tiles["BLOCK"], NUM_TILES=tiles["NUM_TILES"], num_warps=tiles["num_warps"])
     ncand = torch.empty(batch, dtype=torch.int32, device=dev)
@@ -429,7 +436,7 @@ def _compact(split: _Split, x, indices, batch, cap: int, k_arr, p_arr, k_val, p_
                  P_ARR=p_arr is not None, PARAM_BY_SOURCE=by_source)
     _COMPACT[split.grid](x, indices, k_arr, p_arr, cnt_part, sum_part, max_part, ncand, cval, cid, rt, rinv,
                          k_val, p_val, batch, num_rows, vocab, x.stride(0), segs, cap, HAS_INDICES=has_idx,
-                         PROB_BINS=prob_bins, NB=nb, RENORMED=rt is not None, **flags, **split.stream())
+                         PROB_BINS=prob_bins, RENORMED=rt is not None, **flags, **split.stream())
     fin = None
     if out is None:
         fin = (torch.empty(batch, dtype=torch.int32, device=dev), torch.empty(batch, dtype=torch.int32, device=dev),
@@ -505,10 +512,7 @@ def _launch_sample(x: torch.Tensor, indices: Optional[torch.Tensor], u: torch.Te
         gate, max_part = done.gate(), done.max_part
     if (use_k or use_p) and not (use_min_p or is_logits) and _REJECTION \
             and not _per_source(indices, by_source, gate, batch, num_rows):
-        rows, block, tiles, warps = _tiles(vocab, batch, search=False)
-        if not _device.is_interpreter():
-            block = min(next_pow2(vocab), int(_GPU_REJECTION_BLOCK))
-            tiles, warps = cdiv(vocab, block), int(_GPU_REJECTION_WARPS) if block > 512 else 4
+        rows, block, tiles, warps = _rejection_tiles(vocab, batch)
         gate_arr, gate_min = gate if gate is not None else (None, 0)
         # the seed of the later rounds' uniforms: the bits of u[0] (drawn from the caller's generator)
         _REJECTION_SAMPLE[(cdiv(batch, rows),)](
@@ -633,8 +637,8 @@ def _renorm_params(x: torch.Tensor, top_k: _Params) -> Tuple[torch.Tensor, torch
     num_rows = x.shape[0]
     rt = torch.empty(num_rows, dtype=torch.int32, device=x.device)
     rinv = torch.empty(num_rows, dtype=torch.float32, device=x.device)
-    (_renorm_params_op if _ops.compiling() else _launch_renorm_params)(x, rt, rinv, top_k.arr, top_k.val if top_k.arr
-                                                                       is None else 0)
+    k_val = top_k.val if top_k.arr is None else 0
+    (_renorm_params_op if _ops.compiling() else _launch_renorm_params)(x, rt, rinv, top_k.arr, k_val)
     return rt, rinv
 
 

@@ -592,15 +592,15 @@ def renorm_write_kernel(
 def bound_pass_kernel(
     x_ptr, idx_ptr, cnt_part, sum_part, max_part, rt_ptr, rinv_ptr, B, n_src, V, stride_x, n_segs,
     HAS_INDICES: tl.constexpr, NEED_SUM: tl.constexpr, NEED_MAX: tl.constexpr, PROB_BINS: tl.constexpr,
-    NB: tl.constexpr, RENORMED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
+    RENORMED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
 ):
-    """Per (row, segment): ``cnt_part[row, seg, NB]`` (``bound_bins(PROB_BINS)``) the keys' histogram over ``_bound_bin``'s
+    """Per (row, segment): ``cnt_part[row, seg, bound_bins(PROB_BINS)]`` the keys' histogram over ``_bound_bin``'s
     bins (masked lanes in bin 0), ``sum_part[row, seg]`` the positive mass (``NEED_SUM``), ``max_part[row, seg]`` the
     max (``NEED_MAX``, as ``max_pass_kernel``'s). ``RENORMED``: of the rows top-k renormalised on load."""
     rows, m_r, src, row_off, m_s = _rows(B, n_src, idx_ptr, stride_x, HAS_INDICES, ROWS)
     rt, rinv = _renorm_rows(rt_ptr, rinv_ptr, src, m_s, RENORMED)
     seg = tl.program_id(1)
-    KB: tl.constexpr = NB
+    KB: tl.constexpr = PROB_BOUND_BINS if PROB_BINS else K_BINS
     r = tl.arange(0, ROWS)
     count = tl.zeros([ROWS * KB], dtype=tl.int32)
     z = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
@@ -645,15 +645,15 @@ def _bin_lo(b, PROB_BINS: tl.constexpr):
 def _candidates(cnt_part, sum_part, max_part, k_ptr, p_ptr, k_val, p_val, rows, m_r, src, m_s, V, n_segs, seg,
                 SEG_LEN: tl.constexpr, USE_K: tl.constexpr, USE_P: tl.constexpr, USE_MIN_P: tl.constexpr,
                 K_ARR: tl.constexpr, P_ARR: tl.constexpr, BY_SOURCE: tl.constexpr, PROB_BINS: tl.constexpr,
-                NB: tl.constexpr, ROWS: tl.constexpr, SEGS_P2: tl.constexpr):
+                ROWS: tl.constexpr, SEGS_P2: tl.constexpr):
     """(int64 key bound [ROWS], candidates of the row (``key >= bound``), candidates in the segments
     before ``seg``): the bound bin of the comment above, from ``bound_pass_kernel``'s partials."""
-    KB: tl.constexpr = NB
+    KB: tl.constexpr = PROB_BOUND_BINS if PROB_BINS else K_BINS
     b = tl.arange(0, KB)
     s = tl.arange(0, SEGS_P2)
     m_seg = m_r[:, None] & (s < n_segs)[None, :]
     base = (rows.to(tl.int64) * n_segs)[:, None] + s[None, :]
-    # [ROWS, SEGS_P2, NB] -> [ROWS, NB]
+    # [ROWS, SEGS_P2, KB] -> [ROWS, KB]
     h = tl.load(cnt_part + base[:, :, None] * KB + b[None, None, :], mask=m_seg[:, :, None], other=0)
     hs = tl.sum(h, axis=1)
     bb = tl.zeros([ROWS], dtype=tl.int32)
@@ -742,7 +742,7 @@ def compact_kernel(
     k_val, p_val, B, n_src, V, stride_x, n_segs, cap,
     HAS_INDICES: tl.constexpr, USE_K: tl.constexpr, USE_P: tl.constexpr,
     USE_MIN_P: tl.constexpr, K_ARR: tl.constexpr, P_ARR: tl.constexpr,
-    PARAM_BY_SOURCE: tl.constexpr, PROB_BINS: tl.constexpr, NB: tl.constexpr, RENORMED: tl.constexpr,
+    PARAM_BY_SOURCE: tl.constexpr, PROB_BINS: tl.constexpr, RENORMED: tl.constexpr,
     ROWS: tl.constexpr,
     SEGS_P2: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
 ):
@@ -759,7 +759,7 @@ def compact_kernel(
     seg = tl.program_id(1)
     lo, count, pos = _candidates(cnt_part, sum_part, max_part, k_ptr, p_ptr, k_val, p_val, rows, m_r, src, m_s,
                                  V, n_segs, seg, NUM_TILES * BLOCK, USE_K, USE_P, USE_MIN_P,
-                                 K_ARR, P_ARR, PARAM_BY_SOURCE, PROB_BINS, NB, ROWS, SEGS_P2)
+                                 K_ARR, P_ARR, PARAM_BY_SOURCE, PROB_BINS, ROWS, SEGS_P2)
     if seg == 0:
         tl.store(ncand_ptr + rows, count, mask=m_r)
     fits = m_s & (count <= cap)
