@@ -893,3 +893,19 @@ def test_bench_set_changes_a_constant_for_the_run(monkeypatch):
             settings.apply([bad])
     with pytest.raises(settings.SettingError, match="after it"):
         settings.split_argv(["mla", "--set"])
+
+
+def test_sampling_table_compares_kernel_times_like_for_like():
+    """The kernels column divides FlashInfer's kernel time by ours (not by our graph replay), and is
+    left empty where either side has no kernel time."""
+    from tritoninfer.bench import sampling as bs
+
+    rows = [bs.Row("top_p_sampling_from_probs", 1, 128, "tritoninfer", time_us=20.0, kernels_us=8.0, check="ok"),
+            bs.Row("top_p_sampling_from_probs", 1, 128, "flashinfer", time_us=12.0, kernels_us=12.0, check="ok"),
+            bs.Row("top_p_renorm_probs", 1, 128, "tritoninfer", time_us=20.0, check="ok"),
+            bs.Row("top_p_renorm_probs", 1, 128, "flashinfer", time_us=10.0, kernels_us=10.0, check="ok")]
+    lines = [ln.split("|") for ln in bs.table(rows, None).splitlines() if ln.startswith("| top_")]
+    head = [h.strip() for h in bs.table(rows, None).splitlines()[0].split("|")]
+    col = head.index("FI/ours kernels")
+    assert float(lines[0][col]) == 1.5 and float(lines[0][head.index("FI/ours")]) == 0.6
+    assert lines[1][col].strip() == ""

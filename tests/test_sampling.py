@@ -419,10 +419,12 @@ def test_rejection_sampler(monkeypatch, device, cap, block, only_rows):
     state gives the same samples. (It fails with one round: samples outside the kept set.) Rows of
     48 entries: one masked tile, or three tiles of 16 (the lane gather across tiles). "overflow": the
     compaction first, whatever the batch; "no-compaction": every row straight to the rejection sampler
-    (``_REJECTION_ONLY_ROWS``), the compaction never called for these functions (top_k_first aside)."""
+    (``_REJECTION_ONLY_ROWS``; top-p alone by default), the compaction never called for these functions
+    (top_k_first aside)."""
     monkeypatch.setattr(sampling, "_CAP", cap)
     if only_rows is not None:
         monkeypatch.setattr(sampling, "_REJECTION_ONLY_ROWS", only_rows)
+        monkeypatch.setattr(sampling, "_TOP_P_REJECTION_ONLY_ROWS", only_rows)
     compacted = spy_compaction(monkeypatch)
     if block:
         monkeypatch.setattr(sampling, "_INTERP_MAX_BLOCK", block)

@@ -336,13 +336,17 @@ def sampling_cases():
     cases["compact-finish-renorm"] = (ks.compact_finish_kernel, dict(rules["joint"], HAS_INDICES=False, RENORM=True,
                                                                      PARAM_BY_SOURCE=True, ROWS=1, SEGS_P2=32,
                                                                      CBLOCK=512))
+    # the rejection sampler with its GPU tile and warps (sampling._rejection_tiles at 128K)
+    from tritoninfer import sampling as sm
     for name, use_k, use_p in (("topk", True, False), ("topp", False, True), ("joint", True, True)):
+        rows, block, tiles, warps = sm._rejection_tiles(131072, 64, use_k)
         cases[f"rejection-{name}"] = (ks.rejection_sample_kernel, dict(
             HAS_INDICES=True, GATE=True, USE_K=use_k, USE_P=use_p, K_ARR=use_k, P_ARR=use_p, PARAM_BY_SOURCE=False,
-            RENORMED=False, MAX_ROUNDS=64, TILES_P2=64, **row_stream))
+            RENORMED=False, MAX_ROUNDS=64, TILES_P2=64, ROWS=rows, BLOCK=block, NUM_TILES=tiles, num_warps=warps))
+    rows, block, tiles, warps = sm._rejection_tiles(131072, 64, False)
     cases["rejection-topp-renormed"] = (ks.rejection_sample_kernel, dict(
         HAS_INDICES=True, GATE=True, USE_K=False, USE_P=True, K_ARR=False, P_ARR=True, PARAM_BY_SOURCE=False,
-        RENORMED=True, MAX_ROUNDS=64, TILES_P2=64, **row_stream))
+        RENORMED=True, MAX_ROUNDS=64, TILES_P2=64, ROWS=rows, BLOCK=block, NUM_TILES=tiles, num_warps=warps))
     cases["softmax"] = (ks.softmax_kernel, dict(T_ARR=True, **row_stream))
     cases["chain-speculative"] = (ks.chain_speculative_kernel, dict(N=4, **row_stream))
     return cases
@@ -351,6 +355,8 @@ def sampling_cases():
 def compile_sampling_cases():
     """Compiles each sampling kernel for sm_90 with its feature flags on and off; yields case names."""
     for name, (kernel, constexprs) in sampling_cases().items():
+        constexprs = dict(constexprs)
+        warps = constexprs.pop("num_warps", 8)
         sig, attrs = {}, {}
         for i, p in enumerate(kernel.params):
             n = p.name
@@ -366,7 +372,7 @@ def compile_sampling_cases():
             if n.endswith(("_ptr", "_part", "_state")) or n.startswith("stride") or n == "V":
                 attrs[(i,)] = [["tt.divisibility", 16]]
         compiled = triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                                  options=dict(num_warps=8))
+                                  options=dict(num_warps=warps))
         assert compiled.asm["cubin"], name
         yield name, dict(resource_usage(compiled), sts=shared_stores(compiled))
 

@@ -88,11 +88,15 @@ _GPU_BLOCK_PICK = 4096
 # a quarter of the histogram calls (three barriers each in the sm_90 SASS), to try with `bench --set`
 _GPU_BLOCK_BOUND = 2048
 # the rejection sampler's tile and warps (one program streams a whole row, so these set the bytes it
-# keeps in flight: ~40 GB/s a program by the H200's 64-row top-p time, 34 us for ~2-3 reads of a 512 KB
-# row, where FlashInfer's 1,024-thread CTA reads ~100 by its batch-1 time): module constants, so
-# `tritoninfer bench sampling --set sampling._GPU_REJECTION_WARPS=16` can try others
-_GPU_REJECTION_BLOCK = 2048
-_GPU_REJECTION_WARPS = 8
+# keeps in flight). Measured on the H200 (bench sampling, top-p 0.9 of 128K / 152K): 2,048 lanes and 8
+# warps took 43.7 / 43.7 us at 64 rows and 102.2 / 100.6 at 256; 4,096 and 16 warps 35.3 / 41.1 and
+# 91.4 / 108.8 (and 17.7 / 19.8 at one row). With top-k the sampler keeps two more per-lane counts, and
+# 16 warps (128 registers a thread at most) spill (ptxas for sm_90): 2,048 and 8 there. Module constants
+# for `bench --set` A/Bs.
+_GPU_REJECTION_BLOCK = 4096
+_GPU_REJECTION_WARPS = 16
+_GPU_REJECTION_BLOCK_TOP_K = 2048
+_GPU_REJECTION_WARPS_TOP_K = 8
 _GPU_MIN_SEGMENT = 4096
 # The per-row arrays of segment partials (and the rejection sampler's per-tile gather) are at least
 # this wide: Triton 3.6's scan lowering asserts (ScanOpToLLVM, on the GPU; the CPU build compiles it)
@@ -129,6 +133,10 @@ _MAX_ROUNDS = 64
 # a row then costs 1 + rounds reads either way, but the compaction's bound pass and copy are two
 # reads more for rows it cannot finish (flat rows' top-p sets are thousands of entries)
 _REJECTION_ONLY_ROWS = 64
+# ... and top-p alone at any batch: a row's top-p finish walks its thousands of candidates ~10 times
+# (1 x 128K on the H200: 2.8 + 4.8 + ~56 us for bound, copy and finish) where the rejection sampler
+# takes ~2-3 reads of the row (17.7 us with the uniform draw, the 4,096-lane 16-warp tile)
+_TOP_P_REJECTION_ONLY_ROWS = 1
 # the finish's chunk of candidates ([CBLOCK, 16] one-hot in the top-p rounds, as the search tile)
 _GPU_BLOCK_FINISH = 512
 
@@ -292,12 +300,15 @@ def _tiles(vocab: int, rows: int, search: bool) -> Tuple[int, int, int, int]:
     return 1, block, cdiv(vocab, block), 4 if block <= 512 else 8
 
 
-def _rejection_tiles(vocab: int, rows: int) -> Tuple[int, int, int, int]:
-    """``_tiles`` of the rejection sampler: on the GPU its tile and warps are ``_GPU_REJECTION_*``."""
+def _rejection_tiles(vocab: int, rows: int, use_k: bool) -> Tuple[int, int, int, int]:
+    """``_tiles`` of the rejection sampler: on the GPU its tile and warps are ``_GPU_REJECTION_*``
+    (``..._TOP_K`` with a top-k filter)."""
     if _device.is_interpreter():
         return _tiles(vocab, rows, search=False)
-    block = min(next_pow2(vocab), int(_GPU_REJECTION_BLOCK))
-    return 1, block, cdiv(vocab, block), int(_GPU_REJECTION_WARPS) if block > 512 else 4
+    block, warps = (_GPU_REJECTION_BLOCK_TOP_K, _GPU_REJECTION_WARPS_TOP_K) if use_k else \
+        (_GPU_REJECTION_BLOCK, _GPU_REJECTION_WARPS)
+    block = min(next_pow2(vocab), int(block))
+    return 1, block, cdiv(vocab, block), int(warps) if block > 512 else 4
 
 
 class _Split:
@@ -495,7 +506,8 @@ def _launch_sample(x: torch.Tensor, indices: Optional[torch.Tensor], u: torch.Te
     (``p`` is top-p's or min-p's). With a filter, rows with at most ``_CAP`` candidates are finished on
     their compacted copy; the rest take the rejection sampler (top-k / top-p of probabilities, one
     launch) or the full passes (gated, every launch still made: fixed shapes, no host sync). From
-    ``_REJECTION_ONLY_ROWS`` rows the rejection sampler takes every row of the functions it serves.
+    ``_REJECTION_ONLY_ROWS`` rows (top-p alone: ``_TOP_P_REJECTION_ONLY_ROWS``) the rejection sampler takes
+    every row of the functions it serves.
     ``rt``/``rinv``: the rows are read top-k renormalised (top-p only, where ``_renorm_on_load``)."""
     _device.check_launchable(x.device, "sampling")
     num_rows, vocab = x.shape
@@ -503,7 +515,8 @@ def _launch_sample(x: torch.Tensor, indices: Optional[torch.Tensor], u: torch.Te
     split = _Split(vocab, batch, x.device, short=not (use_k or use_p or use_min_p))
     gate = max_part = None
     cap = _compact_cap(batch)
-    if _REJECTION and batch >= _REJECTION_ONLY_ROWS and (use_k or use_p) and not (use_min_p or is_logits) \
+    only_rows = _TOP_P_REJECTION_ONLY_ROWS if use_p and not use_k else _REJECTION_ONLY_ROWS
+    if _REJECTION and batch >= only_rows and (use_k or use_p) and not (use_min_p or is_logits) \
             and not _per_source(indices, by_source, None, batch, num_rows):
         cap = 0  # enough rows to fill the GPU with one program a row: the compaction's two reads are spent
     if (use_k or use_p or use_min_p) and cap:
@@ -512,7 +525,7 @@ def _launch_sample(x: torch.Tensor, indices: Optional[torch.Tensor], u: torch.Te
         gate, max_part = done.gate(), done.max_part
     if (use_k or use_p) and not (use_min_p or is_logits) and _REJECTION \
             and not _per_source(indices, by_source, gate, batch, num_rows):
-        rows, block, tiles, warps = _rejection_tiles(vocab, batch)
+        rows, block, tiles, warps = _rejection_tiles(vocab, batch, use_k)
         gate_arr, gate_min = gate if gate is not None else (None, 0)
         # the seed of the later rounds' uniforms: the bits of u[0] (drawn from the caller's generator)
         _REJECTION_SAMPLE[(cdiv(batch, rows),)](

@@ -54,10 +54,6 @@ _KEY_MIN = tl.constexpr(-2147483648)
 # compute-bound on the H200 (0.8 TB/s), and tl.histogram's ballots per bit of the bin plus its
 # shared-memory merge compile (sm_90) to ~49 instructions an entry of the tile loop with 64 bins
 # against ~68 with 256; the coarser bins add ~10-35 % candidates (the bench's rows)
-# the finish's loops over a row's compacted copy (one program a row, ~10 passes over up to `cap`
-# candidates) load each chunk ahead this many iterations: one top-p row of ~6K candidates took 56 us
-# at batch 1 on the H200, ~350 ns a 512-candidate chunk, an L2 round trip each
-FINISH_STAGES = tl.constexpr(2)
 PROB_BIN_SHIFT = tl.constexpr(22)
 PROB_BIN_BASE = tl.constexpr(190)
 PROB_BOUND_BINS = tl.constexpr(64)
@@ -842,7 +838,7 @@ def compact_finish_kernel(
         lo = tl.full([ROWS], _KEY_MIN, dtype=tl.int64)
         for slot in tl.static_range(K_PASSES):
             count = tl.zeros([ROWS * KB], dtype=tl.int32)
-            for c in tl.range(n_chunks, num_stages=FINISH_STAGES):
+            for c in range(n_chunks):
                 j, m, x = _cload(cval_ptr, c_row, n, c, CBLOCK)
                 key = tl.where(m, _ordered_key(x), _KEY_MIN)
                 d = _digit(key, lo, slot, K_BITS, KB) + (r * KB)[:, None]
@@ -858,7 +854,7 @@ def compact_finish_kernel(
         for slot in tl.static_range(P_PASSES):
             # per-lane masses, reduced once a round (as radix_pass_kernel)
             mass_lanes = tl.zeros([ROWS, CBLOCK, PB], dtype=tl.float32)
-            for c in tl.range(n_chunks, num_stages=FINISH_STAGES):
+            for c in range(n_chunks):
                 j, m, x = _cload(cval_ptr, c_row, n, c, CBLOCK)
                 key = tl.where(m, _ordered_key(x), _KEY_MIN)
                 d = _digit(key, lo, slot, P_BITS, PB)
@@ -869,7 +865,7 @@ def compact_finish_kernel(
         lp = tl.where(p >= 1.0, _KEY_MIN, lo.to(tl.int32))
     if RENORM:
         z = tl.zeros([ROWS, CBLOCK], dtype=tl.float32)
-        for c in tl.range(n_chunks, num_stages=FINISH_STAGES):
+        for c in range(n_chunks):
             j, m, x = _cload(cval_ptr, c_row, n, c, CBLOCK)
             key = _ordered_key(x)
             z += tl.where((key >= t[:, None]) & (key >= lp[:, None]) & (x > 0.0), x, 0.0)
@@ -882,7 +878,7 @@ def compact_finish_kernel(
             mx = _row_max(max_part, rows, m_r, n_segs, ROWS, SEGS_P2)
             pivot = tl.where(m_s, mx, 0.0) * _param(p_ptr, p_val, rows, src, m_r, P_ARR, PARAM_BY_SOURCE).to(tl.float32)
         z = tl.zeros([ROWS, CBLOCK], dtype=tl.float32)
-        for c in tl.range(n_chunks, num_stages=FINISH_STAGES):
+        for c in range(n_chunks):
             j, m, x = _cload(cval_ptr, c_row, n, c, CBLOCK)
             z += _kept(x, m, t, lp, pivot, pivot, False, USE_K, USE_P, USE_MIN_P)
         target = tl.load(u_ptr + rows, mask=m_r, other=0.0) * tl.sum(z, axis=1)
@@ -890,7 +886,7 @@ def compact_finish_kernel(
         run = tl.zeros([ROWS], dtype=tl.float32)
         first = tl.zeros([ROWS], dtype=tl.int32) + cap
         last = tl.full([ROWS], -1, dtype=tl.int32)
-        for c in tl.range(n_chunks, num_stages=FINISH_STAGES):
+        for c in range(n_chunks):
             j, m, x = _cload(cval_ptr, c_row, n, c, CBLOCK)
             w = _kept(x, m, t, lp, pivot, pivot, False, USE_K, USE_P, USE_MIN_P)
             cdf = tl.cumsum(w, axis=1) + run[:, None]
