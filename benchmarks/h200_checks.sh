@@ -20,7 +20,8 @@
 #                the stacks if it hangs
 #   host         benchmarks/host_path.py, every decode and prefill row, FlashInfer in the same process
 #   fit          FlashInfer's own tests for sampling and the logits processor (FIT_PER_TEST=20, 4 workers:
-#                the sampling tests synchronise after every call, and many processes time-slice the GPU)
+#                the sampling tests synchronise after every call, and many processes time-slice the GPU);
+#                FIT_K="softmax or min_p" passes -k to pytest (any fit part)
 #   tests-sampling  pytest -m gpu on the sampling, logits-processor and demo-sampling tests
 #   fit-lp       FlashInfer's own tests for the logits processor alone (2 workers)
 #   fit-lp-vs    ... the logits processor's pipeline-against-function cases only (exact sample equality)
@@ -73,6 +74,10 @@
 # fit + warm-mla 200 s, bench-sampling --quick < 140 s, bench-mla --quick < 90 s after warm-mla. Speed
 # parts log what else ran on the machine when they started (busy-PART.txt).
 #
+# Measured in session 14: fit (every sampling and logits-processor case at FIT_PER_TEST=20: 1,512) beside
+# tests-sampling and warm-fi finished within 370 s; bench-sampling --quick then < 150 s; the issue's sweep at
+# 32K and 262K vocabularies (11 functions x 4 batches, --replays 10 --calls-per-graph 3) 313 s.
+#
 # Measured in session 12: tests-core + tests-new-a1 + tests-new-b + tests-rest in parallel: only tests-rest
 # finished in 300 s (60 passed, 168 s); at 230 s tests-core reached 42 tests, tests-new-a1 37, tests-new-b 16
 # (tests-new-b's transformers files alone: 8 tests in 170 s). fit-lp-vs finished (225 passed) within 240 s; bench-sampling
@@ -108,7 +113,7 @@ new_b="tests/test_sampling.py tests/test_logits_processor.py tests/test_integrat
 fit_run() {
   local name=$1 workers=$2; shift 2
   (cd .fit && PYTHONPATH=/tmp/site:$OLDPWD FIT_PER_TEST=20 FIT_LOG="$out/$name.tsv" timeout "$limit" python3 -m pytest \
-    -n "$workers" -q -p no:cacheprovider --timeout 150 $* > "$out/$name.log" 2>&1 || true)
+    -n "$workers" -q -p no:cacheprovider --timeout 150 ${FIT_K:+-k "$FIT_K"} $* > "$out/$name.log" 2>&1 || true)
   sort -u -t$'\t' -k3,3 "$out/$name.tsv" | awk -F'\t' '{split($3,a,"::"); split(a[2],b,"["); print $1, a[1]"::"b[1]}' \
     | sort | uniq -c > "$out/$name-counts.txt" || true
 }

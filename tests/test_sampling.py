@@ -176,11 +176,14 @@ def test_top_k_mask_logits(device, tiles, dtype):
                  sampling.top_k_renorm_probs(probs, 5), torch.float32)
 
 
-@TILES
+@pytest.mark.parametrize("tiles", ["one_tile", "tiles64", "segs64", "segs64x2"], indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the all -inf row's NaN
 def test_softmax(device, tiles, dtype):
     logits = (torch.randn(5, 200, device=device) * 4).to(dtype)
     logits[0, ::3] = float("-inf")
+    # a whole first segment of -inf (segs64: the combine must skip its empty partial)
+    logits[2, :70] = float("-inf")
     for t in (None, 1.0, 0.5, 2.0):
         out = sampling.softmax(logits, t)
         assert out.dtype == torch.float32 and out.shape == logits.shape
@@ -188,8 +191,12 @@ def test_softmax(device, tiles, dtype):
     t = torch.tensor([0.3, 1.0, 2.0, 0.7, 5.0], device=device)
     assert_close(sampling.softmax(logits, temperature=t), reference.softmax(logits, t), torch.float32)
     # temperature 0 scales by 0 (FlashInfer): a uniform row where the logits are finite
-    finite = logits[1:]
+    finite = logits[3:]
     assert_close(sampling.softmax(finite, 0.0), torch.full(finite.shape, 1 / 200, device=device), torch.float32)
+    # a row of only -inf is NaN, as torch.softmax gives; its neighbours are untouched
+    logits[1] = float("-inf")
+    out = sampling.softmax(logits)
+    assert torch.isnan(out[1]).all() and torch.isfinite(out[[0, 2, 3, 4]]).all()
 
 
 # --------------------------------------------------------------------------------------------------

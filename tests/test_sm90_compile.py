@@ -310,32 +310,26 @@ def sampling_cases():
     # the compaction: bound pass, copy, finish (sampling and renorm) for each bound rule
     for bins in (True, False):
         cases[f"bound-pass-{'probs' if bins else 'floats'}"] = (ks.bound_pass_kernel, dict(
-            HAS_INDICES=True, NEED_SUM=True, NEED_MAX=True, PROB_BINS=bins, RENORMED=False, ROWS=1, BLOCK=2048,
-            NUM_TILES=2))
+            HAS_INDICES=True, NEED_SUM=True, PROB_BINS=bins, RENORMED=False, ROWS=1, BLOCK=2048, NUM_TILES=2))
     # the widest bound tile `bench --set sampling._GPU_BLOCK_BOUND=8192` would launch
     cases["bound-pass-probs-8192"] = (ks.bound_pass_kernel, dict(
-        HAS_INDICES=False, NEED_SUM=True, NEED_MAX=True, PROB_BINS=True, RENORMED=False, ROWS=1, BLOCK=8192,
-        NUM_TILES=4))
-    cases["bound-pass-renormed"] = (ks.bound_pass_kernel, dict(HAS_INDICES=True, NEED_SUM=True, NEED_MAX=False,
-                                                               PROB_BINS=True, RENORMED=True, ROWS=1, BLOCK=2048,
-                                                               NUM_TILES=2))
-    rules = {"topk": dict(USE_K=True, USE_P=False, USE_MIN_P=False, K_ARR=True, P_ARR=False),
-             "topp": dict(USE_K=False, USE_P=True, USE_MIN_P=False, K_ARR=False, P_ARR=True),
-             "joint": dict(USE_K=True, USE_P=True, USE_MIN_P=False, K_ARR=True, P_ARR=True),
-             "minp": dict(USE_K=False, USE_P=False, USE_MIN_P=True, K_ARR=False, P_ARR=True)}
+        HAS_INDICES=False, NEED_SUM=True, PROB_BINS=True, RENORMED=False, ROWS=1, BLOCK=8192, NUM_TILES=4))
+    cases["bound-pass-renormed"] = (ks.bound_pass_kernel, dict(HAS_INDICES=True, NEED_SUM=True, PROB_BINS=True,
+                                                               RENORMED=True, ROWS=1, BLOCK=2048, NUM_TILES=2))
+    rules = {"topk": dict(USE_K=True, USE_P=False, K_ARR=True, P_ARR=False),
+             "topp": dict(USE_K=False, USE_P=True, K_ARR=False, P_ARR=True),
+             "joint": dict(USE_K=True, USE_P=True, K_ARR=True, P_ARR=True)}
     for name, rule in rules.items():
         cases[f"compact-{name}"] = (ks.compact_kernel, dict(rule, HAS_INDICES=True, PARAM_BY_SOURCE=True,
                                                             PROB_BINS=True, RENORMED=False, **stream))
         cases[f"compact-finish-{name}"] = (ks.compact_finish_kernel, dict(rule, HAS_INDICES=True, RENORM=False,
-                                                                          PARAM_BY_SOURCE=True, ROWS=1, SEGS_P2=32,
-                                                                          CBLOCK=512))
+                                                                          PARAM_BY_SOURCE=True, ROWS=1, CBLOCK=512))
     cases["compact-topk-logits"] = (ks.compact_kernel, dict(rules["topk"], HAS_INDICES=False, PARAM_BY_SOURCE=True,
                                                            PROB_BINS=False, RENORMED=False, **stream))
     cases["compact-topp-renormed"] = (ks.compact_kernel, dict(rules["topp"], HAS_INDICES=True, PARAM_BY_SOURCE=True,
                                                              PROB_BINS=True, RENORMED=True, **stream))
     cases["compact-finish-renorm"] = (ks.compact_finish_kernel, dict(rules["joint"], HAS_INDICES=False, RENORM=True,
-                                                                     PARAM_BY_SOURCE=True, ROWS=1, SEGS_P2=32,
-                                                                     CBLOCK=512))
+                                                                     PARAM_BY_SOURCE=True, ROWS=1, CBLOCK=512))
     # the rejection sampler with its GPU tile and warps (sampling._rejection_tiles at 128K)
     from tritoninfer import sampling as sm
     for name, use_k, use_p in (("topk", True, False), ("topp", False, True), ("joint", True, True)):
@@ -347,7 +341,8 @@ def sampling_cases():
     cases["rejection-topp-renormed"] = (ks.rejection_sample_kernel, dict(
         HAS_INDICES=True, GATE=True, USE_K=False, USE_P=True, K_ARR=False, P_ARR=True, PARAM_BY_SOURCE=False,
         RENORMED=True, MAX_ROUNDS=64, TILES_P2=64, ROWS=rows, BLOCK=block, NUM_TILES=tiles, num_warps=warps))
-    cases["softmax"] = (ks.softmax_kernel, dict(T_ARR=True, **row_stream))
+    cases["softmax-partial"] = (ks.softmax_partial_kernel, dict(T_ARR=True, ROWS=1, BLOCK=2048, NUM_TILES=2))
+    cases["softmax-write"] = (ks.softmax_write_kernel, dict(T_ARR=True, **stream))
     cases["chain-speculative"] = (ks.chain_speculative_kernel, dict(N=4, **row_stream))
     return cases
 
@@ -357,6 +352,7 @@ def compile_sampling_cases():
     for name, (kernel, constexprs) in sampling_cases().items():
         constexprs = dict(constexprs)
         warps = constexprs.pop("num_warps", 8)
+        floats = SAMPLING_FLOATS | ({"out_ptr"} if name.startswith("softmax") else set())
         sig, attrs = {}, {}
         for i, p in enumerate(kernel.params):
             n = p.name
@@ -364,9 +360,9 @@ def compile_sampling_cases():
                 sig[n] = "constexpr"
                 continue
             if n.endswith(("_ptr", "_part", "_state")):
-                sig[n] = "*fp32" if n in SAMPLING_FLOATS else "*i32"
+                sig[n] = "*fp32" if n in floats else "*i32"
             else:
-                sig[n] = "fp32" if n in SAMPLING_FLOATS else "i32"
+                sig[n] = "fp32" if n in floats else "i32"
             # what Triton specialises real launches on (16-byte aligned tensors, 128K-152K vocabularies
             # and row strides divisible by 16): 16-byte loads, whose layouts change the registers
             if n.endswith(("_ptr", "_part", "_state")) or n.startswith("stride") or n == "V":

@@ -67,7 +67,8 @@ _BOUND_PASS = CachedLauncher(_k.bound_pass_kernel)
 _COMPACT = CachedLauncher(_k.compact_kernel)
 _COMPACT_FINISH = CachedLauncher(_k.compact_finish_kernel)
 _REJECTION_SAMPLE = CachedLauncher(_k.rejection_sample_kernel)
-_SOFTMAX = CachedLauncher(_k.softmax_kernel)
+_SOFTMAX_PARTIAL = CachedLauncher(_k.softmax_partial_kernel)
+_SOFTMAX_WRITE = CachedLauncher(_k.softmax_write_kernel)
 _CHAIN = CachedLauncher(_k.chain_speculative_kernel)
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -117,8 +118,10 @@ _INTERP_MAX_SEGMENT = 1 << 16
 # 4.5-7.7K for top-p 0.9 and have 4.9-8.2K candidates with the probability bins; flatter rows
 # (randn * 2) keep and have 30-38K, where one program a row would be slower than the segmented
 # passes. The finish only walks a row's own candidates, so a larger cap costs memory (8 bytes an
-# entry), not time. 0: every row takes the full passes (tests).
-_CAP = 16384
+# entry), not time. 0: every row takes the full passes (tests). 32K, not 16K: the flat rows of 262K
+# entries have ~17K candidates for top-p 0.9, and the full passes took top_p_renorm_probs to 1.1 ms at
+# 64 x 262K and 3.6 ms at 256 rows on the H200 (FlashInfer 0.62 and 1.45).
+_CAP = 32768
 # ... and the copy is kept under this many bytes: a batch of millions of rows (FlashInfer's tests draw
 # 5M samples of one row through ``indices``) gets a smaller cap, and below _MIN_CAP none (full passes)
 _COMPACT_BYTES = 1 << 30
@@ -405,10 +408,10 @@ def _radix_passes(split: _Split, x, indices, k_arr, p_arr, k_val, p_val, batch, 
 
 class _Compacted:
     """What the compaction leaves for the full passes: ``ncand`` [rows] (``> cap``: overflowed),
-    ``max_part`` (min-p's row max partials, or None), ``fin`` (renorm thresholds, or None)."""
+    ``fin`` (renorm thresholds, or None)."""
 
-    def __init__(self, ncand, cap, max_part, fin):
-        self.ncand, self.cap, self.max_part, self.fin = ncand, cap, max_part, fin
+    def __init__(self, ncand, cap, fin):
+        self.ncand, self.cap, self.fin = ncand, cap, fin
 
     def gate(self):
         return self.ncand, self.cap
@@ -421,7 +424,7 @@ def _compact_cap(batch: int) -> int:
 
 
 def _compact(split: _Split, x, indices, batch, cap: int, k_arr, p_arr, k_val, p_val, use_k: bool, use_p: bool,
-             use_min_p: bool, by_source: bool, u=None, out=None, prob_bins: bool = True,
+             by_source: bool, u=None, out=None, prob_bins: bool = True,
              renorm: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> _Compacted:
     """The bound pass, the compaction and the finish (the sample into ``out``, or with ``out`` None
     the renorm thresholds) of every row with at most ``cap`` (> 0) candidates. ``prob_bins``: ``x``
@@ -434,18 +437,17 @@ def _compact(split: _Split, x, indices, batch, cap: int, k_arr, p_arr, k_val, p_
     has_idx = indices is not None
     cnt_part = torch.empty((batch, segs, _k.bound_bins(prob_bins)), dtype=torch.int32, device=dev)
     sum_part = torch.empty((batch, segs), dtype=torch.float32, device=dev) if use_p else None
-    max_part = torch.empty((batch, segs), dtype=torch.float32, device=dev) if use_min_p else None
     tiles = split.bound()  # a histogram and sums (one histogram call a tile)
-    _BOUND_PASS[split.grid](x, indices, cnt_part, sum_part, max_part, rt, rinv, batch, num_rows, vocab, x.stride(0),
-                            segs, HAS_INDICES=has_idx, NEED_SUM=use_p, NEED_MAX=use_min_p, PROB_BINS=prob_bins,
+    _BOUND_PASS[split.grid](x, indices, cnt_part, sum_part, rt, rinv, batch, num_rows, vocab, x.stride(0),
+                            segs, HAS_INDICES=has_idx, NEED_SUM=use_p, PROB_BINS=prob_bins,
                             RENORMED=rt is not None, ROWS=tiles["ROWS"],
                             BLOCK=tiles["BLOCK"], NUM_TILES=tiles["NUM_TILES"], num_warps=tiles["num_warps"])
     ncand = torch.empty(batch, dtype=torch.int32, device=dev)
     cval = torch.empty((batch, cap), dtype=torch.float32, device=dev)
     cid = torch.empty((batch, cap), dtype=torch.int32, device=dev)
-    flags = dict(USE_K=use_k, USE_P=use_p, USE_MIN_P=use_min_p, K_ARR=k_arr is not None,
-                 P_ARR=p_arr is not None, PARAM_BY_SOURCE=by_source)
-    _COMPACT[split.grid](x, indices, k_arr, p_arr, cnt_part, sum_part, max_part, ncand, cval, cid, rt, rinv,
+    flags = dict(USE_K=use_k, USE_P=use_p, K_ARR=k_arr is not None, P_ARR=p_arr is not None,
+                 PARAM_BY_SOURCE=by_source)
+    _COMPACT[split.grid](x, indices, k_arr, p_arr, cnt_part, sum_part, ncand, cval, cid, rt, rinv,
                          k_val, p_val, batch, num_rows, vocab, x.stride(0), segs, cap, HAS_INDICES=has_idx,
                          PROB_BINS=prob_bins, RENORMED=rt is not None, **flags, **split.stream())
     fin = None
@@ -454,10 +456,10 @@ def _compact(split: _Split, x, indices, batch, cap: int, k_arr, p_arr, k_val, p_
                torch.empty(batch, dtype=torch.float32, device=dev))
     rows, cblock, warps = _finish_tiles(cap, vocab, batch)
     _COMPACT_FINISH[(cdiv(batch, rows),)](
-        indices, u, out, k_arr, p_arr, max_part, ncand, cval, cid, *(fin or (None, None, None)),
-        k_val, p_val, batch, num_rows, vocab, segs, cap, HAS_INDICES=has_idx, RENORM=out is None, **flags,
-        ROWS=rows, SEGS_P2=split.segs_p2, CBLOCK=cblock, num_warps=warps)
-    return _Compacted(ncand, cap, max_part, fin)
+        indices, u, out, k_arr, p_arr, ncand, cval, cid, *(fin or (None, None, None)),
+        k_val, p_val, batch, num_rows, vocab, cap, HAS_INDICES=has_idx, RENORM=out is None, **flags,
+        ROWS=rows, CBLOCK=cblock, num_warps=warps)
+    return _Compacted(ncand, cap, fin)
 
 
 def _finish_tiles(cap: int, vocab: int, batch: int) -> Tuple[int, int, int]:
@@ -503,8 +505,8 @@ def _launch_sample(x: torch.Tensor, indices: Optional[torch.Tensor], u: torch.Te
                    rt: Optional[torch.Tensor] = None, rinv: Optional[torch.Tensor] = None) -> None:
     """The sampling kernels over checked arguments: ``out[i]`` from row ``indices[i]`` (or ``i``) of ``x``
     with uniform ``u[i]``; ``k_arr``/``p_arr`` per-row parameters or ``k_val``/``p_val`` for all rows
-    (``p`` is top-p's or min-p's). With a filter, rows with at most ``_CAP`` candidates are finished on
-    their compacted copy; the rest take the rejection sampler (top-k / top-p of probabilities, one
+    (``p`` is top-p's or min-p's). With a top-k or top-p filter, rows with at most ``_CAP`` candidates
+    are finished on their compacted copy; the rest (and min-p) take the rejection sampler (top-k / top-p of probabilities, one
     launch) or the full passes (gated, every launch still made: fixed shapes, no host sync). From
     ``_REJECTION_ONLY_ROWS`` rows (top-p alone: ``_TOP_P_REJECTION_ONLY_ROWS``) the rejection sampler takes
     every row of the functions it serves.
@@ -513,16 +515,18 @@ def _launch_sample(x: torch.Tensor, indices: Optional[torch.Tensor], u: torch.Te
     num_rows, vocab = x.shape
     batch = out.shape[0]
     split = _Split(vocab, batch, x.device, short=not (use_k or use_p or use_min_p))
-    gate = max_part = None
+    gate = None
     cap = _compact_cap(batch)
     only_rows = _TOP_P_REJECTION_ONLY_ROWS if use_p and not use_k else _REJECTION_ONLY_ROWS
     if _REJECTION and batch >= only_rows and (use_k or use_p) and not (use_min_p or is_logits) \
             and not _per_source(indices, by_source, None, batch, num_rows):
         cap = 0  # enough rows to fill the GPU with one program a row: the compaction's two reads are spent
-    if (use_k or use_p or use_min_p) and cap:
-        done = _compact(split, x, indices, batch, cap, k_arr, p_arr, k_val, p_val, use_k, use_p, use_min_p,
-                        by_source, u, out, renorm=(rt, rinv) if rt is not None else None)
-        gate, max_part = done.gate(), done.max_part
+    # min-p alone: its pivot needs only the row max, so the max pass, the mass and the pick (two
+    # reads and a segment) beat the bound pass and the copy (the H200: 256 x 32K 68.9 us compacted
+    # against FlashInfer's 22.3)
+    if (use_k or use_p) and cap:
+        gate = _compact(split, x, indices, batch, cap, k_arr, p_arr, k_val, p_val, use_k, use_p, by_source, u, out,
+                        renorm=(rt, rinv) if rt is not None else None).gate()
     if (use_k or use_p) and not (use_min_p or is_logits) and _REJECTION \
             and not _per_source(indices, by_source, gate, batch, num_rows):
         rows, block, tiles, warps = _rejection_tiles(vocab, batch, use_k)
@@ -539,7 +543,7 @@ def _launch_sample(x: torch.Tensor, indices: Optional[torch.Tensor], u: torch.Te
     if rt is not None:
         raise AssertionError("rows renormalised on load reached the full passes (_renorm_on_load)")
     _sample_passes(split, x, indices, u, out, k_arr, p_arr, k_val, p_val, is_logits, use_k, use_p, use_min_p,
-                   by_source, gate, max_part)
+                   by_source, gate)
 
 
 def _per_source(indices, by_source: bool, gate, batch: int, num_rows: int) -> bool:
@@ -548,7 +552,7 @@ def _per_source(indices, by_source: bool, gate, batch: int, num_rows: int) -> bo
 
 
 def _sample_passes(split: _Split, x, indices, u, out, k_arr, p_arr, k_val, p_val, is_logits, use_k, use_p,
-                   use_min_p, by_source, gate, max_part) -> None:
+                   use_min_p, by_source, gate) -> None:
     """The full passes: radix searches, row max, segment masses, the owner segment's pick. Where
     ``indices`` send more outputs than there are source rows and the parameters follow the source
     (parallel samples of one prompt; FlashInfer's tests draw 5M samples of one row), the searches,
@@ -563,7 +567,8 @@ def _sample_passes(split: _Split, x, indices, u, out, k_arr, p_arr, k_val, p_val
     gate_arr, gate_min = gate if gate is not None else (None, 0)
     flags = dict(GATE=gate is not None, IS_LOGITS=is_logits, USE_K=use_k, USE_P=use_p, USE_MIN_P=use_min_p,
                  K_ARR=k_arr is not None, P_ARR=p_arr is not None, PARAM_BY_SOURCE=by_source)
-    if (is_logits or use_min_p) and max_part is None:
+    max_part = None
+    if is_logits or use_min_p:
         max_part = torch.empty((n, passes.segs), dtype=torch.float32, device=x.device)
         _MAX_PASS[passes.grid](x, idx, max_part, n, num_rows, vocab, x.stride(0), passes.segs,
                                HAS_INDICES=idx is not None, ROWS=passes.rows, BLOCK=passes.block_stream,
@@ -615,7 +620,7 @@ def _launch_renorm(x: torch.Tensor, out: Optional[torch.Tensor], k_arr: Optional
     num_rows, vocab = x.shape
     split = _Split(vocab, num_rows, x.device)
     cap = _compact_cap(num_rows)
-    done = _compact(split, x, None, num_rows, cap, k_arr, p_arr, k_val, p_val, use_k, use_p, False, True,
+    done = _compact(split, x, None, num_rows, cap, k_arr, p_arr, k_val, p_val, use_k, use_p, True,
                     prob_bins=not mask_logits) if cap else None
     # the full passes, gated to the rows the compaction left (every row without it); then one write of
     # every row, the compacted ones with the finish's thresholds
@@ -678,11 +683,17 @@ def _launch_softmax(logits: torch.Tensor, out: torch.Tensor, t_arr: Optional[tor
     """The softmax kernel over checked arguments, into ``out`` [num_rows, vocab] float32."""
     _device.check_launchable(logits.device, "softmax")
     num_rows, vocab = logits.shape
-    rows, block, tiles, warps = _tiles(vocab, num_rows, search=False)
-    _SOFTMAX[(cdiv(num_rows, rows),)](
-        logits, out, t_arr, t_val, num_rows, vocab, logits.stride(0), out.stride(0),
-        T_ARR=t_arr is not None, ROWS=rows, BLOCK=block, NUM_TILES=tiles, num_warps=warps,
-    )
+    # rows split into segments as the sampling passes are (a row is one program's work only at large
+    # batches): the max and the denominator per segment, then each segment written from its row's
+    split = _Split(vocab, num_rows, logits.device)
+    tiles = split.stream()
+    max_part = torch.empty((num_rows, split.segs), dtype=torch.float32, device=logits.device)
+    sum_part = torch.empty_like(max_part)
+    _SOFTMAX_PARTIAL[split.grid](logits, t_arr, max_part, sum_part, t_val, num_rows, vocab, logits.stride(0),
+                                 split.segs, T_ARR=t_arr is not None, ROWS=tiles["ROWS"], BLOCK=tiles["BLOCK"],
+                                 NUM_TILES=tiles["NUM_TILES"], num_warps=tiles["num_warps"])
+    _SOFTMAX_WRITE[split.grid](logits, out, t_arr, max_part, sum_part, t_val, num_rows, vocab, logits.stride(0),
+                               out.stride(0), split.segs, T_ARR=t_arr is not None, **tiles)
 
 
 @_ops.custom_op("softmax", mutates_args=("out",))

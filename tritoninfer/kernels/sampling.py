@@ -547,7 +547,7 @@ def renorm_write_kernel(
 # --------------------------------------------------------------------------------------------------
 #
 # ``bound_pass_kernel`` (one read) counts each segment's keys in 64 (probabilities) or 256 bins and sums the positive
-# entries (top-p) and takes the max (min-p). From those every program of ``compact_kernel`` derives the
+# entries (top-p). From those every program of ``compact_kernel`` derives the
 # same bound bin ``bb`` per row: every entry the filters can keep has ``key >= lo(bb)`` (below), so the
 # candidates are whole bins and their number, and each segment's write offset, follow exactly from
 # the counts. Rows with more than ``cap`` candidates are left to the full passes (``ncand > cap``);
@@ -568,7 +568,8 @@ def renorm_write_kernel(
 #   mantissa bit) are b + PROB_BIN_BASE, a factor 4/3 or 3/2 in value, from 1.5 * 2**-32 up to 0.75
 #   (bin 63: 0.75 and above, negative and smaller values in bin 0). A flat row's top-p 0.9 set
 #   (softmax(randn * 3) over 128K: ~6K entries) then has ~7.9K candidates (~5.8K with 256 bins of
-#   2**(1/8), ~20K with the float binning); top-k 50 ~60 (54), min-p 0.05 ~47 (39).
+#   2**(1/8), ~20K with the float binning); top-k 50 ~60 (54). (Min-p takes the full passes: its
+#   pivot needs the row max only.)
 # - top-k (k-th largest T): the largest bin b >= 1 whose keys and those above number >= k (the first
 #   radix digit): count(key >= lo(b)) >= k gives T >= lo(b).
 # - top-p (L': the smallest kept key; kept j when mass of the entries above p_j < top_p): with Z the
@@ -579,20 +580,18 @@ def renorm_write_kernel(
 #   c, so the excluded bins are a prefix: bb = one past the last. top_p <= 0 counts as 1e-30.
 # - joint (key >= max(T, L')): max of the two bounds (each <= its threshold, so the max is <= the
 #   max of the thresholds).
-# - min-p (kept p >= min_p * max): the bin of key(min_p * max), the pivot computed as the full pass
-#   computes it.
 # A filter that is off for a row (k <= 0 or >= V, top_p >= 1) contributes bin 0 (everything).
 
 
 @triton.jit
 def bound_pass_kernel(
-    x_ptr, idx_ptr, cnt_part, sum_part, max_part, rt_ptr, rinv_ptr, B, n_src, V, stride_x, n_segs,
-    HAS_INDICES: tl.constexpr, NEED_SUM: tl.constexpr, NEED_MAX: tl.constexpr, PROB_BINS: tl.constexpr,
+    x_ptr, idx_ptr, cnt_part, sum_part, rt_ptr, rinv_ptr, B, n_src, V, stride_x, n_segs,
+    HAS_INDICES: tl.constexpr, NEED_SUM: tl.constexpr, PROB_BINS: tl.constexpr,
     RENORMED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
 ):
     """Per (row, segment): ``cnt_part[row, seg, bound_bins(PROB_BINS)]`` the keys' histogram over ``_bound_bin``'s
-    bins (masked lanes in bin 0), ``sum_part[row, seg]`` the positive mass (``NEED_SUM``), ``max_part[row, seg]`` the
-    max (``NEED_MAX``, as ``max_pass_kernel``'s). ``RENORMED``: of the rows top-k renormalised on load."""
+    bins (masked lanes in bin 0), ``sum_part[row, seg]`` the positive mass (``NEED_SUM``). ``RENORMED``: of the
+    rows top-k renormalised on load."""
     rows, m_r, src, row_off, m_s = _rows(B, n_src, idx_ptr, stride_x, HAS_INDICES, ROWS)
     rt, rinv = _renorm_rows(rt_ptr, rinv_ptr, src, m_s, RENORMED)
     seg = tl.program_id(1)
@@ -600,7 +599,6 @@ def bound_pass_kernel(
     r = tl.arange(0, ROWS)
     count = tl.zeros([ROWS * KB], dtype=tl.int32)
     z = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
-    mx = tl.full([ROWS, BLOCK], float("-inf"), tl.float32)
     for t in range(NUM_TILES):
         offs, m, x = _tile(x_ptr, row_off, m_s, seg * NUM_TILES + t, V, BLOCK)
         x = _renormed(x, rt, rinv, RENORMED)
@@ -608,15 +606,11 @@ def bound_pass_kernel(
         count += tl.histogram(tl.reshape(_bound_bin(key, PROB_BINS) + (r * KB)[:, None], [ROWS * BLOCK]), ROWS * KB)
         if NEED_SUM:
             z += tl.where(x > 0.0, x, 0.0)
-        if NEED_MAX:
-            mx = tl.maximum(mx, tl.where(m, x, float("-inf")))
     out = rows.to(tl.int64) * n_segs + seg
     tl.store(cnt_part + out[:, None] * KB + tl.arange(0, KB)[None, :], tl.reshape(count, [ROWS, KB]),
              mask=m_r[:, None])
     if NEED_SUM:
         tl.store(sum_part + out, tl.sum(z, axis=1), mask=m_r)
-    if NEED_MAX:
-        tl.store(max_part + out, tl.max(mx, axis=1), mask=m_r)
 
 
 @triton.jit
@@ -638,8 +632,8 @@ def _bin_lo(b, PROB_BINS: tl.constexpr):
 
 
 @triton.jit
-def _candidates(cnt_part, sum_part, max_part, k_ptr, p_ptr, k_val, p_val, rows, m_r, src, m_s, V, n_segs, seg,
-                SEG_LEN: tl.constexpr, USE_K: tl.constexpr, USE_P: tl.constexpr, USE_MIN_P: tl.constexpr,
+def _candidates(cnt_part, sum_part, k_ptr, p_ptr, k_val, p_val, rows, m_r, src, m_s, V, n_segs, seg,
+                SEG_LEN: tl.constexpr, USE_K: tl.constexpr, USE_P: tl.constexpr,
                 K_ARR: tl.constexpr, P_ARR: tl.constexpr, BY_SOURCE: tl.constexpr, PROB_BINS: tl.constexpr,
                 ROWS: tl.constexpr, SEGS_P2: tl.constexpr):
     """(int64 key bound [ROWS], candidates of the row (``key >= bound``), candidates in the segments
@@ -652,7 +646,6 @@ def _candidates(cnt_part, sum_part, max_part, k_ptr, p_ptr, k_val, p_val, rows, 
     # [ROWS, SEGS_P2, KB] -> [ROWS, KB]
     h = tl.load(cnt_part + base[:, :, None] * KB + b[None, None, :], mask=m_seg[:, :, None], other=0)
     hs = tl.sum(h, axis=1)
-    bb = tl.zeros([ROWS], dtype=tl.int32)
     bk = tl.zeros([ROWS], dtype=tl.int32)
     bp = tl.zeros([ROWS], dtype=tl.int32)
     k_off = rows < 0
@@ -681,12 +674,7 @@ def _candidates(cnt_part, sum_part, max_part, k_ptr, p_ptr, k_val, p_val, rows, 
         excl = zs[:, None] * (1.0 - 1e-4) - u * (1.0 + 1e-4) >= tl.maximum(p, 1e-30)[:, None]
         bp = tl.max(tl.where(excl, b[None, :] + 1, 0), axis=1)
         bp = tl.where(p >= 1.0, 0, bp)
-    if USE_MIN_P:
-        mx = _row_max(max_part, rows, m_r, n_segs, ROWS, SEGS_P2)
-        pivot = tl.where(m_s, mx, 0.0) * _param(p_ptr, p_val, rows, src, m_r, P_ARR, BY_SOURCE).to(tl.float32)
-        bb = _bound_bin(_ordered_key(pivot), PROB_BINS)
-    else:
-        bb = tl.maximum(bk, bp)
+    bb = tl.maximum(bk, bp)
     # per segment: [ROWS, SEGS_P2]
     cs = tl.sum(tl.where(b[None, None, :] >= bb[:, None, None], h, 0), axis=2)
     count = tl.sum(cs, axis=1)
@@ -734,13 +722,11 @@ def _put_candidates(cval_row, cid_row, at, cap, x, c, offs):
 
 @triton.jit
 def compact_kernel(
-    x_ptr, idx_ptr, k_ptr, p_ptr, cnt_part, sum_part, max_part, ncand_ptr, cval_ptr, cid_ptr, rt_ptr, rinv_ptr,
+    x_ptr, idx_ptr, k_ptr, p_ptr, cnt_part, sum_part, ncand_ptr, cval_ptr, cid_ptr, rt_ptr, rinv_ptr,
     k_val, p_val, B, n_src, V, stride_x, n_segs, cap,
-    HAS_INDICES: tl.constexpr, USE_K: tl.constexpr, USE_P: tl.constexpr,
-    USE_MIN_P: tl.constexpr, K_ARR: tl.constexpr, P_ARR: tl.constexpr,
-    PARAM_BY_SOURCE: tl.constexpr, PROB_BINS: tl.constexpr, RENORMED: tl.constexpr,
-    ROWS: tl.constexpr,
-    SEGS_P2: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
+    HAS_INDICES: tl.constexpr, USE_K: tl.constexpr, USE_P: tl.constexpr, K_ARR: tl.constexpr,
+    P_ARR: tl.constexpr, PARAM_BY_SOURCE: tl.constexpr, PROB_BINS: tl.constexpr, RENORMED: tl.constexpr,
+    ROWS: tl.constexpr, SEGS_P2: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
 ):
     """Copies the segment's candidates (``key >= bound``) of rows with at most ``cap`` of them to
     ``cval``/``cid`` ``[B, cap]`` (values, token ids) from the row's position for the segment on,
@@ -753,8 +739,8 @@ def compact_kernel(
     rows, m_r, src, row_off, m_s = _rows(B, n_src, idx_ptr, stride_x, HAS_INDICES, ROWS)
     rt, rinv = _renorm_rows(rt_ptr, rinv_ptr, src, m_s, RENORMED)
     seg = tl.program_id(1)
-    lo, count, pos = _candidates(cnt_part, sum_part, max_part, k_ptr, p_ptr, k_val, p_val, rows, m_r, src, m_s,
-                                 V, n_segs, seg, NUM_TILES * BLOCK, USE_K, USE_P, USE_MIN_P,
+    lo, count, pos = _candidates(cnt_part, sum_part, k_ptr, p_ptr, k_val, p_val, rows, m_r, src, m_s,
+                                 V, n_segs, seg, NUM_TILES * BLOCK, USE_K, USE_P,
                                  K_ARR, P_ARR, PARAM_BY_SOURCE, PROB_BINS, ROWS, SEGS_P2)
     if seg == 0:
         tl.store(ncand_ptr + rows, count, mask=m_r)
@@ -804,12 +790,11 @@ def _cload(cval_ptr, c_row, n, c, CBLOCK: tl.constexpr):
 
 @triton.jit
 def compact_finish_kernel(
-    idx_ptr, u_ptr, out_ptr, k_ptr, p_ptr, max_part, ncand_ptr, cval_ptr, cid_ptr,
-    fin_t_ptr, fin_p_ptr, fin_inv_ptr,
-    k_val, p_val, B, n_src, V, n_segs, cap,
+    idx_ptr, u_ptr, out_ptr, k_ptr, p_ptr, ncand_ptr, cval_ptr, cid_ptr, fin_t_ptr, fin_p_ptr, fin_inv_ptr,
+    k_val, p_val, B, n_src, V, cap,
     HAS_INDICES: tl.constexpr, RENORM: tl.constexpr, USE_K: tl.constexpr, USE_P: tl.constexpr,
-    USE_MIN_P: tl.constexpr, K_ARR: tl.constexpr, P_ARR: tl.constexpr,
-    PARAM_BY_SOURCE: tl.constexpr, ROWS: tl.constexpr, SEGS_P2: tl.constexpr, CBLOCK: tl.constexpr,
+    K_ARR: tl.constexpr, P_ARR: tl.constexpr, PARAM_BY_SOURCE: tl.constexpr, ROWS: tl.constexpr,
+    CBLOCK: tl.constexpr,
 ):
     """The rows with ``ncand <= cap``, one program for ``ROWS`` rows over their compacted candidates:
     the top-k threshold (8-bit digits, 4 rounds), the top-p threshold (4-bit digits, 8 rounds), the
@@ -874,13 +859,10 @@ def compact_finish_kernel(
         tl.store(fin_inv_ptr + rows, 1.0 / tl.maximum(tl.sum(z, axis=1), 1e-8), mask=act)
     else:
         pivot = tl.zeros([ROWS], dtype=tl.float32)
-        if USE_MIN_P:
-            mx = _row_max(max_part, rows, m_r, n_segs, ROWS, SEGS_P2)
-            pivot = tl.where(m_s, mx, 0.0) * _param(p_ptr, p_val, rows, src, m_r, P_ARR, PARAM_BY_SOURCE).to(tl.float32)
         z = tl.zeros([ROWS, CBLOCK], dtype=tl.float32)
         for c in range(n_chunks):
             j, m, x = _cload(cval_ptr, c_row, n, c, CBLOCK)
-            z += _kept(x, m, t, lp, pivot, pivot, False, USE_K, USE_P, USE_MIN_P)
+            z += _kept(x, m, t, lp, pivot, pivot, False, USE_K, USE_P, False)
         target = tl.load(u_ptr + rows, mask=m_r, other=0.0) * tl.sum(z, axis=1)
         # positions in the copy (the full pick's order, not the token ids'), then the token id there
         run = tl.zeros([ROWS], dtype=tl.float32)
@@ -888,7 +870,7 @@ def compact_finish_kernel(
         last = tl.full([ROWS], -1, dtype=tl.int32)
         for c in range(n_chunks):
             j, m, x = _cload(cval_ptr, c_row, n, c, CBLOCK)
-            w = _kept(x, m, t, lp, pivot, pivot, False, USE_K, USE_P, USE_MIN_P)
+            w = _kept(x, m, t, lp, pivot, pivot, False, USE_K, USE_P, False)
             cdf = tl.cumsum(w, axis=1) + run[:, None]
             hit = (cdf > target[:, None]) & (w > 0.0)
             first = tl.minimum(first, tl.min(tl.where(hit, j[None, :], cap), axis=1))
@@ -909,33 +891,84 @@ def _row_sum(z_part, rows, m_r, n_segs, ROWS: tl.constexpr, SEGS_P2: tl.constexp
     return tl.sum(v, axis=1)
 
 @triton.jit
-def softmax_kernel(
-    x_ptr, out_ptr, t_ptr, t_val, B, V, stride_x, stride_o,
+def _inv_temperature(t_ptr, t_val, rows, m_r, T_ARR: tl.constexpr):
+    """float32 [ROWS] ``1 / t`` (``1 / 0`` taken as 0, as FlashInfer does)."""
+    t = _param(t_ptr, t_val, rows, rows, m_r, T_ARR, True).to(tl.float32)
+    return tl.where(t == 0.0, 0.0, 1.0 / tl.where(t == 0.0, 1.0, t))
+
+
+@triton.jit
+def _scaled_tile(x_ptr, row_off, m_s, t, V, inv_t_col, BLOCK: tl.constexpr):
+    """Tile ``t`` of the rows times their ``1 / t`` (``_row_column``), ``-inf`` where masked."""
+    offs, m, x = _tile(x_ptr, row_off, m_s, t, V, BLOCK)
+    return tl.where(m, x * inv_t_col, float("-inf"))
+
+
+@triton.jit
+def softmax_partial_kernel(
+    x_ptr, t_ptr, max_part, sum_part, t_val, B, V, stride_x, n_segs,
     T_ARR: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
 ):
-    """float32 ``softmax(x * (1 / t))`` per row (``1 / 0`` taken as 0, as FlashInfer does), online
-    over the tiles: one pass for the max and the denominator, one to write."""
+    """Per (row, segment) of ``softmax(x / t)``: ``max_part`` the segment's max of ``x / t`` and
+    ``sum_part`` its ``sum(exp(x / t - max))`` (0 for a segment of only ``-inf``). Each lane keeps its
+    own running max and sum over four tiles a step (one rescale a step, no cross-lane work in the
+    loop), reduced once at the end."""
     rows, m_r, src, row_off, m_s = _rows(B, B, x_ptr, stride_x, False, ROWS)
-    out_off = rows.to(tl.int64) * stride_o
-    t = _param(t_ptr, t_val, rows, src, m_r, T_ARR, True).to(tl.float32)
-    inv_t = tl.where(t == 0.0, 0.0, 1.0 / tl.where(t == 0.0, 1.0, t))
-    run_max = tl.full([ROWS], float("-inf"), tl.float32)
-    run_sum = tl.zeros([ROWS], dtype=tl.float32)
-    for i in range(NUM_TILES):
-        offs, m, x = _tile(x_ptr, row_off, m_s, i, V, BLOCK)
-        y = tl.where(m, x * inv_t[:, None], float("-inf"))
-        new_max = tl.maximum(run_max, tl.max(y, axis=1))
-        # a row still all -inf so far adds nothing (and must not make NaN)
+    inv_t = _row_column(_inv_temperature(t_ptr, t_val, rows, m_r, T_ARR), ROWS)
+    seg = tl.program_id(1)
+    lane_max = tl.full([ROWS, BLOCK], float("-inf"), tl.float32)
+    lane_sum = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+    for t in range(0, NUM_TILES, 4):
+        t0 = seg * NUM_TILES + t
+        y0 = _scaled_tile(x_ptr, row_off, m_s, t0, V, inv_t, BLOCK)
+        y1 = _scaled_tile(x_ptr, row_off, m_s & (t + 1 < NUM_TILES), t0 + 1, V, inv_t, BLOCK)
+        y2 = _scaled_tile(x_ptr, row_off, m_s & (t + 2 < NUM_TILES), t0 + 2, V, inv_t, BLOCK)
+        y3 = _scaled_tile(x_ptr, row_off, m_s & (t + 3 < NUM_TILES), t0 + 3, V, inv_t, BLOCK)
+        new_max = tl.maximum(tl.maximum(lane_max, tl.maximum(y0, y1)), tl.maximum(y2, y3))
+        # a lane still all -inf adds nothing (and must not make NaN)
         safe = tl.where(new_max == float("-inf"), 0.0, new_max)
-        run_sum = run_sum * tl.exp(run_max - safe) + tl.sum(tl.exp(y - safe[:, None]), axis=1)
-        run_max = new_max
+        lane_sum = (lane_sum * tl.exp(lane_max - safe) + tl.exp(y0 - safe) + tl.exp(y1 - safe)
+                    + tl.exp(y2 - safe) + tl.exp(y3 - safe))
+        lane_max = new_max
+    seg_max = tl.max(lane_max, axis=1)
+    safe = tl.where(seg_max == float("-inf"), 0.0, seg_max)
+    seg_sum = tl.sum(tl.where(lane_max == float("-inf"), 0.0, lane_sum * tl.exp(lane_max - safe[:, None])), axis=1)
+    out = rows.to(tl.int64) * n_segs + seg
+    tl.store(max_part + out, seg_max, mask=m_r)
+    tl.store(sum_part + out, seg_sum, mask=m_r)
+
+
+@triton.jit
+def softmax_write_kernel(
+    x_ptr, out_ptr, t_ptr, max_part, sum_part, t_val, B, V, stride_x, stride_o, n_segs,
+    T_ARR: tl.constexpr, ROWS: tl.constexpr, SEGS_P2: tl.constexpr, BLOCK: tl.constexpr,
+    NUM_TILES: tl.constexpr,
+):
+    """float32 ``softmax(x / t)`` of the segment, from the row's ``softmax_partial_kernel`` partials:
+    the row max ``M`` and ``Z = sum(sum_part * exp(max_part - M))``."""
+    rows, m_r, src, row_off, m_s = _rows(B, B, x_ptr, stride_x, False, ROWS)
+    inv_t = _row_column(_inv_temperature(t_ptr, t_val, rows, m_r, T_ARR), ROWS)
+    seg = tl.program_id(1)
+    s = tl.arange(0, SEGS_P2)
+    part = rows.to(tl.int64)[:, None] * n_segs + s[None, :]
+    m_seg = m_r[:, None] & (s < n_segs)[None, :]
+    mx = tl.load(max_part + part, mask=m_seg, other=float("-inf"))
+    row_max = tl.max(mx, axis=1)
+    safe = tl.where(row_max == float("-inf"), 0.0, row_max)
+    z = tl.sum(tl.where(mx == float("-inf"), 0.0,
+                        tl.load(sum_part + part, mask=m_seg, other=0.0) * tl.exp(mx - safe[:, None])), axis=1)
     # a row of only -inf stays NaN (x - max is NaN), as torch.softmax gives; the guard only keeps
     # padding rows from dividing by zero
-    inv_sum = 1.0 / tl.where(run_sum == 0.0, 1.0, run_sum)
-    for i in range(NUM_TILES):
-        offs, m, x = _tile(x_ptr, row_off, m_s, i, V, BLOCK)
-        y = tl.exp(x * inv_t[:, None] - run_max[:, None]) * inv_sum[:, None]
-        tl.store(out_ptr + out_off[:, None] + offs[None, :], y, mask=m)
+    inv_sum = _row_column(1.0 / tl.where(z == 0.0, 1.0, z), ROWS)
+    row_max = _row_column(row_max, ROWS)
+    out_off = rows.to(tl.int64) * stride_o
+    for t in range(0, NUM_TILES, 2):
+        o0, m0, x0 = _tile(x_ptr, row_off, m_s, seg * NUM_TILES + t, V, BLOCK)
+        o1, m1, x1 = _tile(x_ptr, row_off, m_s & (t + 1 < NUM_TILES), seg * NUM_TILES + t + 1, V, BLOCK)
+        tl.store(out_ptr + out_off[:, None] + o0[None, :],
+                 tl.exp(x0 * inv_t - row_max) * inv_sum, mask=m0)
+        tl.store(out_ptr + out_off[:, None] + o1[None, :],
+                 tl.exp(x1 * inv_t - row_max) * inv_sum, mask=m1)
 
 
 @triton.jit
