@@ -178,8 +178,14 @@ def test_top_k_mask_logits(device, tiles, dtype):
 
 @pytest.mark.parametrize("tiles", ["one_tile", "tiles64", "segs64", "segs64x2"], indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("whole_rows", [False, True], ids=["segmented", "whole-rows"])
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the all -inf row's NaN
-def test_softmax(device, tiles, dtype):
+def test_softmax(monkeypatch, device, tiles, dtype, whole_rows):
+    """Both softmax paths (the segmented passes, and one program a whole row for many short rows),
+    each with the other's launcher made to fail."""
+    unused = "_SOFTMAX_PARTIAL" if whole_rows else "_SOFTMAX_ROW"
+    monkeypatch.setattr(sampling, unused, None)
+    monkeypatch.setattr(sampling, "_SOFTMAX_ROW_MIN_ROWS", 1 if whole_rows else 1 << 30)
     logits = (torch.randn(5, 200, device=device) * 4).to(dtype)
     logits[0, ::3] = float("-inf")
     # a whole first segment of -inf (segs64: the combine must skip its empty partial)

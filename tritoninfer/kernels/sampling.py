@@ -972,6 +972,22 @@ def softmax_write_kernel(
 
 
 @triton.jit
+def softmax_row_kernel(
+    x_ptr, out_ptr, t_ptr, t_val, B, V, stride_x, stride_o, T_ARR: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """float32 ``softmax(x / t)`` of one row a program, the whole row one tile (``BLOCK >= V``): one
+    read and one write, where the segmented passes read the row twice."""
+    rows, m_r, src, row_off, m_s = _rows(B, B, x_ptr, stride_x, False, 1)
+    inv_t = _row_column(_inv_temperature(t_ptr, t_val, rows, m_r, T_ARR), 1)
+    offs, m, x = _tile(x_ptr, row_off, m_s, 0, V, BLOCK)
+    y = tl.where(m, x * inv_t, float("-inf"))
+    # a row of only -inf is NaN (-inf - -inf), as torch.softmax gives
+    e = tl.exp(y - _row_column(tl.max(y, axis=1), 1))
+    z = _row_column(tl.sum(e, axis=1), 1)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_o + offs[None, :], e / z, mask=m)
+
+
+@triton.jit
 def chain_speculative_kernel(
     draft_ptr, ids_ptr, target_ptr, u_ptr, out_ptr, accepted_ptr, emitted_ptr,
     B, V, sd_b, sd_n, si_b, st_b, st_n,
