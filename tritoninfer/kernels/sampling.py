@@ -23,12 +23,14 @@ sampler, a loop inside one launch):
   segment scans for the entry (with ``tl.cumsum`` per tile). If rounding leaves nothing above
   ``u * Z``, the last kept entry (of that segment, or of the row).
 
-- **Compaction first.** A filtered call starts with a bound pass and a copy of each row's candidates
-  (entries that can pass the filters) into ``[B, cap]``, where one program a row finishes the
-  searches and the sample (``compact_finish_kernel``); the passes above run afterwards, gated, for
-  the rows with more than ``cap`` candidates only (section "compaction" below). Top-p alone samples
-  those rows by rejection instead (``rejection_sample_kernel``, one program a row), as do top-k
-  and joint top-k/top-p sampling of probabilities.
+- **Compaction first.** A top-k or top-p call starts with a bound pass and a copy of each row's
+  candidates (entries that can pass the filters) into ``[B, cap]``, where one program a row finishes
+  the searches and the sample (``compact_finish_kernel``); the passes above run afterwards, gated, for
+  the rows with more than ``cap`` candidates only (section "compaction" below). Top-k, top-p and
+  joint top-k/top-p sampling of probabilities sample those rows by rejection instead
+  (``rejection_sample_kernel``, one program a row). Min-p needs only the row max (``max_pass_kernel``).
+- **Softmax**: per (row, segment) the max and the denominator, then each segment written from its
+  row's partials; or, for many short rows, one program a whole row (``softmax_row_kernel``).
 
 Row ``i`` of the output reads source row ``indices[i]`` when ``HAS_INDICES`` (rows sharing a
 distribution); source ids outside ``[0, n_src)`` read nothing (an all-zero row: sample 0).
