@@ -456,7 +456,8 @@ def _compact(split: _Split, x, indices, batch, cap: int, k_arr, p_arr, k_val, p_
                  PARAM_BY_SOURCE=by_source)
     _COMPACT[split.grid](x, indices, k_arr, p_arr, cnt_part, sum_part, ncand, cval, cid, rt, rinv,
                          k_val, p_val, batch, num_rows, vocab, x.stride(0), segs, cap, HAS_INDICES=has_idx,
-                         PROB_BINS=prob_bins, RENORMED=rt is not None, **flags, **split.stream())
+                         PROB_BINS=prob_bins, RENORMED=rt is not None, OPAQUE=not _device.is_interpreter(), **flags,
+                         **split.stream())
     fin = None
     if out is None:
         fin = (torch.empty(batch, dtype=torch.int32, device=dev), torch.empty(batch, dtype=torch.int32, device=dev),

@@ -116,7 +116,12 @@ def _param(arr_ptr, val, rows, src, m_r, IS_ARR: tl.constexpr, BY_SOURCE: tl.con
 @triton.jit
 def _tile(x_ptr, row_off, m_s, t, V, BLOCK: tl.constexpr):
     """(column offsets [BLOCK], mask [ROWS, BLOCK], float32 values [ROWS, BLOCK], 0 where masked)."""
-    offs = t * BLOCK + tl.arange(0, BLOCK)
+    return _tile_at(x_ptr, row_off, m_s, t * BLOCK + tl.arange(0, BLOCK), V)
+
+
+@triton.jit
+def _tile_at(x_ptr, row_off, m_s, offs, V):
+    """``_tile`` at column offsets ``offs`` [BLOCK]."""
     m = m_s[:, None] & (offs < V)[None, :]
     # [ROWS, BLOCK]
     x = tl.load(x_ptr + row_off[:, None] + offs[None, :], mask=m, other=0.0).to(tl.float32)
@@ -707,19 +712,30 @@ def _row_column(v, ROWS: tl.constexpr):
 
 
 @triton.jit
+def _scatter_tile(x_ptr, row_off, m_s, t, V, BLOCK: tl.constexpr, OPAQUE: tl.constexpr):
+    """``_tile`` for a loop that scatters what it loads (``_put_candidates``). ``OPAQUE`` (the GPU; the
+    interpreter has no inline PTX): the offsets pass through a ``mov`` the compiler cannot see
+    through, so the loads take the one-element-a-thread layout Triton gives the scattered stores.
+    With the offsets' contiguity the loads were 16 bytes wide and every store converted the tile,
+    its pointers and its mask through shared memory (sm_90 SASS of the top-k compaction: 16 of its
+    42 barriers, 100 registers; with this 64)."""
+    offs = t * BLOCK + tl.arange(0, BLOCK)
+    if OPAQUE:
+        offs = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [offs], dtype=tl.int32, is_pure=True, pack=1)
+    return _tile_at(x_ptr, row_off, m_s, offs, V)
+
+
+@triton.jit
 def _put_candidates(cval_row, cid_row, at, cap, x, c, offs):
     """Stores a tile's candidates (``c``) at each lane's next slot ``at`` (int32, within the row's
-    ``cap`` slots at ``cval_row``/``cid_row`` [ROWS, 1]); returns the slots after them. The slots come
-    from the bound pass's counts and this pass's, which agree; a slot at or past ``cap`` is still
-    never written."""
-    # candidates are rare (hundreds in a segment of tens of thousands): a tile without one skips the
-    # slot arithmetic and the predicated stores of its lanes
-    if tl.max(tl.max(c.to(tl.int32), axis=1), axis=0) > 0:
-        keep = c & (at < cap)
-        tl.store(cval_row + at, x, mask=keep)
-        tl.store(cid_row + at, tl.zeros_like(at) + offs[None, :], mask=keep)
-        at = at + c.to(tl.int32)
-    return at
+    ``cap`` slots at ``cval_row``/``cid_row``); returns the slots after them. The slots come from the
+    bound pass's counts and this pass's, which agree; a slot at or past ``cap`` is still never
+    written. A tile without candidates costs its lanes' predicated-off stores only (a block-wide
+    test for any candidate first cost a reduction and two barriers a tile)."""
+    keep = c & (at < cap)
+    tl.store(cval_row + at, x, mask=keep)
+    tl.store(cid_row + at, tl.zeros_like(at) + offs[None, :], mask=keep)
+    return at + c.to(tl.int32)
 
 
 @triton.jit
@@ -729,6 +745,7 @@ def compact_kernel(
     HAS_INDICES: tl.constexpr, USE_K: tl.constexpr, USE_P: tl.constexpr, K_ARR: tl.constexpr,
     P_ARR: tl.constexpr, PARAM_BY_SOURCE: tl.constexpr, PROB_BINS: tl.constexpr, RENORMED: tl.constexpr,
     ROWS: tl.constexpr, SEGS_P2: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
+    OPAQUE: tl.constexpr,
 ):
     """Copies the segment's candidates (``key >= bound``) of rows with at most ``cap`` of them to
     ``cval``/``cid`` ``[B, cap]`` (values, token ids) from the row's position for the segment on,
@@ -749,9 +766,9 @@ def compact_kernel(
     fits = m_s & (count <= cap)
     # [ROWS, 1] the row's copy; slots within it stay int32 (int64 slots for 4 x BLOCK lanes cost 32
     # registers a thread: the kernel spilled at 255 with Triton's pointer and length specialisations)
-    c_row = rows.to(tl.int64) * cap
-    cval_row = cval_ptr + c_row[:, None]
-    cid_row = cid_ptr + c_row[:, None]
+    c_row = _row_column(rows.to(tl.int64) * cap, ROWS)
+    cval_row = cval_ptr + c_row
+    cid_row = cid_ptr + c_row
     if tl.max(fits.to(tl.int32), axis=0) > 0:
         # four tiles a step, loaded before they are used (tiles past the segment masked)
         # lo is a key (int32 range) kept in int64 by the bound's arithmetic: compared in 32 bits
@@ -769,10 +786,13 @@ def compact_kernel(
         # [ROWS, BLOCK]: each lane's next slot in its row's copy
         at = (_row_column(pos, ROWS) + tl.cumsum(cnt, axis=1) - cnt).to(tl.int32)
         for t in range(0, NUM_TILES, 4):
-            o0, m0, x0 = _tile(x_ptr, row_off, fits, seg * NUM_TILES + t, V, BLOCK)
-            o1, m1, x1 = _tile(x_ptr, row_off, fits & (t + 1 < NUM_TILES), seg * NUM_TILES + t + 1, V, BLOCK)
-            o2, m2, x2 = _tile(x_ptr, row_off, fits & (t + 2 < NUM_TILES), seg * NUM_TILES + t + 2, V, BLOCK)
-            o3, m3, x3 = _tile(x_ptr, row_off, fits & (t + 3 < NUM_TILES), seg * NUM_TILES + t + 3, V, BLOCK)
+            o0, m0, x0 = _scatter_tile(x_ptr, row_off, fits, seg * NUM_TILES + t, V, BLOCK, OPAQUE)
+            o1, m1, x1 = _scatter_tile(x_ptr, row_off, fits & (t + 1 < NUM_TILES), seg * NUM_TILES + t + 1, V, BLOCK,
+                                       OPAQUE)
+            o2, m2, x2 = _scatter_tile(x_ptr, row_off, fits & (t + 2 < NUM_TILES), seg * NUM_TILES + t + 2, V, BLOCK,
+                                       OPAQUE)
+            o3, m3, x3 = _scatter_tile(x_ptr, row_off, fits & (t + 3 < NUM_TILES), seg * NUM_TILES + t + 3, V, BLOCK,
+                                       OPAQUE)
             x0, x1 = _renormed(x0, rt, rinv, RENORMED), _renormed(x1, rt, rinv, RENORMED)
             x2, x3 = _renormed(x2, rt, rinv, RENORMED), _renormed(x3, rt, rinv, RENORMED)
             at = _put_candidates(cval_row, cid_row, at, cap, x0, _is_candidate(x0, m0, lo_col), o0)
