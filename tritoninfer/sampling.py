@@ -147,6 +147,9 @@ _TOP_P_REJECTION_ONLY_ROWS = 1
 _SOFTMAX_ROW_MAX_VOCAB = 32768
 _SOFTMAX_ROW_MIN_ROWS = 128
 _GPU_SOFTMAX_ROW_WARPS = 16
+# The compaction's copy loads its tiles in the layout of its scattered stores (kernels/sampling.py,
+# _scatter_tile); False: 16-byte loads and a conversion at every store (the A/B of that change)
+_GPU_SCATTER_LAYOUT = True
 # the finish's chunk of candidates ([CBLOCK, 16] one-hot in the top-p rounds, as the search tile)
 _GPU_BLOCK_FINISH = 512
 
@@ -456,8 +459,8 @@ def _compact(split: _Split, x, indices, batch, cap: int, k_arr, p_arr, k_val, p_
                  PARAM_BY_SOURCE=by_source)
     _COMPACT[split.grid](x, indices, k_arr, p_arr, cnt_part, sum_part, ncand, cval, cid, rt, rinv,
                          k_val, p_val, batch, num_rows, vocab, x.stride(0), segs, cap, HAS_INDICES=has_idx,
-                         PROB_BINS=prob_bins, RENORMED=rt is not None, OPAQUE=not _device.is_interpreter(), **flags,
-                         **split.stream())
+                         PROB_BINS=prob_bins, RENORMED=rt is not None,
+                         OPAQUE=bool(_GPU_SCATTER_LAYOUT) and not _device.is_interpreter(), **flags, **split.stream())
     fin = None
     if out is None:
         fin = (torch.empty(batch, dtype=torch.int32, device=dev), torch.empty(batch, dtype=torch.int32, device=dev),
@@ -514,10 +517,10 @@ def _launch_sample(x: torch.Tensor, indices: Optional[torch.Tensor], u: torch.Te
     """The sampling kernels over checked arguments: ``out[i]`` from row ``indices[i]`` (or ``i``) of ``x``
     with uniform ``u[i]``; ``k_arr``/``p_arr`` per-row parameters or ``k_val``/``p_val`` for all rows
     (``p`` is top-p's or min-p's). With a top-k or top-p filter, rows with at most ``_CAP`` candidates
-    are finished on their compacted copy; the rest (and min-p) take the rejection sampler (top-k / top-p of probabilities, one
-    launch) or the full passes (gated, every launch still made: fixed shapes, no host sync). From
-    ``_REJECTION_ONLY_ROWS`` rows (top-p alone: ``_TOP_P_REJECTION_ONLY_ROWS``) the rejection sampler takes
-    every row of the functions it serves.
+    are finished on their compacted copy; the rest take the rejection sampler (top-k / top-p of
+    probabilities, one launch) or the full passes (gated, every launch still made: fixed shapes, no
+    host sync), as min-p does. From ``_REJECTION_ONLY_ROWS`` rows (top-p alone:
+    ``_TOP_P_REJECTION_ONLY_ROWS``) the rejection sampler takes every row of the functions it serves.
     ``rt``/``rinv``: the rows are read top-k renormalised (top-p only, where ``_renorm_on_load``)."""
     _device.check_launchable(x.device, "sampling")
     num_rows, vocab = x.shape
