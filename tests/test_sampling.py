@@ -559,6 +559,40 @@ def test_probability_bins_make_flat_top_p_rows_fit(monkeypatch, device):
     assert (ncand.cpu() >= kept.cpu()).all() and (ncand.cpu() <= kept.cpu() * 1.8).all(), (ncand, kept)
 
 
+def test_whole_row_sampling(monkeypatch, device):
+    """Plain, logits and min-p sampling of many short rows by one program a whole row, in chunks
+    (``sample_row_kernel``; here from one row on, in chunks of 32 of 128 lanes), with the passes' pick
+    made to fail: frequencies, one and per-row ``min_p``; ``indices`` (no more outputs than rows) with
+    ``min_p`` by source and by output row, ids outside the rows and an all-zero row sampling 0."""
+    monkeypatch.setattr(sampling, "_SAMPLE_ROW_MIN_ROWS", 1)
+    monkeypatch.setattr(sampling, "_SAMPLE_ROW_CHUNK", 32)
+    monkeypatch.setattr(sampling, "_SAMPLE_PICK", None)
+    n = 400
+    probs = crafted_probs(100, device)
+    rows = probs.repeat_interleave(n, 0)
+    check_rows(sampling.sampling_from_probs(rows), reference.sampling_distribution(probs), per_row=n, what="plain")
+    logits = torch.randn(2, 100, device=device) * 2
+    logits[1, ::2] = float("-inf")
+    check_rows(sampling.sampling_from_logits(logits.repeat_interleave(n, 0)), torch.softmax(logits, -1), per_row=n,
+               what="logits")
+    min_p = torch.tensor([0.5, 0.3, 0.1], device=device)
+    for mp, per_output in ((min_p, min_p.repeat_interleave(n)), (0.2, 0.2)):
+        check_rows(sampling.min_p_sampling_from_probs(rows, per_output), reference.min_p_sampling_distribution(probs, mp),
+                   per_row=n, what=f"min_p={mp}")
+    src = torch.cat([probs, torch.zeros(1, 100, device=device), probs[:2]])  # 6 rows, row 3 all zero
+    idx = torch.tensor([2, 0, 2**30, 3, -1], dtype=torch.int32, device=device)
+    by_source = torch.tensor([0.6, 0.2, 0.9, 0.5, 0.1, 0.1], device=device)
+    by_output = by_source[[2, 0, 1, 3, 4]]
+    valid = torch.tensor([0, 1])
+    for mp in (by_source, by_output):
+        s = sampling.min_p_sampling_from_probs(src, mp, indices=idx).long().cpu()
+        assert (s[2:] == 0).all()
+        keep = reference.min_p_keep_mask(probs, by_source[:3]).cpu()
+        assert keep[idx[valid].long().cpu(), s[valid]].all()
+    s = sampling.sampling_from_probs(src, indices=idx).long().cpu()
+    assert (s[2:] == 0).all() and (src.cpu()[idx[valid].long().cpu(), s[valid]] > 0).all()
+
+
 def test_per_output_parameters(device):
     """With ``indices``, a parameter tensor of length ``len(indices)`` belongs to the outputs."""
     probs = crafted_probs(50, device)[:1]

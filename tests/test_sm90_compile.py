@@ -343,6 +343,11 @@ def sampling_cases():
         RENORMED=True, MAX_ROUNDS=64, TILES_P2=64, ROWS=rows, BLOCK=block, NUM_TILES=tiles, num_warps=warps))
     cases["softmax-partial"] = (ks.softmax_partial_kernel, dict(T_ARR=True, ROWS=1, BLOCK=2048, NUM_TILES=2))
     cases["softmax-write"] = (ks.softmax_write_kernel, dict(T_ARR=True, **stream))
+    row = dict(BLOCK=int(sm._SAMPLE_ROW_MAX_VOCAB), CHUNK=int(sm._SAMPLE_ROW_CHUNK),
+               num_warps=int(sm._GPU_SOFTMAX_ROW_WARPS), PARAM_BY_SOURCE=True)
+    for name, logits, minp in (("plain", False, False), ("logits", True, False), ("minp", False, True)):
+        cases[f"sample-row-{name}"] = (ks.sample_row_kernel, dict(row, HAS_INDICES=True, IS_LOGITS=logits,
+                                                                  USE_MIN_P=minp, P_ARR=minp))
     cases["softmax-row"] = (ks.softmax_row_kernel, dict(T_ARR=True, BLOCK=int(sm._SOFTMAX_ROW_MAX_VOCAB),
                                                         num_warps=int(sm._GPU_SOFTMAX_ROW_WARPS)))
     cases["chain-speculative"] = (ks.chain_speculative_kernel, dict(N=4, **row_stream))

@@ -394,6 +394,65 @@ def sample_mass_kernel(
 
 
 @triton.jit
+def sample_row_kernel(
+    x_ptr, idx_ptr, p_ptr, u_ptr, out_ptr, p_val, B, n_src, V, stride_x,
+    HAS_INDICES: tl.constexpr, IS_LOGITS: tl.constexpr, USE_MIN_P: tl.constexpr, P_ARR: tl.constexpr,
+    PARAM_BY_SOURCE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """Plain sampling (of probabilities, or of logits with ``IS_LOGITS``: softmax weights) or min-p
+    sampling (``USE_MIN_P``, its ``min_p`` in ``p_ptr``/``p_val``), one program a row holding the whole
+    row (``BLOCK >= V``) as ``BLOCK // CHUNK`` chunks: one read, where the segmented passes read it
+    twice (max, mass) plus the pick's segment. ``sample_pick_kernel``'s rule in index order: the chunk
+    where the running kept mass first exceeds ``u * Z``, in it the first kept entry past that, else
+    its last kept entry; no kept mass: entry 0."""
+    NCH: tl.constexpr = BLOCK // CHUNK
+    row = tl.program_id(0)
+    if HAS_INDICES:
+        src = tl.load(idx_ptr + row).to(tl.int64)
+    else:
+        src = row.to(tl.int64)
+    # a source id outside [0, n_src) reads nothing: an all-zero row, sample 0
+    ok = (src >= 0) & (src < n_src)
+    src = tl.where(ok, src, 0)
+    c = tl.arange(0, NCH)
+    j = tl.arange(0, CHUNK)
+    offs = c[:, None] * CHUNK + j[None, :]
+    m = ok & (offs < V)
+    x = tl.load(x_ptr + src * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+    if IS_LOGITS or USE_MIN_P:
+        mx = tl.max(tl.max(tl.where(m, x, float("-inf")), axis=1), axis=0)
+    if IS_LOGITS:
+        # an all -inf row keeps weight 0 everywhere instead of NaN
+        w = tl.where(m, tl.exp(x - tl.where(mx == float("-inf"), 0.0, mx)), 0.0)
+    else:
+        w = tl.where(m, x, 0.0)
+    keep = w > 0.0
+    if USE_MIN_P:
+        if P_ARR:
+            min_p = tl.load(p_ptr + (src if PARAM_BY_SOURCE else row.to(tl.int64))).to(tl.float32)
+        else:
+            min_p = p_val
+        keep = keep & (w >= tl.where(ok, mx, 0.0) * min_p)
+    w = tl.where(keep, w, 0.0)
+    # [NCH]: the chunks' masses and running masses
+    csum = tl.sum(w, axis=1)
+    ccum = tl.cumsum(csum, axis=0)
+    target = tl.load(u_ptr + row) * tl.sum(csum, axis=0)
+    # a chunk without mass is never the hit (the GPU's scan is not monotonic over zeros)
+    hit_c = tl.min(tl.where((ccum > target) & (csum > 0.0), c, NCH), axis=0)
+    last_c = tl.max(tl.where(csum > 0.0, c, -1), axis=0)
+    own = tl.where(hit_c < NCH, hit_c, tl.maximum(last_c, 0))
+    before = tl.sum(tl.where(c == own, ccum - csum, 0.0), axis=0)
+    # [CHUNK]: the owner chunk's weights, then its running mass past the target
+    wc = tl.sum(tl.where(c[:, None] == own, w, 0.0), axis=0)
+    cum = tl.cumsum(wc, axis=0) + (before - target)
+    hit = tl.min(tl.where((cum > 0.0) & (wc > 0.0), j, CHUNK), axis=0)
+    last = tl.max(tl.where(wc > 0.0, j, -1), axis=0)
+    pos = tl.where(hit < CHUNK, hit, tl.maximum(last, 0))
+    tl.store(out_ptr + row, tl.where(last_c >= 0, own * CHUNK + pos, 0))
+
+
+@triton.jit
 def _own_tile(x_ptr, row_off, m_own, own, t, NUM_TILES: tl.constexpr, V, BLOCK: tl.constexpr):
     """Tile ``t`` of each row's owner segment ``own``: (float32 values [ROWS, BLOCK], mask), masked
     past the segment and the row."""
