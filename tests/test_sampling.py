@@ -95,6 +95,14 @@ def tiles(monkeypatch, request):
         # two tiles a segment: the loops that load four tiles a step must not read the next segment
         monkeypatch.setattr(sampling, "_INTERP_MAX_BLOCK", 32)
         monkeypatch.setattr(sampling, "_INTERP_MAX_SEGMENT", 64)
+    elif request.param == "whole_rows":
+        # one program a whole row (the GPU's path for many short rows) from one row on, in chunks of 32
+        # (the segmented renorm write made to fail)
+        for name in ("_TOP_K_ROW_MIN_ROWS", "_SAMPLE_ROW_MIN_ROWS", "_SOFTMAX_ROW_MIN_ROWS"):
+            monkeypatch.setattr(sampling, name, 1)
+        monkeypatch.setattr(sampling, "_INTERP_WHOLE_ROWS", True)
+        monkeypatch.setattr(sampling, "_SAMPLE_ROW_CHUNK", 32)
+        monkeypatch.setattr(sampling, "_RENORM_WRITE", None)
     return request.param
 
 
@@ -132,7 +140,10 @@ def test_reference_boundaries():
 # --------------------------------------------------------------------------------------------------
 
 
-@TILES
+TOP_K_TILES = pytest.mark.parametrize("tiles", ["one_tile", "tiles64", "segs64", "whole_rows"], indirect=True)
+
+
+@TOP_K_TILES
 @pytest.mark.parametrize("vocab", [8, 100, 300])
 def test_top_k_renorm_probs(device, tiles, vocab):
     probs = crafted_probs(vocab, device)
@@ -156,7 +167,7 @@ def test_top_p_renorm_probs(device, tiles, vocab):
     assert_close(sampling.top_p_renorm_prob(probs, p), reference.top_p_renorm_probs(probs, p), torch.float32)
 
 
-@TILES
+@TOP_K_TILES
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_top_k_mask_logits(device, tiles, dtype):
     logits = (torch.randn(4, 150, device=device) * 3).to(dtype)
@@ -186,6 +197,7 @@ def test_softmax(monkeypatch, device, tiles, dtype, whole_rows):
     unused = "_SOFTMAX_PARTIAL" if whole_rows else "_SOFTMAX_ROW"
     monkeypatch.setattr(sampling, unused, None)
     monkeypatch.setattr(sampling, "_SOFTMAX_ROW_MIN_ROWS", 1 if whole_rows else 1 << 30)
+    monkeypatch.setattr(sampling, "_INTERP_WHOLE_ROWS", True)
     logits = (torch.randn(5, 200, device=device) * 4).to(dtype)
     logits[0, ::3] = float("-inf")
     # a whole first segment of -inf (segs64: the combine must skip its empty partial)
@@ -565,6 +577,7 @@ def test_whole_row_sampling(monkeypatch, device):
     made to fail: frequencies, one and per-row ``min_p``; ``indices`` (no more outputs than rows) with
     ``min_p`` by source and by output row, ids outside the rows and an all-zero row sampling 0."""
     monkeypatch.setattr(sampling, "_SAMPLE_ROW_MIN_ROWS", 1)
+    monkeypatch.setattr(sampling, "_INTERP_WHOLE_ROWS", True)
     monkeypatch.setattr(sampling, "_SAMPLE_ROW_CHUNK", 32)
     monkeypatch.setattr(sampling, "_SAMPLE_PICK", None)
     n = 400
@@ -676,14 +689,22 @@ def test_logits_and_probs_paths_agree(device):
         assert (a == b).float().mean() >= min_match, order
 
 
-@pytest.mark.parametrize("batch", [8, 64], ids=["compacted", "rejection-only"])
-def test_top_k_first_is_top_p_of_the_top_k_renorm(monkeypatch, device, batch):
+@pytest.mark.parametrize("batch,whole_rows", [(8, False), (64, False), (8, True)],
+                         ids=["compacted", "rejection-only", "whole-rows"])
+def test_top_k_first_is_top_p_of_the_top_k_renorm(monkeypatch, device, batch, whole_rows):
     """FlashInfer's logits-processor tests compare, for one generator state and exactly: probs
     ``top_k_first`` with ``top_p_sampling_from_probs(top_k_renorm_probs(probs))``, and logits
     ``top_k_first`` with ``top_p_sampling_from_probs(softmax(top_k_mask_logits(logits)))``; below and
     above ``_REJECTION_ONLY_ROWS`` (where top-p sampling takes the rejection sampler's order). The
     probs function never writes the renormalised rows: the sampler reads them renormalised (scalar
     and per-row parameters, ``k`` off on some rows, draws sharing rows through ``indices``)."""
+    if whole_rows:
+        # the top-k renorm and its parameters by one program a whole row (the GPU's path from 128 rows
+        # of at most 32K entries), in chunks of 32
+        monkeypatch.setattr(sampling, "_TOP_K_ROW_MIN_ROWS", 1)
+        monkeypatch.setattr(sampling, "_INTERP_WHOLE_ROWS", True)
+        monkeypatch.setattr(sampling, "_SAMPLE_ROW_CHUNK", 32)
+        monkeypatch.setattr(sampling, "_RENORM_WRITE", None)
     logits = torch.randn(batch, 111, device=device) * 5
     probs = torch.softmax(logits, -1)
     written = []

@@ -68,6 +68,7 @@ _COMPACT = CachedLauncher(_k.compact_kernel)
 _COMPACT_FINISH = CachedLauncher(_k.compact_finish_kernel)
 _REJECTION_SAMPLE = CachedLauncher(_k.rejection_sample_kernel)
 _SAMPLE_ROW = CachedLauncher(_k.sample_row_kernel)
+_TOP_K_ROW = CachedLauncher(_k.top_k_row_kernel)
 _SOFTMAX_PARTIAL = CachedLauncher(_k.softmax_partial_kernel)
 _SOFTMAX_WRITE = CachedLauncher(_k.softmax_write_kernel)
 _SOFTMAX_ROW = CachedLauncher(_k.softmax_row_kernel)
@@ -153,6 +154,20 @@ _GPU_SOFTMAX_ROW_WARPS = 16
 _SAMPLE_ROW_MAX_VOCAB = 32768
 _SAMPLE_ROW_MIN_ROWS = 128
 _SAMPLE_ROW_CHUNK = 2048
+# ... and the top-k renorm, mask and renorm parameters of as many such rows (the threshold by 32 counts
+# of the row in registers, compute-bound: ~13 us a row an SM by instruction count, against the bound
+# pass, the copy, the finish and the write: 0.85-0.94x FlashInfer for the mask at 256-1024 x 32K)
+_TOP_K_ROW_MIN_ROWS = 128
+# Under the interpreter, whose cost is per program, the whole-row paths (one row a program) only when
+# a test asks (the segmented kernels take many rows a program there)
+_INTERP_WHOLE_ROWS = False
+
+
+def _whole_rows(vocab: int, rows: int, min_rows: int, max_vocab: Optional[int] = None) -> bool:
+    """Whether ``rows`` rows of ``vocab`` entries take a one-program-a-row kernel (at most
+    ``max_vocab`` entries, default ``_SAMPLE_ROW_MAX_VOCAB``)."""
+    limit = _SAMPLE_ROW_MAX_VOCAB if max_vocab is None else max_vocab
+    return vocab <= limit and rows >= min_rows and (_INTERP_WHOLE_ROWS or not _device.is_interpreter())
 # The compaction's copy loads its tiles in the layout of its scattered stores (kernels/sampling.py,
 # _scatter_tile); False: 16-byte loads and a conversion at every store (the A/B of that change)
 _GPU_SCATTER_LAYOUT = True
@@ -531,7 +546,7 @@ def _launch_sample(x: torch.Tensor, indices: Optional[torch.Tensor], u: torch.Te
     _device.check_launchable(x.device, "sampling")
     num_rows, vocab = x.shape
     batch = out.shape[0]
-    if not (use_k or use_p) and vocab <= _SAMPLE_ROW_MAX_VOCAB and batch >= _SAMPLE_ROW_MIN_ROWS \
+    if not (use_k or use_p) and _whole_rows(vocab, batch, _SAMPLE_ROW_MIN_ROWS) \
             and (indices is None or batch <= num_rows):
         # (draws that share rows keep the passes, which run once per source row)
         block = next_pow2(vocab)
@@ -644,6 +659,13 @@ def _launch_renorm(x: torch.Tensor, out: Optional[torch.Tensor], k_arr: Optional
     is written; ``rt``/``rinv`` [num_rows] get each row's threshold key and ``1 / Z`` instead."""
     _device.check_launchable(x.device, "sampling")
     num_rows, vocab = x.shape
+    if use_k and not use_p and _whole_rows(vocab, num_rows, _TOP_K_ROW_MIN_ROWS):
+        block = next_pow2(vocab)
+        _TOP_K_ROW[(num_rows,)](x, out, k_arr, rt, rinv, k_val, num_rows, vocab, x.stride(0),
+                                0 if out is None else out.stride(0), K_ARR=k_arr is not None, MASK_LOGITS=mask_logits,
+                                PARAMS_ONLY=out is None, BLOCK=block, CHUNK=min(block, _SAMPLE_ROW_CHUNK),
+                                num_warps=_GPU_SOFTMAX_ROW_WARPS)
+        return
     split = _Split(vocab, num_rows, x.device)
     cap = _compact_cap(num_rows)
     done = _compact(split, x, None, num_rows, cap, k_arr, p_arr, k_val, p_val, use_k, use_p, True,
@@ -709,7 +731,7 @@ def _launch_softmax(logits: torch.Tensor, out: torch.Tensor, t_arr: Optional[tor
     """The softmax kernel over checked arguments, into ``out`` [num_rows, vocab] float32."""
     _device.check_launchable(logits.device, "softmax")
     num_rows, vocab = logits.shape
-    if vocab <= _SOFTMAX_ROW_MAX_VOCAB and num_rows >= _SOFTMAX_ROW_MIN_ROWS:
+    if _whole_rows(vocab, num_rows, _SOFTMAX_ROW_MIN_ROWS, _SOFTMAX_ROW_MAX_VOCAB):
         _SOFTMAX_ROW[(num_rows,)](logits, out, t_arr, t_val, num_rows, vocab, logits.stride(0), out.stride(0),
                                   T_ARR=t_arr is not None, BLOCK=next_pow2(vocab), num_warps=_GPU_SOFTMAX_ROW_WARPS)
         return

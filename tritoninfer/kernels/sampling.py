@@ -608,6 +608,60 @@ def renorm_write_kernel(
             tl.store(out_ptr + out_off[:, None] + offs[None, :], y, mask=m)
 
 
+@triton.jit
+def _row_total(v):
+    """The sum of a whole row held as [chunks, CHUNK]: over the chunks first (within each thread),
+    then across the lanes (one cross-warp step; the other order reduces every chunk across warps)."""
+    return tl.sum(tl.sum(v, axis=0), axis=0)
+
+
+@triton.jit
+def top_k_row_kernel(
+    x_ptr, out_ptr, k_ptr, rt_ptr, rinv_ptr, k_val, B, V, stride_x, stride_o,
+    K_ARR: tl.constexpr, MASK_LOGITS: tl.constexpr, PARAMS_ONLY: tl.constexpr, BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """``renorm_write_kernel``'s top-k outputs (the renorm, ``MASK_LOGITS``'s mask, or ``PARAMS_ONLY``'s
+    ``rt``/``rinv``) of one row a program holding the whole row (``BLOCK >= V``) as ``BLOCK // CHUNK``
+    chunks: one read and one write. The threshold, the largest key ``T`` with ``count(key >= T) >= k``
+    (the k-th largest, as the radix searches find it), is built bit by bit from the top, one count of
+    the row a bit."""
+    NCH: tl.constexpr = BLOCK // CHUNK
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, NCH)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+    m = offs < V
+    # the row is held as keys only (64 registers a thread at 16 warps for 32K entries); the values
+    # come back from them (the key map is its own inverse) for the write
+    key = tl.where(m, _ordered_key(tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)),
+                   _KEY_MIN)
+    if K_ARR:
+        k = tl.load(k_ptr + row).to(tl.int32)
+    else:
+        k = k_val
+    no_filter = (k <= 0) | (k >= V)
+    need = tl.minimum(tl.maximum(k, 1), V)
+    # the top bit (0 or KEY_MIN), then lo + 2**b, within int32; masked lanes (KEY_MIN) never count
+    lo = tl.where(_row_total((key >= 0).to(tl.int32)) >= need, 0, _KEY_MIN)
+    for b in tl.static_range(30, -1, -1):
+        cand = lo + (1 << b)
+        count = _row_total((key >= cand).to(tl.int32))
+        lo = tl.where(count >= need, cand, lo)
+    t = tl.where(no_filter, _KEY_MIN, lo)
+    kept = key >= t
+    x = _ordered_key(key).to(tl.float32, bitcast=True)
+    if not MASK_LOGITS:
+        inv = 1.0 / tl.maximum(_row_total(tl.where(kept & (x > 0.0), x, 0.0)), 1e-8)
+    if PARAMS_ONLY:
+        tl.store(rt_ptr + row, t)
+        tl.store(rinv_ptr + row, tl.where(no_filter, 1.0, inv))
+    else:
+        if MASK_LOGITS:
+            y = tl.where(kept | no_filter, x, float("-inf"))
+        else:
+            y = tl.where(no_filter, x, tl.where(kept & (x > 0.0), x * inv, 0.0))
+        tl.store(out_ptr + row * stride_o + offs, y, mask=m)
+
+
 # --------------------------------------------------------------------------------------------------
 # compaction: a row's candidates into [B, cap], the searches and the sample finished there
 # --------------------------------------------------------------------------------------------------
