@@ -348,10 +348,13 @@ def sampling_cases():
     for name, logits, minp in (("plain", False, False), ("logits", True, False), ("minp", False, True)):
         cases[f"sample-row-{name}"] = (ks.sample_row_kernel, dict(row, HAS_INDICES=True, IS_LOGITS=logits,
                                                                   USE_MIN_P=minp, P_ARR=minp))
-    for name, mask, params in (("renorm", False, False), ("mask", True, False), ("params", False, True)):
+    for name, mask, params, k_arr in (("renorm", False, False, True), ("mask", True, False, False),
+                                      ("params", False, True, True)):
         cases[f"top-k-row-{name}"] = (ks.top_k_row_kernel, dict(
-            K_ARR=True, MASK_LOGITS=mask, PARAMS_ONLY=params, BLOCK=int(sm._SAMPLE_ROW_MAX_VOCAB),
+            K_ARR=k_arr, MASK_LOGITS=mask, PARAMS_ONLY=params, BLOCK=int(sm._SAMPLE_ROW_MAX_VOCAB),
             CHUNK=int(sm._SAMPLE_ROW_CHUNK), num_warps=int(sm._GPU_SOFTMAX_ROW_WARPS)))
+    cases["sample-row-minp-scalar"] = (ks.sample_row_kernel, dict(row, HAS_INDICES=False, IS_LOGITS=False,
+                                                                  USE_MIN_P=True, P_ARR=False))
     cases["softmax-row"] = (ks.softmax_row_kernel, dict(T_ARR=True, BLOCK=int(sm._SOFTMAX_ROW_MAX_VOCAB),
                                                         num_warps=int(sm._GPU_SOFTMAX_ROW_WARPS)))
     cases["chain-speculative"] = (ks.chain_speculative_kernel, dict(N=4, **row_stream))
