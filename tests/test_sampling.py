@@ -887,6 +887,43 @@ def test_gpu_realistic_vocab():
 
 
 @pytest.mark.gpu
+def test_gpu_whole_rows():
+    """The whole-row paths at their GPU shapes (256 rows of 32,000, against the segmented paths forced
+    by a threshold past the batch): softmax, the top-k renorm and mask equal the reference; plain and
+    min-p draws stay in their sets and follow the row (a 4-entry row: frequencies); the fused
+    ``top_k_first`` equals top-p sampling of the top-k renorm draw for draw."""
+    torch.manual_seed(0)
+    batch, vocab = 256, 32000
+    assert batch >= max(sampling._SOFTMAX_ROW_MIN_ROWS, sampling._SAMPLE_ROW_MIN_ROWS, sampling._TOP_K_ROW_MIN_ROWS)
+    logits = torch.randn(batch, vocab, device="cuda") * 4
+    logits[1, :1000] = float("-inf")
+    probs = torch.softmax(logits, -1)
+    assert_close(sampling.softmax(logits, 0.7), reference.softmax(logits, 0.7), torch.float32)
+    for k in (1, 50, 1000, vocab):
+        assert_close(sampling.top_k_renorm_probs(probs, k), reference.top_k_renorm_probs(probs, k), torch.float32)
+        assert torch.equal(sampling.top_k_mask_logits(logits, k), reference.top_k_mask_logits(logits, k))
+    rows = torch.arange(batch, device="cuda")
+    for _ in range(10):
+        s = sampling.min_p_sampling_from_probs(probs, 0.1).long()
+        assert (probs[rows, s] >= 0.1 * probs.max(-1).values).all()
+        assert (probs[rows, sampling.sampling_from_probs(probs).long()] > 0).all()
+        assert torch.isfinite(logits[rows, sampling.sampling_from_logits(logits).long()]).all()
+    # a row with four entries, drawn in 256 rows a call: frequencies
+    few = torch.zeros(vocab, device="cuda")
+    few[[3, 9000, 17000, 31999]] = torch.tensor([0.1, 0.2, 0.3, 0.4], device="cuda")
+    draws_ = torch.cat([sampling.sampling_from_probs(few.expand(batch, vocab).contiguous()) for _ in range(40)])
+    check_frequencies(draws_, few, "whole-row sampling")
+
+    def gen():
+        return torch.Generator(device="cuda").manual_seed(3)
+
+    for k, p in ((50, 0.9), (1000, 0.5)):
+        fused = sampling.top_k_top_p_sampling_from_probs(probs, k, p, generator=gen())
+        composed = sampling.top_p_sampling_from_probs(sampling.top_k_renorm_probs(probs, k), p, generator=gen())
+        assert torch.equal(fused, composed)
+
+
+@pytest.mark.gpu
 def test_gpu_millions_of_draws_stay_in_the_kept_set():
     """FlashInfer's frequency tests' shape: millions of draws of one row through ``indices``, with a
     few kept entries in different segments (min-p 0.7 over a std-1 normal row keeps ~4 of 128K).
