@@ -887,11 +887,12 @@ def test_gpu_realistic_vocab():
 
 
 @pytest.mark.gpu
-def test_gpu_whole_rows():
-    """The whole-row paths at their GPU shapes (256 rows of 32,000, against the segmented paths forced
-    by a threshold past the batch): softmax, the top-k renorm and mask equal the reference; plain and
+def test_gpu_whole_rows(monkeypatch):
+    """The whole-row paths (switched on: off on the GPU until measured) at their shapes, 256 rows of
+    32,000: softmax, the top-k renorm and mask equal the reference; plain and
     min-p draws stay in their sets and follow the row (a 4-entry row: frequencies); the fused
     ``top_k_first`` equals top-p sampling of the top-k renorm draw for draw."""
+    monkeypatch.setattr(sampling, "_GPU_WHOLE_ROWS", True)
     torch.manual_seed(0)
     batch, vocab = 256, 32000
     assert batch >= max(sampling._SOFTMAX_ROW_MIN_ROWS, sampling._SAMPLE_ROW_MIN_ROWS, sampling._TOP_K_ROW_MIN_ROWS)

@@ -343,20 +343,20 @@ def sampling_cases():
         RENORMED=True, MAX_ROUNDS=64, TILES_P2=64, ROWS=rows, BLOCK=block, NUM_TILES=tiles, num_warps=warps))
     cases["softmax-partial"] = (ks.softmax_partial_kernel, dict(T_ARR=True, ROWS=1, BLOCK=2048, NUM_TILES=2))
     cases["softmax-write"] = (ks.softmax_write_kernel, dict(T_ARR=True, **stream))
-    row = dict(BLOCK=int(sm._SAMPLE_ROW_MAX_VOCAB), CHUNK=int(sm._SAMPLE_ROW_CHUNK),
-               num_warps=int(sm._GPU_SOFTMAX_ROW_WARPS), PARAM_BY_SOURCE=True)
+    row = dict(BLOCK=int(sm._WHOLE_ROW_MAX_VOCAB), CHUNK=int(sm._SAMPLE_ROW_CHUNK),
+               num_warps=int(sm._GPU_WHOLE_ROW_WARPS), PARAM_BY_SOURCE=True)
     for name, logits, minp in (("plain", False, False), ("logits", True, False), ("minp", False, True)):
         cases[f"sample-row-{name}"] = (ks.sample_row_kernel, dict(row, HAS_INDICES=True, IS_LOGITS=logits,
                                                                   USE_MIN_P=minp, P_ARR=minp))
     for name, mask, params, k_arr in (("renorm", False, False, True), ("mask", True, False, False),
                                       ("params", False, True, True)):
         cases[f"top-k-row-{name}"] = (ks.top_k_row_kernel, dict(
-            K_ARR=k_arr, MASK_LOGITS=mask, PARAMS_ONLY=params, BLOCK=int(sm._SAMPLE_ROW_MAX_VOCAB),
-            CHUNK=int(sm._SAMPLE_ROW_CHUNK), num_warps=int(sm._GPU_SOFTMAX_ROW_WARPS)))
+            K_ARR=k_arr, MASK_LOGITS=mask, PARAMS_ONLY=params, BLOCK=int(sm._WHOLE_ROW_MAX_VOCAB),
+            CHUNK=int(sm._SAMPLE_ROW_CHUNK), num_warps=int(sm._GPU_WHOLE_ROW_WARPS)))
     cases["sample-row-minp-scalar"] = (ks.sample_row_kernel, dict(row, HAS_INDICES=False, IS_LOGITS=False,
                                                                   USE_MIN_P=True, P_ARR=False))
-    cases["softmax-row"] = (ks.softmax_row_kernel, dict(T_ARR=True, BLOCK=int(sm._SOFTMAX_ROW_MAX_VOCAB),
-                                                        num_warps=int(sm._GPU_SOFTMAX_ROW_WARPS)))
+    cases["softmax-row"] = (ks.softmax_row_kernel, dict(T_ARR=True, BLOCK=int(sm._WHOLE_ROW_MAX_VOCAB),
+                                                        num_warps=int(sm._GPU_WHOLE_ROW_WARPS)))
     cases["chain-speculative"] = (ks.chain_speculative_kernel, dict(N=4, **row_stream))
     return cases
 

@@ -143,31 +143,23 @@ _REJECTION_ONLY_ROWS = 64
 # (1 x 128K on the H200: 2.8 + 4.8 + ~56 us for bound, copy and finish) where the rejection sampler
 # takes ~2-3 reads of the row (17.7 us with the uniform draw, the 4,096-lane 16-warp tile)
 _TOP_P_REJECTION_ONLY_ROWS = 1
-# Softmax of many short rows: one program a row holding the whole row (one read, one write; the
-# segmented passes read twice, 0.89-0.91x FlashInfer at 256-1024 x 32K on the H200, whose kernel keeps
-# the row on chip). 32K floats are 64 registers a thread at 16 warps.
-_SOFTMAX_ROW_MAX_VOCAB = 32768
-_SOFTMAX_ROW_MIN_ROWS = 128
-_GPU_SOFTMAX_ROW_WARPS = 16
-# ... and plain and min-p sampling of as many short rows (one read where the passes read twice: min-p
-# 0.86-0.89x FlashInfer at 256-1024 x 32K on the H200, whose kernel holds the row): the row in chunks
-_SAMPLE_ROW_MAX_VOCAB = 32768
-_SAMPLE_ROW_MIN_ROWS = 128
-_SAMPLE_ROW_CHUNK = 2048
-# ... and the top-k renorm, mask and renorm parameters of as many such rows (the threshold by 32 counts
-# of the row in registers, compute-bound: ~13 us a row an SM by instruction count, against the bound
-# pass, the copy, the finish and the write: 0.85-0.94x FlashInfer for the mask at 256-1024 x 32K)
-_TOP_K_ROW_MIN_ROWS = 128
-# Under the interpreter, whose cost is per program, the whole-row paths (one row a program) only when
-# a test asks (the segmented kernels take many rows a program there)
+# Many short rows: one program a whole row (one read, where the segmented passes read twice; on the
+# H200 those were 0.85-0.94x FlashInfer at 256-1024 x 32K for softmax, min-p and the top-k mask, whose
+# kernels keep such rows on chip): softmax; plain and min-p sampling (the row in chunks); the top-k
+# renorm, mask and renorm parameters (the threshold by 32 counts of the row in registers,
+# compute-bound: ~13 us a row an SM by instruction count). 32K floats are 64 registers a thread at 16
+# warps. Not yet run on a GPU: off there until measured (`bench --set sampling._GPU_WHOLE_ROWS=1`);
+# under the interpreter, whose cost is per program, only when a test asks.
+_GPU_WHOLE_ROWS = False
 _INTERP_WHOLE_ROWS = False
+_WHOLE_ROW_MAX_VOCAB = 32768
+_GPU_WHOLE_ROW_WARPS = 16
+_SOFTMAX_ROW_MIN_ROWS = 128
+_SAMPLE_ROW_MIN_ROWS = 128
+_TOP_K_ROW_MIN_ROWS = 128
+_SAMPLE_ROW_CHUNK = 2048
 
 
-def _whole_rows(vocab: int, rows: int, min_rows: int, max_vocab: Optional[int] = None) -> bool:
-    """Whether ``rows`` rows of ``vocab`` entries take a one-program-a-row kernel (at most
-    ``max_vocab`` entries, default ``_SAMPLE_ROW_MAX_VOCAB``)."""
-    limit = _SAMPLE_ROW_MAX_VOCAB if max_vocab is None else max_vocab
-    return vocab <= limit and rows >= min_rows and (_INTERP_WHOLE_ROWS or not _device.is_interpreter())
 # The compaction's copy loads its tiles in the layout of its scattered stores (kernels/sampling.py,
 # _scatter_tile); False: 16-byte loads and a conversion at every store (the A/B of that change)
 _GPU_SCATTER_LAYOUT = True
@@ -322,6 +314,12 @@ def _by_source(*params: Optional[_Params]) -> bool:
 # --------------------------------------------------------------------------------------------------
 # launches
 # --------------------------------------------------------------------------------------------------
+
+
+def _whole_rows(vocab: int, rows: int, min_rows: int) -> bool:
+    """Whether ``rows`` rows of ``vocab`` entries take a one-program-a-row kernel."""
+    on = _INTERP_WHOLE_ROWS if _device.is_interpreter() else _GPU_WHOLE_ROWS
+    return bool(on) and vocab <= _WHOLE_ROW_MAX_VOCAB and rows >= min_rows
 
 
 def _tiles(vocab: int, rows: int, search: bool) -> Tuple[int, int, int, int]:
@@ -553,7 +551,7 @@ def _launch_sample(x: torch.Tensor, indices: Optional[torch.Tensor], u: torch.Te
         _SAMPLE_ROW[(batch,)](x, indices, p_arr, u, out, p_val, batch, num_rows, vocab, x.stride(0),
                               HAS_INDICES=indices is not None, IS_LOGITS=is_logits, USE_MIN_P=use_min_p,
                               P_ARR=p_arr is not None, PARAM_BY_SOURCE=by_source, BLOCK=block,
-                              CHUNK=min(block, _SAMPLE_ROW_CHUNK), num_warps=_GPU_SOFTMAX_ROW_WARPS)
+                              CHUNK=min(block, _SAMPLE_ROW_CHUNK), num_warps=_GPU_WHOLE_ROW_WARPS)
         return
     split = _Split(vocab, batch, x.device, short=not (use_k or use_p or use_min_p))
     gate = None
@@ -664,7 +662,7 @@ def _launch_renorm(x: torch.Tensor, out: Optional[torch.Tensor], k_arr: Optional
         _TOP_K_ROW[(num_rows,)](x, out, k_arr, rt, rinv, k_val, num_rows, vocab, x.stride(0),
                                 0 if out is None else out.stride(0), K_ARR=k_arr is not None, MASK_LOGITS=mask_logits,
                                 PARAMS_ONLY=out is None, BLOCK=block, CHUNK=min(block, _SAMPLE_ROW_CHUNK),
-                                num_warps=_GPU_SOFTMAX_ROW_WARPS)
+                                num_warps=_GPU_WHOLE_ROW_WARPS)
         return
     split = _Split(vocab, num_rows, x.device)
     cap = _compact_cap(num_rows)
@@ -731,9 +729,9 @@ def _launch_softmax(logits: torch.Tensor, out: torch.Tensor, t_arr: Optional[tor
     """The softmax kernel over checked arguments, into ``out`` [num_rows, vocab] float32."""
     _device.check_launchable(logits.device, "softmax")
     num_rows, vocab = logits.shape
-    if _whole_rows(vocab, num_rows, _SOFTMAX_ROW_MIN_ROWS, _SOFTMAX_ROW_MAX_VOCAB):
+    if _whole_rows(vocab, num_rows, _SOFTMAX_ROW_MIN_ROWS):
         _SOFTMAX_ROW[(num_rows,)](logits, out, t_arr, t_val, num_rows, vocab, logits.stride(0), out.stride(0),
-                                  T_ARR=t_arr is not None, BLOCK=next_pow2(vocab), num_warps=_GPU_SOFTMAX_ROW_WARPS)
+                                  T_ARR=t_arr is not None, BLOCK=next_pow2(vocab), num_warps=_GPU_WHOLE_ROW_WARPS)
         return
     # rows split into segments as the sampling passes are (a row is one program's work only at large
     # batches): the max and the denominator per segment, then each segment written from its row's

@@ -583,6 +583,7 @@ def renorm_write_kernel(
         no_filter = (k <= 0) | (k >= V)
     else:
         no_filter = rows < 0
+    inv = tl.full([ROWS], 1.0, tl.float32)  # the mask has no denominator
     if not MASK_LOGITS:
         inv = 1.0 / tl.maximum(_row_sum(z_part, rows, m_r, n_segs, ROWS, SEGS_P2), 1e-8)
     if FIN:
@@ -599,13 +600,17 @@ def renorm_write_kernel(
             offs, m, x = _tile(x_ptr, row_off, m_s, seg * NUM_TILES + t, V, BLOCK)
             key = _ordered_key(x)
             keep = (key >= lo_k[:, None]) & (key >= lo_p[:, None])
-            if MASK_LOGITS:
-                y = tl.where(keep | no_filter[:, None], x, float("-inf"))
-            else:
-                y = tl.where(keep & (x > 0.0), x * inv[:, None], 0.0)
-                if USE_K:
-                    y = tl.where(no_filter[:, None], x, y)
+            y = _renorm_out(x, keep, no_filter[:, None], inv[:, None], MASK_LOGITS)
             tl.store(out_ptr + out_off[:, None] + offs[None, :], y, mask=m)
+
+
+@triton.jit
+def _renorm_out(x, keep, no_filter, inv, MASK_LOGITS: tl.constexpr):
+    """What a renorm writes for entries ``x`` with their ``keep`` mask: ``x * inv`` (kept, positive)
+    or 0; with ``MASK_LOGITS``, ``x`` or ``-inf``. A row without filter (``no_filter``) keeps ``x``."""
+    if MASK_LOGITS:
+        return tl.where(keep | no_filter, x, float("-inf"))
+    return tl.where(no_filter, x, tl.where(keep & (x > 0.0), x * inv, 0.0))
 
 
 @triton.jit
@@ -649,17 +654,14 @@ def top_k_row_kernel(
     t = tl.where(no_filter, _KEY_MIN, lo)
     kept = key >= t
     x = _ordered_key(key).to(tl.float32, bitcast=True)
+    inv = 1.0  # the mask has no denominator
     if not MASK_LOGITS:
         inv = 1.0 / tl.maximum(_row_total(tl.where(kept & (x > 0.0), x, 0.0)), 1e-8)
     if PARAMS_ONLY:
         tl.store(rt_ptr + row, t)
         tl.store(rinv_ptr + row, tl.where(no_filter, 1.0, inv))
     else:
-        if MASK_LOGITS:
-            y = tl.where(kept | no_filter, x, float("-inf"))
-        else:
-            y = tl.where(no_filter, x, tl.where(kept & (x > 0.0), x * inv, 0.0))
-        tl.store(out_ptr + row * stride_o + offs, y, mask=m)
+        tl.store(out_ptr + row * stride_o + offs, _renorm_out(x, kept, no_filter, inv, MASK_LOGITS), mask=m)
 
 
 # --------------------------------------------------------------------------------------------------
