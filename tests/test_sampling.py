@@ -100,7 +100,7 @@ def tiles(monkeypatch, request):
         # (the segmented renorm write made to fail)
         for name in ("_TOP_K_ROW_MIN_ROWS", "_SAMPLE_ROW_MIN_ROWS", "_SOFTMAX_ROW_MIN_ROWS"):
             monkeypatch.setattr(sampling, name, 1)
-        monkeypatch.setattr(sampling, "_INTERP_WHOLE_ROWS", True)
+        monkeypatch.setattr(sampling, "_INTERP_WHOLE_ROWS", ",".join(sampling._WHOLE_ROW_KINDS))
         monkeypatch.setattr(sampling, "_SAMPLE_ROW_CHUNK", 32)
         monkeypatch.setattr(sampling, "_RENORM_WRITE", None)
     return request.param
@@ -197,7 +197,7 @@ def test_softmax(monkeypatch, device, tiles, dtype, whole_rows):
     unused = "_SOFTMAX_PARTIAL" if whole_rows else "_SOFTMAX_ROW"
     monkeypatch.setattr(sampling, unused, None)
     monkeypatch.setattr(sampling, "_SOFTMAX_ROW_MIN_ROWS", 1 if whole_rows else 1 << 30)
-    monkeypatch.setattr(sampling, "_INTERP_WHOLE_ROWS", True)
+    monkeypatch.setattr(sampling, "_INTERP_WHOLE_ROWS", ",".join(sampling._WHOLE_ROW_KINDS))
     logits = (torch.randn(5, 200, device=device) * 4).to(dtype)
     logits[0, ::3] = float("-inf")
     # a whole first segment of -inf (segs64: the combine must skip its empty partial)
@@ -577,7 +577,7 @@ def test_whole_row_sampling(monkeypatch, device):
     made to fail: frequencies, one and per-row ``min_p``; ``indices`` (no more outputs than rows) with
     ``min_p`` by source and by output row, ids outside the rows and an all-zero row sampling 0."""
     monkeypatch.setattr(sampling, "_SAMPLE_ROW_MIN_ROWS", 1)
-    monkeypatch.setattr(sampling, "_INTERP_WHOLE_ROWS", True)
+    monkeypatch.setattr(sampling, "_INTERP_WHOLE_ROWS", ",".join(sampling._WHOLE_ROW_KINDS))
     monkeypatch.setattr(sampling, "_SAMPLE_ROW_CHUNK", 32)
     monkeypatch.setattr(sampling, "_SAMPLE_PICK", None)
     n = 400
@@ -702,7 +702,7 @@ def test_top_k_first_is_top_p_of_the_top_k_renorm(monkeypatch, device, batch, wh
         # the top-k renorm and its parameters by one program a whole row (the GPU's path from 128 rows
         # of at most 32K entries), in chunks of 32
         monkeypatch.setattr(sampling, "_TOP_K_ROW_MIN_ROWS", 1)
-        monkeypatch.setattr(sampling, "_INTERP_WHOLE_ROWS", True)
+        monkeypatch.setattr(sampling, "_INTERP_WHOLE_ROWS", ",".join(sampling._WHOLE_ROW_KINDS))
         monkeypatch.setattr(sampling, "_SAMPLE_ROW_CHUNK", 32)
         monkeypatch.setattr(sampling, "_RENORM_WRITE", None)
     logits = torch.randn(batch, 111, device=device) * 5
@@ -888,11 +888,11 @@ def test_gpu_realistic_vocab():
 
 @pytest.mark.gpu
 def test_gpu_whole_rows(monkeypatch):
-    """The whole-row paths (switched on: off on the GPU until measured) at their shapes, 256 rows of
+    """The whole-row paths (every kind switched on: the GPU takes some by default) at their shapes, 256 rows of
     32,000: softmax, the top-k renorm and mask equal the reference; plain and
     min-p draws stay in their sets and follow the row (a 4-entry row: frequencies); the fused
     ``top_k_first`` equals top-p sampling of the top-k renorm draw for draw."""
-    monkeypatch.setattr(sampling, "_GPU_WHOLE_ROWS", True)
+    monkeypatch.setattr(sampling, "_GPU_WHOLE_ROWS", ",".join(sampling._WHOLE_ROW_KINDS))
     torch.manual_seed(0)
     batch, vocab = 256, 32000
     assert batch >= max(sampling._SOFTMAX_ROW_MIN_ROWS, sampling._SAMPLE_ROW_MIN_ROWS, sampling._TOP_K_ROW_MIN_ROWS)
@@ -1019,3 +1019,10 @@ def test_gpu_cuda_graph_capture():
         assert keep[torch.arange(batch, device="cuda"), out.long()].all()
         seen.append(out.clone())
     assert any(not torch.equal(seen[0], s) for s in seen[1:])
+
+
+def test_whole_row_kinds_named():
+    """The GPU's whole-row switch names only kinds the launchers ask for (a misspelt kind would
+    silently keep the segmented passes)."""
+    assert set(filter(None, sampling._GPU_WHOLE_ROWS.split(","))) <= set(sampling._WHOLE_ROW_KINDS)
+    assert sampling._whole_rows("softmax", 32000, 256, 128) == ("softmax" in sampling._INTERP_WHOLE_ROWS.split(","))

@@ -146,12 +146,17 @@ _TOP_P_REJECTION_ONLY_ROWS = 1
 # Many short rows: one program a whole row (one read, where the segmented passes read twice; on the
 # H200 those were 0.85-0.94x FlashInfer at 256-1024 x 32K for softmax, min-p and the top-k mask, whose
 # kernels keep such rows on chip): softmax; plain and min-p sampling (the row in chunks); the top-k
-# renorm, mask and renorm parameters (the threshold by 32 counts of the row in registers,
-# compute-bound: ~13 us a row an SM by instruction count). 32K floats are 64 registers a thread at 16
-# warps. Not yet run on a GPU: off there until measured (`bench --set sampling._GPU_WHOLE_ROWS=1`);
-# under the interpreter, whose cost is per program, only when a test asks.
-_GPU_WHOLE_ROWS = False
-_INTERP_WHOLE_ROWS = False
+# renorm, mask and renorm parameters (the threshold by 32 counts of the row in registers). 32K floats
+# are 64 registers a thread at 16 warps. Which kinds take them (comma-separated, of _WHOLE_ROW_KINDS),
+# from an A/B on the H200 at 256 / 1024 x 32K, graph replay (benchmarks/NOTES.md, session 15):
+# softmax 29.6 / 112.3 -> 23.4 / 71.3 us, min-p 25.0 / 89.7 -> 24.3 / 76.7, the top-k mask 102.3 /
+# 366.0 -> 77.3 / 296.2 (compute-bound: ~3x the instruction estimate); slower, so off: plain sampling
+# 17.5 / 47.0 -> 20.4 / 61.4 (its passes already read near the copy rate), the top-k renorm 86.5 /
+# 306.1 -> 94.4 / 362.3 and the fused top-k-first 107.3 / 352.3 -> 122.8 / 405.6 (its parameters).
+# Under the interpreter, whose cost is per program, only when a test asks.
+_WHOLE_ROW_KINDS = ("softmax", "sample", "min_p", "top_k_mask", "top_k_renorm")
+_GPU_WHOLE_ROWS = "softmax,min_p,top_k_mask"
+_INTERP_WHOLE_ROWS = ""
 _WHOLE_ROW_MAX_VOCAB = 32768
 _GPU_WHOLE_ROW_WARPS = 16
 _SOFTMAX_ROW_MIN_ROWS = 128
@@ -316,10 +321,11 @@ def _by_source(*params: Optional[_Params]) -> bool:
 # --------------------------------------------------------------------------------------------------
 
 
-def _whole_rows(vocab: int, rows: int, min_rows: int) -> bool:
-    """Whether ``rows`` rows of ``vocab`` entries take a one-program-a-row kernel."""
+def _whole_rows(kind: str, vocab: int, rows: int, min_rows: int) -> bool:
+    """Whether ``rows`` rows of ``vocab`` entries take the one-program-a-row kernel of ``kind`` (one of
+    ``_WHOLE_ROW_KINDS``)."""
     on = _INTERP_WHOLE_ROWS if _device.is_interpreter() else _GPU_WHOLE_ROWS
-    return bool(on) and vocab <= _WHOLE_ROW_MAX_VOCAB and rows >= min_rows
+    return kind in on.split(",") and vocab <= _WHOLE_ROW_MAX_VOCAB and rows >= min_rows
 
 
 def _tiles(vocab: int, rows: int, search: bool) -> Tuple[int, int, int, int]:
@@ -544,7 +550,7 @@ def _launch_sample(x: torch.Tensor, indices: Optional[torch.Tensor], u: torch.Te
     _device.check_launchable(x.device, "sampling")
     num_rows, vocab = x.shape
     batch = out.shape[0]
-    if not (use_k or use_p) and _whole_rows(vocab, batch, _SAMPLE_ROW_MIN_ROWS) \
+    if not (use_k or use_p) and _whole_rows("min_p" if use_min_p else "sample", vocab, batch, _SAMPLE_ROW_MIN_ROWS) \
             and (indices is None or batch <= num_rows):
         # (draws that share rows keep the passes, which run once per source row)
         block = next_pow2(vocab)
@@ -657,7 +663,8 @@ def _launch_renorm(x: torch.Tensor, out: Optional[torch.Tensor], k_arr: Optional
     is written; ``rt``/``rinv`` [num_rows] get each row's threshold key and ``1 / Z`` instead."""
     _device.check_launchable(x.device, "sampling")
     num_rows, vocab = x.shape
-    if use_k and not use_p and _whole_rows(vocab, num_rows, _TOP_K_ROW_MIN_ROWS):
+    if use_k and not use_p and _whole_rows("top_k_mask" if mask_logits else "top_k_renorm", vocab, num_rows,
+                                           _TOP_K_ROW_MIN_ROWS):
         block = next_pow2(vocab)
         _TOP_K_ROW[(num_rows,)](x, out, k_arr, rt, rinv, k_val, num_rows, vocab, x.stride(0),
                                 0 if out is None else out.stride(0), K_ARR=k_arr is not None, MASK_LOGITS=mask_logits,
@@ -729,7 +736,7 @@ def _launch_softmax(logits: torch.Tensor, out: torch.Tensor, t_arr: Optional[tor
     """The softmax kernel over checked arguments, into ``out`` [num_rows, vocab] float32."""
     _device.check_launchable(logits.device, "softmax")
     num_rows, vocab = logits.shape
-    if _whole_rows(vocab, num_rows, _SOFTMAX_ROW_MIN_ROWS):
+    if _whole_rows("softmax", vocab, num_rows, _SOFTMAX_ROW_MIN_ROWS):
         _SOFTMAX_ROW[(num_rows,)](logits, out, t_arr, t_val, num_rows, vocab, logits.stride(0), out.stride(0),
                                   T_ARR=t_arr is not None, BLOCK=next_pow2(vocab), num_warps=_GPU_WHOLE_ROW_WARPS)
         return
