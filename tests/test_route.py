@@ -196,3 +196,27 @@ def test_attention_variant_rejects_what_the_kernel_cannot_run():
     variant = _attention.attention_variant(capped, folding, **{**kw, "group": 4})
     assert not variant.fold_scale and variant.kwargs()["FOLD_SCALE"] is False
     assert variant.unfolded() == variant
+
+
+def test_block_sparse_plans_take_the_gluon_kernel_from_64_rows(hopper_gpu):
+    """Block rows of 64 query rows (its requests) take the Gluon kernel (measured 2.1x the core there);
+    a paged prefill of requests that short keeps the core; block rows of 32 keep it too."""
+    facts = dict(page_size=64, qo_lens=np.array([64, 64]), kv_lens=np.array([4096, 4096]))
+    assert "below 512" in _route.PREFILL.at_plan(_facts(**facts)).reason
+    assert _route.PREFILL.at_plan(_facts(**facts, min_len=_route.BLOCK_SPARSE_MIN_LEN)).kernel == "hopper"
+    short = dict(facts, qo_lens=np.array([32, 32]))
+    assert _route.PREFILL.at_plan(_facts(**short, min_len=_route.BLOCK_SPARSE_MIN_LEN)).is_core
+
+
+def test_block_sparse_wrapper_plans_with_the_block_sparse_threshold(hopper_plans):
+    """BlockSparseAttentionWrapper asks the route with BLOCK_SPARSE_MIN_LEN: 64 x 64 blocks of bf16 at
+    head_dim 128 go to the Gluon kernel, and the plan uploads its work list."""
+    from tritoninfer.sparse import BlockSparseAttentionWrapper
+
+    wrapper = BlockSparseAttentionWrapper(testing.make_workspace(4 << 20, DEVICE))
+    # 4 block rows x 4 block columns of 64: every block kept
+    indptr = torch.arange(0, 17, 4, dtype=torch.int32)
+    indices = torch.arange(4, dtype=torch.int32).repeat(4)
+    wrapper.plan(indptr, indices, 256, 256, 64, 64, 4, 4, 128, q_data_type=torch.bfloat16, o_data_type=torch.bfloat16)
+    step = wrapper._plan.step
+    assert step.route.kernel == "hopper" and step.route_work is not None

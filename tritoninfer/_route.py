@@ -32,6 +32,11 @@ HOPPER_FORCE = _HOPPER_MODE == "force"
 # shortest measured faster than the core on the same KV (benchmarks/NOTES.md, session 6; the paged core
 # is slower than the ragged one, so paged plans switch earlier)
 HOPPER_MIN_LEN = {(False, False): 1024, (False, True): 4096, (True, False): 512, (True, True): 1024}
+# ... for block-sparse plans (a request a block row, its non-zero column blocks its pages): from 64 rows a
+# block row. Measured on the H200 (8K x 8K, 64 x 64 blocks, 32/32 heads, no mask; benchmarks/NOTES.md,
+# session 15): 4,287 -> 2,040 us at 50 % sparsity, 1,024 -> 513 at 90 % (FlashInfer 2,131 / 510): the
+# core's 64-row tiles reach ~130 TFLOP/s on those pages, the Gluon kernel ~270 with half of its tile idle
+BLOCK_SPARSE_MIN_LEN = 64
 # smallest page the paged mode takes: a TMA box per page lands in an 8-row slice of the 128-byte
 # swizzled K/V stage; Triton 3.6 cannot slice one below its 8-row swizzle pattern
 HOPPER_MIN_PAGE = 8
@@ -69,6 +74,8 @@ class PlanFacts:
     qo_lens: np.ndarray
     kv_lens: np.ndarray
     page_size: int  # 0: ragged K/V
+    # mean query tokens per request from which the Gluon kernel is taken (None: HOPPER_MIN_LEN's)
+    min_len: Optional[int] = None
 
 
 def core(reason: str) -> Route:
@@ -117,7 +124,7 @@ class PrefillRoute:
             return core("K/V shorter than one TMA box")
         causal = bool(f.params.causal)
         mean = int(f.qo_lens.sum()) / max(f.qo_lens.size, 1)
-        need = HOPPER_MIN_LEN[paged, causal]
+        need = HOPPER_MIN_LEN[paged, causal] if f.min_len is None else f.min_len
         if mean < need and not HOPPER_FORCE:
             return core(f"{mean:.0f} query tokens per request on average, below {need}")
         return Route("hopper", f"{'paged' if paged else 'ragged'}, {mean:.0f} query tokens per request",

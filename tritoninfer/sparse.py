@@ -28,7 +28,7 @@ from typing import Optional, Tuple, Union
 import numpy as np
 import torch
 
-from . import _device, _errors, _ops
+from . import _device, _errors, _ops, _route
 from ._attention import KVSource, PlanUploader
 from ._kvcache import PagedKV
 from ._options import (
@@ -181,7 +181,7 @@ class _SparseBase:
         facts = PlanFacts(
             device=self.device, q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim_qk=head_dim, head_dim_vo=head_dim,
             layout=TensorLayout.NHD, use_cuda_graph=False, has_mask=packed_mask is not None, params=params,
-            qo_lens=qo[1:] - qo[:-1], kv_lens=kv_lens, page_size=page_size)
+            qo_lens=qo[1:] - qo[:-1], kv_lens=kv_lens, page_size=page_size, min_len=_route.BLOCK_SPARSE_MIN_LEN)
         route, work = _route_and_work(facts, tiles, num_qo_heads, num_kv_heads,
                                       workspace_bytes=self._workspace.numel() * self._workspace.element_size(),
                                       num_sms=_device.num_sms(self.device),
