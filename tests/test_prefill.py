@@ -223,6 +223,12 @@ def test_single_prefill(layout):
     o = tritoninfer.single_prefill_with_kv_cache(q, k, v, custom_mask=mask, kv_layout=layout, logits_soft_cap=4.0)
     ref_o = reference.single_prefill_with_kv_cache(q, k, v, custom_mask=mask, kv_layout=layout, logits_soft_cap=4.0)
     testing.assert_close(o, ref_o, torch.float16)
+    # the mask flattened, as FlashInfer's multi-item test passes it: the same result
+    flat = tritoninfer.single_prefill_with_kv_cache(q, k, v, custom_mask=mask.reshape(-1), kv_layout=layout,
+                                                    logits_soft_cap=4.0)
+    assert torch.equal(flat, o)
+    with pytest.raises(ValueError, match="custom_mask: expected qo_len"):
+        tritoninfer.single_prefill_with_kv_cache(q, k, v, custom_mask=mask.reshape(-1)[1:], kv_layout=layout)
 
 
 def _graph_wrapper(batch, **extra_bufs):

@@ -1026,7 +1026,8 @@ def single_prefill_with_kv_cache(
     o_dtype : Optional[torch.dtype]
         Output dtype (fp16, bf16 or fp32); defaults to q's.
     custom_mask, packed_custom_mask : Optional[torch.Tensor]
-        bool ``[qo_len, kv_len]`` (True keeps), or its little-endian bit packing (uint8).
+        bool ``[qo_len, kv_len]`` (True keeps; any shape of ``qo_len * kv_len`` entries, read row-major, as
+        FlashInfer flattens it), or its little-endian bit packing (uint8).
         Overrides ``causal``.
     causal : bool
         Bottom-right aligned. Rows that see no key (``qo_len > kv_len``) give 0 / LSE -inf
@@ -1071,9 +1072,12 @@ def single_prefill_with_kv_cache(
     if packed_custom_mask is not None:
         packed = _check_packed_mask(packed_custom_mask, byte_indptr, "packed_custom_mask", "qo_len*kv_len bits").to(device)
     elif custom_mask is not None:
-        check_tensor(custom_mask, "custom_mask", ndim=2)
-        if tuple(custom_mask.shape) != (qo_len, kv_len):
-            raise ValueError(f"custom_mask: expected shape ({qo_len}, {kv_len}), got {tuple(custom_mask.shape)}")
+        # any shape of qo_len * kv_len entries, read row-major (FlashInfer flattens it too: its multi-item
+        # scoring test passes the mask flat)
+        check_tensor(custom_mask, "custom_mask")
+        if custom_mask.numel() != qo_len * kv_len:
+            raise ValueError(f"custom_mask: expected qo_len * kv_len = {qo_len} * {kv_len} entries (e.g. shape "
+                             f"({qo_len}, {kv_len})), got shape {tuple(custom_mask.shape)}")
         packed = _pack_mask(custom_mask.reshape(-1), bit_indptr).to(device)
     settings, params = _scores(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
                                head_dim_qk, causal, packed is not None)

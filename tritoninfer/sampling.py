@@ -509,6 +509,10 @@ def _finish_tiles(cap: int, vocab: int, batch: int) -> Tuple[int, int, int]:
 
 
 def _uniforms(n: int, device: torch.device, generator: Optional[torch.Generator]) -> torch.Tensor:
+    if generator is None:
+        # without the argument: torch.compile's fake tensors cannot run rand(generator=None) at a
+        # symbolic size (a second batch size makes it one)
+        return torch.rand(n, device=device, dtype=torch.float32)
     return torch.rand(n, device=device, dtype=torch.float32, generator=generator)
 
 
