@@ -156,6 +156,11 @@ def _current_stream(device: torch.device) -> "torch.cuda.Stream":
     return stream
 
 
+# int32 entries of a pinned arena for plans uploaded during a CUDA-graph capture (256 KB: a
+# single-request plan is tens to hundreds of entries)
+CAPTURE_ARENA_INTS = 1 << 16
+
+
 class PlanUploader:
     """Copies a plan's int32 host arrays to the device in one transfer.
 
@@ -165,14 +170,34 @@ class PlanUploader:
     copy finished long ago); the single-request functions plan at every call, once per layer, and
     one slot would make each call wait for the GPU to finish the previous layer: a host sync per
     layer (measured: batch-1 prefill under transformers 2.5x slower than SDPA).
+
+    While a CUDA graph is being captured (a single-request function inside a captured step), the
+    graph's copy reads its host buffer at every replay, so the arrays go to a region of a pinned
+    arena that is never written again (``_captured``), with no event: later plans cannot change what
+    a replay uploads.
     """
 
-    def __init__(self, device: torch.device, slots: int = 1) -> None:
+    def __init__(self, device: torch.device, slots: int = 1, reserve_capture: bool = False) -> None:
+        """``reserve_capture``: the first capture arena now (a pinned allocation inside a capture is
+        best avoided; the single-request functions are the ones called inside captured steps)."""
         self.device = torch.device(device)
         self._host: List[Optional[torch.Tensor]] = [None] * slots
         self._done: List[Optional[torch.cuda.Event]] = [None] * slots
         self._next = 0
         self.counters = SplitCounters(self.device)
+        self._arenas: List[torch.Tensor] = []  # pinned int32, kept: captured graphs read them
+        self._arena_used = 0
+        if reserve_capture and self.device.type == "cuda":
+            self._arenas.append(torch.empty(CAPTURE_ARENA_INTS, dtype=torch.int32, pin_memory=True))
+
+    def _captured(self, n: int) -> torch.Tensor:
+        """``n`` int32 of pinned host memory that nothing writes after this call."""
+        if not self._arenas or self._arena_used + n > self._arenas[-1].numel():
+            self._arenas.append(torch.empty(max(n, CAPTURE_ARENA_INTS), dtype=torch.int32, pin_memory=True))
+            self._arena_used = 0
+        region = self._arenas[-1][self._arena_used:self._arena_used + n]
+        self._arena_used += n
+        return region
 
     def upload(self, arrays: list, non_blocking: bool = True, out: Optional[torch.Tensor] = None) -> list:
         """Returns device views of ``arrays`` (in ``out`` when given: a fixed int32 buffer)."""
@@ -187,25 +212,30 @@ class PlanUploader:
             if out is not None:
                 out[:total].copy_(flat)
         else:
-            slot = self._next
-            self._next = (slot + 1) % len(self._host)
-            done = self._done[slot]
-            if done is not None:
-                done.synchronize()
-            host = self._host[slot]
-            if host is None or host.numel() < total:
-                host = self._host[slot] = torch.empty(max(total, 1024), dtype=torch.int32,
-                                                      pin_memory=_device.can_pin_memory())
+            capturing = torch.cuda.is_current_stream_capturing()
+            if capturing:
+                host, done = self._captured(max(total, 1)), None
+            else:
+                slot = self._next
+                self._next = (slot + 1) % len(self._host)
+                done = self._done[slot]
+                if done is not None:
+                    done.synchronize()
+                host = self._host[slot]
+                if host is None or host.numel() < total:
+                    host = self._host[slot] = torch.empty(max(total, 1024), dtype=torch.int32,
+                                                          pin_memory=_device.can_pin_memory())
+                if done is None:
+                    done = self._done[slot] = torch.cuda.Event()
             host_np = host.numpy()
             pos = 0
             for a, n in zip(arrays, sizes):
                 host_np[pos:pos + n] = a.reshape(-1)
                 pos += n
             dev = torch.empty(total, dtype=torch.int32, device=self.device) if out is None else out
-            dev[:total].copy_(host[:total], non_blocking=non_blocking)
-            if done is None:
-                done = self._done[slot] = torch.cuda.Event()
-            done.record(_current_stream(self.device))
+            dev[:total].copy_(host[:total], non_blocking=non_blocking or capturing)
+            if done is not None:
+                done.record(_current_stream(self.device))
         out, pos = [], 0
         for n in sizes:
             out.append(dev[pos:pos + n])

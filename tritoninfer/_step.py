@@ -281,7 +281,8 @@ def _plan_single(device: torch.device, *, settings: Settings, params: ScoreParam
         extra.append(route.work)
     # a ring of pinned buffers: these functions plan at every call (once per layer), and waiting for
     # the previous call's copy would wait for the GPU to finish the previous layer
-    uploader = _device.per_device("single_uploader", device, lambda: PlanUploader(device, slots=SINGLE_UPLOAD_SLOTS))
+    uploader = _device.per_device("single_uploader", device,
+                                  lambda: PlanUploader(device, slots=SINGLE_UPLOAD_SLOTS, reserve_capture=True))
     plan, views = upload_plan(uploader, None, work, kv_lens, qo, extra, non_blocking=True)
     return PlannedStep(
         settings=settings, params=params, q_dtype=q_dtype, kv_dtype=kv_dtype, num_qo_heads=num_qo_heads,
