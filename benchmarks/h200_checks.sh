@@ -42,6 +42,11 @@
 #   groups-a     tritoninfer bench sampling and mla, --quick (speed against FlashInfer, same process)
 #   groups-b     tritoninfer bench pod, sparse and rope-append, --quick
 #   transformers benchmarks/bench_transformers.py (generate, generate_batch against sdpa; #26's numbers)
+#   tests-s15    pytest -m gpu on session 15's unrun changes: single_prefill captured in a CUDA graph, the
+#                block-sparse route, compile at two batch sizes (test_prefill -k captured, test_sparse,
+#                test_compile, test_route)
+#   fit-s15      FlashInfer's test_block_sparse.py (2 workers), then under FIT_COMPILE=1 (3 cases a test)
+#                the sampling and multi-item cases that failed at e9e8462
 #   warm-fi      FlashInfer's sampling module JIT-compiled, to run beside test parts before bench-sampling
 #   warm-GROUP   tritoninfer bench GROUP --quick beside the test parts, numbers discarded: FlashInfer's
 #                JIT variants compiled before the timed bench-GROUP (POD's took over 90 s)
@@ -78,6 +83,13 @@
 # tests-sampling and warm-fi finished within 370 s; bench-sampling --quick then < 150 s; the issue's sweep at
 # 32K and 262K vocabularies (11 functions x 4 batches, --replays 10 --calls-per-graph 3) 313 s.
 #
+# Measured in session 15: the fit part's 1,512 are log lines: FIT_LOG holds each case twice (756 cases); count
+# cases with NAME-counts.txt. tests-sampling + fit + warm-fi 218 s; the issue's sweep at two vocabularies
+# ~115 s after warm-fi (113 s for 32K + 128K); FIT_COMPILE=1 over 10 files at 3 cases a test did not finish
+# in 230 s (142 cases); tritoninfer demo (gpu preset) ~10 s once its kernels are compiled; host_path.py
+# --quick ~11 s after a warm run; bench pod / sparse --quick, ours only, ~20 s each. A fresh machine cannot
+# be had with less than ~350 s of device time left.
+#
 # Measured in session 12: tests-core + tests-new-a1 + tests-new-b + tests-rest in parallel: only tests-rest
 # finished in 300 s (60 passed, 168 s); at 230 s tests-core reached 42 tests, tests-new-a1 37, tests-new-b 16
 # (tests-new-b's transformers files alone: 8 tests in 170 s). fit-lp-vs finished (225 passed) within 240 s; bench-sampling
@@ -112,7 +124,7 @@ new_b="tests/test_sampling.py tests/test_logits_processor.py tests/test_integrat
 # FlashInfer's tests at FIT_PER_TEST=20 from .fit; per-test outcome counts in NAME-counts.txt
 fit_run() {
   local name=$1 workers=$2; shift 2
-  (cd .fit && PYTHONPATH=/tmp/site:$OLDPWD FIT_PER_TEST=20 FIT_LOG="$out/$name.tsv" timeout "$limit" python3 -m pytest \
+  (cd .fit && PYTHONPATH=/tmp/site:$OLDPWD FIT_PER_TEST=${FIT_PER_TEST:-20} FIT_LOG="$out/$name.tsv" timeout "$limit" python3 -m pytest \
     -n "$workers" -q -p no:cacheprovider --timeout 150 ${FIT_K:+-k "$FIT_K"} $* > "$out/$name.log" 2>&1 || true)
   sort -u -t$'\t' -k3,3 "$out/$name.tsv" | awk -F'\t' '{split($3,a,"::"); split(a[2],b,"["); print $1, a[1]"::"b[1]}' \
     | sort | uniq -c > "$out/$name-counts.txt" || true
@@ -144,6 +156,14 @@ case "$part" in
       > "$out/$part.log" 2>&1 || true ;;
   fit)
     fit_run fit 4 tests/utils/test_sampling.py tests/utils/test_logits_processor.py ;;
+  tests-s15)
+    PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=10 \
+      tests/test_prefill.py -k "captured or sparse or compile or route" tests/test_sparse.py tests/test_compile.py \
+      tests/test_route.py > "$out/$part.log" 2>&1 || true ;;
+  fit-s15)
+    fit_run fit-sparse 2 tests/utils/test_block_sparse.py
+    FIT_COMPILE=1 FIT_PER_TEST=3 FIT_K="test_top_p_sampling or test_sampling_from_logits or variable_k or multi_item" \
+      fit_run fit-compile 2 tests/utils/test_sampling.py tests/attention/test_batch_prefill_kernels.py ;;
   fit-lp)
     fit_run fit-lp 2 tests/utils/test_logits_processor.py ;;
   fit-lp-vs)
