@@ -199,13 +199,17 @@ def test_attention_variant_rejects_what_the_kernel_cannot_run():
 
 
 def test_block_sparse_plans_take_the_gluon_kernel_from_64_rows(hopper_gpu):
-    """Block rows of 64 query rows (its requests) take the Gluon kernel (measured 2.1x the core there);
-    a paged prefill of requests that short keeps the core; block rows of 32 keep it too."""
+    """Block rows of 64 query rows (its requests; the last may be shorter) take the Gluon kernel
+    (measured 2.1x the core there); a paged prefill of requests that short keeps the core; block rows
+    of 32 keep it too."""
     facts = dict(page_size=64, qo_lens=np.array([64, 64]), kv_lens=np.array([4096, 4096]))
     assert "below 512" in _route.PREFILL.at_plan(_facts(**facts)).reason
-    assert _route.PREFILL.at_plan(_facts(**facts, min_len=_route.BLOCK_SPARSE_MIN_LEN)).kernel == "hopper"
+    sparse_min = _route.BLOCK_SPARSE_MIN_LEN
+    assert _route.PREFILL.at_plan(_facts(**facts, min_len=sparse_min)).kernel == "hopper"
+    last_short = dict(facts, qo_lens=np.array([64, 64, 64, 32]), kv_lens=np.array([4096] * 4))
+    assert _route.PREFILL.at_plan(_facts(**last_short, min_len=sparse_min)).kernel == "hopper"
     short = dict(facts, qo_lens=np.array([32, 32]))
-    assert _route.PREFILL.at_plan(_facts(**short, min_len=_route.BLOCK_SPARSE_MIN_LEN)).is_core
+    assert _route.PREFILL.at_plan(_facts(**short, min_len=sparse_min)).is_core
 
 
 def test_block_sparse_wrapper_plans_with_the_block_sparse_threshold(hopper_plans):

@@ -32,11 +32,12 @@ HOPPER_FORCE = _HOPPER_MODE == "force"
 # shortest measured faster than the core on the same KV (benchmarks/NOTES.md, session 6; the paged core
 # is slower than the ragged one, so paged plans switch earlier)
 HOPPER_MIN_LEN = {(False, False): 1024, (False, True): 4096, (True, False): 512, (True, True): 1024}
-# ... for block-sparse plans (a request a block row, its non-zero column blocks its pages): from 64 rows a
-# block row. Measured on the H200 (8K x 8K, 64 x 64 blocks, 32/32 heads, no mask; benchmarks/NOTES.md,
-# session 15): 4,287 -> 2,040 us at 50 % sparsity, 1,024 -> 513 at 90 % (FlashInfer 2,131 / 510): the
-# core's 64-row tiles reach ~130 TFLOP/s on those pages, the Gluon kernel ~270 with half of its tile idle
-BLOCK_SPARSE_MIN_LEN = 64
+# ... for block-sparse plans (a request a block row, its non-zero column blocks its pages): block rows of
+# 64 rows, the last one shorter (a mean of 48 admits them whatever M). Measured on the H200 (8K x 8K,
+# 64 x 64 blocks, 32/32 heads, no mask; benchmarks/NOTES.md, session 15): 4,287 -> 2,040 us at 50 %
+# sparsity, 1,024 -> 513 at 90 % (FlashInfer 2,131 / 510): the core's 64-row tiles reach ~130 TFLOP/s
+# on those pages, the Gluon kernel ~270 with half of its tile idle. Not measured: 32-row block rows
+BLOCK_SPARSE_MIN_LEN = 48
 # smallest page the paged mode takes: a TMA box per page lands in an 8-row slice of the 128-byte
 # swizzled K/V stage; Triton 3.6 cannot slice one below its 8-row swizzle pattern
 HOPPER_MIN_PAGE = 8
