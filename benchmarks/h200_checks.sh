@@ -47,6 +47,11 @@
 #                test_compile, test_route)
 #   fit-s15      FlashInfer's test_block_sparse.py (2 workers), then under FIT_COMPILE=1 (3 cases a test)
 #                the sampling and multi-item cases that failed at e9e8462
+#   tests-s16    pytest -m gpu on session 16's changes: POD's prefill half on the Gluon kernel (test_pod, test_route)
+#   rope-tune    benchmarks/rope_append_tune.py: the fused RoPE-quantize-append's program shapes, ours alone
+#   pod-ab       tritoninfer bench pod --quick, ours only, with POD's prefill half on the Gluon kernel and without
+#                (_route.POD_PREFILL_ON_HOPPER)
+#   fit-23       FlashInfer's own tests for every file issue 23 names (FIT_PER_TEST default 12 here, 4 workers)
 #   warm-fi      FlashInfer's sampling module JIT-compiled, to run beside test parts before bench-sampling
 #   warm-GROUP   tritoninfer bench GROUP --quick beside the test parts, numbers discarded: FlashInfer's
 #                JIT variants compiled before the timed bench-GROUP (POD's took over 90 s)
@@ -164,6 +169,23 @@ case "$part" in
     fit_run fit-sparse 2 tests/utils/test_block_sparse.py
     FIT_COMPILE=1 FIT_PER_TEST=3 FIT_K="test_top_p_sampling or test_sampling_from_logits or variable_k or multi_item" \
       fit_run fit-compile 2 tests/utils/test_sampling.py tests/attention/test_batch_prefill_kernels.py ;;
+  tests-s16)
+    PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=10 \
+      tests/test_pod.py tests/test_route.py > "$out/$part.log" 2>&1 || true ;;
+  rope-tune)
+    PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 benchmarks/rope_append_tune.py --out "$out/rope-tune.md" \
+      > "$out/rope-tune.log" 2>&1 || true ;;
+  pod-ab)
+    for on in true false; do
+      PYTHONPATH=/tmp/site:$PWD timeout $((limit / 2)) python3 -m tritoninfer bench pod --quick \
+        --providers tritoninfer-pod,tritoninfer-separate --set _route.POD_PREFILL_ON_HOPPER=$on \
+        --out "$out/pod-ab-$on" > "$out/pod-ab-$on.log" 2>&1 || true
+    done ;;
+  fit-23)
+    FIT_PER_TEST=${FIT_PER_TEST:-12} fit_run fit-23 4 tests/utils/test_pod_kernels.py \
+      tests/attention/test_batch_attention.py tests/attention/test_attention_sink.py tests/utils/test_block_sparse.py \
+      tests/attention/test_hopper_fp8_attention.py tests/attention/test_rope.py tests/utils/test_norm.py \
+      tests/attention/test_batch_prefill_kernels.py tests/attention/test_hopper.py ;;
   fit-lp)
     fit_run fit-lp 2 tests/utils/test_logits_processor.py ;;
   fit-lp-vs)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import DEVICE
 
-from tritoninfer import reference, testing
+from tritoninfer import _route, reference, testing
 from tritoninfer.pod import BatchPODWithPagedKVCacheWrapper, PODWithPagedKVCacheWrapper
 from tritoninfer.quantization import packbits
 
@@ -224,6 +224,33 @@ def test_batch_pod_gpu_realistic():
         q_p, qo_indptr_p, kv_p.cache, kv_p.kv_indptr, kv_p.kv_indices, kv_p.kv_last_page_len, causal=True)
     ref_d, ref_lse_d = reference.batch_prefill_with_paged_kv_cache(
         q_d, qo_indptr_d, kv_d.cache, kv_d.kv_indptr, kv_d.kv_indices, kv_d.kv_last_page_len)
+    testing.assert_close(o_p, ref_p, dtype)
+    testing.assert_close(o_d, ref_d, dtype)
+    testing.assert_lse_close(lse_p, ref_lse_p, dtype=dtype)
+    testing.assert_lse_close(lse_d, ref_lse_d, dtype=dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_pod_gpu_gluon_prefill_half(monkeypatch, one_launch):
+    """bench pod's shape (64 x 4K decode, a causal 4K bf16 chunk): on sm_90 the prefill half takes the
+    Gluon kernel and the decode half its own launch, unless POD_PREFILL_ON_HOPPER is off (one pair
+    launch); outputs and LSEs of both halves match the reference either way."""
+    monkeypatch.setattr(_route, "POD_PREFILL_ON_HOPPER", not one_launch)
+    dtype, h, hk, d, page, n = torch.bfloat16, 32, 8, 128, 16, 4096
+    g = torch.Generator().manual_seed(8)
+    kv = testing.make_paged_kv([4096] * 64, page, hk, d, dtype=dtype, device="cuda", generator=g)
+    q_p, k_p, v_p = (testing.randn(s, dtype, "cuda", g) for s in ((n, h, d), (n, hk, d), (n, hk, d)))
+    q_d = testing.randn((64, h, d), dtype, "cuda", g)
+    pod = PODWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
+    pod.plan(kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, h, hk, d, page, q_data_type=dtype)
+    (o_p, lse_p), (o_d, lse_d) = pod.run(q_p, k_p, v_p, q_d, kv.cache, causal_p=True, return_lse_p=True,
+                                         return_lse_d=True)
+    (step_p,) = pod._prefill_steps.values()
+    assert step_p.route.is_core == (one_launch or not _route.is_sm90(torch.device("cuda"))), step_p.route
+    ref_p, ref_lse_p = reference.single_prefill_with_kv_cache(q_p, k_p, v_p, causal=True, return_lse=True)
+    ref_d, ref_lse_d = reference.batch_decode_with_paged_kv_cache(q_d, kv.cache, kv.kv_indptr, kv.kv_indices,
+                                                                  kv.kv_last_page_len)
     testing.assert_close(o_p, ref_p, dtype)
     testing.assert_close(o_d, ref_d, dtype)
     testing.assert_lse_close(lse_p, ref_lse_p, dtype=dtype)

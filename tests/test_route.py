@@ -224,3 +224,29 @@ def test_block_sparse_wrapper_plans_with_the_block_sparse_threshold(hopper_plans
     wrapper.plan(indptr, indices, 256, 256, 64, 64, 4, 4, 128, q_data_type=torch.bfloat16, o_data_type=torch.bfloat16)
     step = wrapper._plan.step
     assert step.route.kernel == "hopper" and step.route_work is not None
+
+
+def test_pod_prefill_half_takes_the_single_prefill_route(hopper_plans, monkeypatch):
+    """PODWithPagedKVCacheWrapper's prefill half asks the route as a single prefill of its shape (a
+    causal chunk of 4096 tokens takes the Gluon kernel and uploads its work list; a short one, an HND
+    chunk or a mask keeps the pair launch); POD_PREFILL_ON_HOPPER off keeps every POD in one launch."""
+    from tritoninfer.pod import PODWithPagedKVCacheWrapper
+
+    causal4k = _facts(causal=True, qo_lens=np.array([4096]), kv_lens=np.array([4096]))
+    assert _route.PREFILL.for_pod(causal4k).kernel == "hopper"
+    assert _route.PREFILL.for_pod(dataclasses.replace(causal4k, qo_lens=np.array([1024]))).is_core
+    assert _route.PREFILL.for_pod(dataclasses.replace(causal4k, layout=TensorLayout.HND)).is_core
+    assert _route.PREFILL.for_pod(dataclasses.replace(causal4k, has_mask=True)).is_core
+    monkeypatch.setattr(_route, "POD_PREFILL_ON_HOPPER", False)
+    assert "POD_PREFILL_ON_HOPPER" in _route.PREFILL.for_pod(causal4k).reason
+    monkeypatch.setattr(_route, "POD_PREFILL_ON_HOPPER", True)
+
+    kv = testing.make_paged_kv([5, 9], 4, 2, 128, dtype=torch.bfloat16, device=DEVICE)
+    pod = PODWithPagedKVCacheWrapper(testing.make_workspace(1 << 20, DEVICE))
+    pod.plan(kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 4, 2, 128, 4, q_data_type=torch.bfloat16)
+    params = _attention.score_params("NONE", -1, None, None, None, None, 128, causal=True)
+    settings = pod._step_d.settings
+    step = pod._prefill_step(4096, 4096, params, settings, torch.bfloat16, TensorLayout.NHD, False)
+    assert step.route.kernel == "hopper" and tuple(step.route_work.shape) == (2, 1)
+    assert pod._prefill_step(4096, 4096, params, settings, torch.bfloat16, TensorLayout.NHD, True).route.is_core
+    assert pod._prefill_step(100, 4096, params, settings, torch.bfloat16, TensorLayout.NHD, False).route.is_core

@@ -38,6 +38,10 @@ HOPPER_MIN_LEN = {(False, False): 1024, (False, True): 4096, (True, False): 512,
 # sparsity, 1,024 -> 513 at 90 % (FlashInfer 2,131 / 510): the core's 64-row tiles reach ~130 TFLOP/s
 # on those pages, the Gluon kernel ~270 with half of its tile idle. Not measured: 32-row block rows
 BLOCK_SPARSE_MIN_LEN = 48
+# POD's prefill half (one request, contiguous K/V) on the Gluon kernel where a single prefill of its shape
+# would take it: two launches (the Gluon prefill, then the decode half on the core) instead of both halves
+# in one grid of the core's pair kernel. False keeps every POD in one launch (to time both)
+POD_PREFILL_ON_HOPPER = True
 # smallest page the paged mode takes: a TMA box per page lands in an 8-row slice of the 128-byte
 # swizzled K/V stage; Triton 3.6 cannot slice one below its 8-row swizzle pattern
 HOPPER_MIN_PAGE = 8
@@ -130,6 +134,15 @@ class PrefillRoute:
             return core(f"{mean:.0f} query tokens per request on average, below {need}")
         return Route("hopper", f"{'paged' if paged else 'ragged'}, {mean:.0f} query tokens per request",
                      _hopper.work_tiles(f.qo_lens, f.kv_lens, causal))
+
+    def for_pod(self, facts: PlanFacts) -> Route:
+        """POD's prefill half: the route a single prefill of that shape takes, unless
+        ``POD_PREFILL_ON_HOPPER`` is off (then the pair kernel runs both halves)."""
+        if not POD_PREFILL_ON_HOPPER:
+            return core("POD_PREFILL_ON_HOPPER is off (one pair launch)")
+        route = self._at_plan(facts)
+        log.debug("POD prefill plan: %r", route)
+        return route
 
     @staticmethod
     def scores_unsupported(params) -> str:

@@ -41,7 +41,8 @@ from ._options import (
     plan_dtypes,
 )
 from ._pair import PairLaunch
-from ._step import GraphBuffers, PlannedStep, Settings, plan_work, upload_plan
+from ._route import PREFILL, PlanFacts, Route
+from ._step import NO_ROUTE, GraphBuffers, PlannedStep, Settings, plan_work, run_step, upload_plan
 from .decode import plan_paged_decode
 from .prefill import _mask_layout, _pack_mask, _ragged_kv
 
@@ -56,12 +57,12 @@ def _reject_qk_reduction(use_fp16_qk_reduction: bool) -> None:
 def _plan_half(uploader: PlanUploader, device: torch.device, workspace_bytes: int, *, settings: Settings,
                params: ScoreParams, q_dtype, kv_dtype, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                page_size: int, qo_lens: np.ndarray, kv_lens: np.ndarray, kv_host: list, non_blocking: bool,
-               heaviest_first: bool) -> Tuple[dict, list, Optional[torch.Tensor]]:
+               heaviest_first: bool, route: Route = NO_ROUTE) -> Tuple[dict, list, Optional[torch.Tensor]]:
     """One prefill-like half's plan, as the prefill wrappers plan: tiles from the packed query rows
     (decode-like tiles for few rows), its work list, one upload with ``kv_host`` (the K/V page
-    table's or ragged indptr's host arrays) and the byte offsets of each request's custom-mask segment
-    (a mask may come with ``run()``). Returns the ``PlannedStep`` fields but its K/V tensors, the views
-    of ``kv_host`` and the mask offsets' view."""
+    table's or ragged indptr's host arrays), the byte offsets of each request's custom-mask segment
+    (a mask may come with ``run()``) and the Gluon kernel's work list when ``route`` takes it. Returns
+    the ``PlannedStep`` fields but its K/V tensors, the views of ``kv_host`` and the mask offsets' view."""
     group = num_qo_heads // num_kv_heads
     batch = int(kv_lens.size)
     qo = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int64)
@@ -72,12 +73,14 @@ def _plan_half(uploader: PlanUploader, device: torch.device, workspace_bytes: in
                      disable_split_kv=False, workspace_bytes=workspace_bytes, num_sms=_device.num_sms(device),
                      graph=None, heaviest_first=heaviest_first)
     _, byte_indptr = _mask_layout(qo_lens, kv_lens)
-    plan, views = upload_plan(uploader, None, work, kv_lens, qo, kv_host + [byte_indptr], non_blocking)
+    extra = kv_host + [byte_indptr] + ([] if route.is_core else [route.work])
+    plan, views = upload_plan(uploader, None, work, kv_lens, qo, extra, non_blocking)
     fields = dict(settings=settings, params=params, q_dtype=q_dtype, kv_dtype=kv_dtype, num_qo_heads=num_qo_heads,
                   num_kv_heads=num_kv_heads, head_dim_qk=head_dim, head_dim_vo=head_dim, page_size=page_size,
                   batch=batch, total_rows=total_rows, min_kv_len=int(kv_lens.min()) if batch else 0, tiles=tiles,
-                  device_plan=plan)
-    return fields, views[:-1], views[-1]
+                  device_plan=plan, route=route, route_work=None if route.is_core else views[-1].view(2, -1))
+    n = len(kv_host)
+    return fields, views[:n], views[n]
 
 
 def _custom_mask(custom_mask, packed_custom_mask, qo_lens: np.ndarray, kv_lens: np.ndarray, device,
@@ -289,23 +292,29 @@ class PODWithPagedKVCacheWrapper(_PODBase):
 
     begin_forward = plan
 
-    def _prefill_step(self, qo_len: int, kv_len: int, params: ScoreParams, settings: Settings, kv_dtype) -> PlannedStep:
+    def _prefill_step(self, qo_len: int, kv_len: int, params: ScoreParams, settings: Settings, kv_dtype,
+                      layout: TensorLayout, has_mask: bool) -> PlannedStep:
         """The prefill half's plan for this shape and these scores, made at its first ``run()`` (one
-        upload) and kept for the next runs (every layer of a step has the same prefill)."""
+        upload) and kept for the next runs (every layer of a step has the same prefill). Its route is
+        asked as a single prefill's (``_route.PrefillRoute.for_pod``)."""
         step_d = self._step_d
-        key = (qo_len, kv_len, params, kv_dtype, step_d.q_dtype)
+        key = (qo_len, kv_len, params, kv_dtype, step_d.q_dtype, layout, has_mask)
         step = self._prefill_steps.get(key)
         if step is None:
             if len(self._prefill_steps) >= 64 and not self._use_cuda_graph:
                 self._prefill_steps.clear()
                 self._launches.clear()
-            kv_lens = np.array([kv_len], np.int64)
+            qo_lens, kv_lens = np.array([qo_len], np.int64), np.array([kv_len], np.int64)
+            route = PREFILL.for_pod(PlanFacts(
+                device=self.device, q_dtype=step_d.q_dtype, kv_dtype=kv_dtype, head_dim_qk=step_d.head_dim_qk,
+                head_dim_vo=step_d.head_dim_vo, layout=layout, use_cuda_graph=self._use_cuda_graph,
+                has_mask=has_mask, params=params, qo_lens=qo_lens, kv_lens=kv_lens, page_size=0))
             fields, views, mask_indptr = _plan_half(
                 self._uploader_p, self.device, self._ws_p.numel(), settings=settings, params=params,
                 q_dtype=step_d.q_dtype, kv_dtype=kv_dtype, num_qo_heads=step_d.num_qo_heads,
                 num_kv_heads=step_d.num_kv_heads, head_dim=step_d.head_dim_qk, page_size=0,
-                qo_lens=np.array([qo_len], np.int64), kv_lens=kv_lens, kv_host=[np.array([0, kv_len], np.int64)],
-                non_blocking=True, heaviest_first=params.causal)
+                qo_lens=qo_lens, kv_lens=kv_lens, kv_host=[np.array([0, kv_len], np.int64)],
+                non_blocking=True, heaviest_first=params.causal, route=route)
             fields["mask_indptr"] = mask_indptr
             step = self._prefill_steps[key] = PlannedStep(**fields, total_kv=kv_len, kv_indptr=views[0])
         return step
@@ -443,7 +452,7 @@ class PODWithPagedKVCacheWrapper(_PODBase):
                                 dim, causal=bool(causal_p) and mask_p is None)
         settings_p = Settings(pos_encoding_mode_p, window_left_p, None, sm_scale_p, rope_scale_p, rope_theta_p,
                               bool(causal_p))
-        step_p = self._prefill_step(qo_len, kv_len, params_p, settings_p, k_p.dtype)
+        step_p = self._prefill_step(qo_len, kv_len, params_p, settings_p, k_p.dtype, layout_p, mask_p is not None)
         kv_p.kv_indptr = step_p.kv_indptr
         # decode: the planned batch over the paged cache
         kv_d, source_d = self._caches.source(paged_kv_cache_d, step_d, lambda kv: self._decode_source(
@@ -457,8 +466,14 @@ class PODWithPagedKVCacheWrapper(_PODBase):
             lse_p = check_out(lse_p, (qo_len, heads), torch.float32, q_p.device, "lse_p")
         if return_lse_d or lse_d is not None:
             lse_d = check_out(lse_d, (step_d.batch, heads), torch.float32, q_d.device, "lse_d")
-        self._launch(step_p, kv_p, q_p, out_p, lse_p, mask_p, step_p.mask_indptr if mask_p is not None else None,
-                     step_d, source_d, q_d, out_d, lse_d, q_scale, k_scale, v_scale)
+        if step_p.route.is_core:
+            self._launch(step_p, kv_p, q_p, out_p, lse_p, mask_p, step_p.mask_indptr if mask_p is not None else None,
+                         step_d, source_d, q_d, out_d, lse_d, q_scale, k_scale, v_scale)
+        else:
+            # the Gluon prefill, then the decode half on the core (_route.POD_PREFILL_ON_HOPPER)
+            run_step(step_p, q=q_p, kv=kv_p, out=out_p, lse=lse_p, workspace=self._ws_p, route_kv=(k_p, v_p))
+            run_step(step_d, q=q_d, kv=source_d, out=out_d, lse=lse_d, workspace=self._ws_d, q_scale=q_scale,
+                     k_scale=k_scale, v_scale=v_scale)
         return ((out_p, lse_p) if return_lse_p else out_p), ((out_d, lse_d) if return_lse_d else out_d)
 
 

@@ -752,6 +752,14 @@ def _rows3(t: torch.Tensor) -> Tuple[int, int]:
     return (t.stride(0), t.stride(1)) if t.dim() == 3 else (t.stride(0), 0)
 
 
+# The GPU program shape of ``rope_quantize_kernel`` (benchmarks/rope_append_tune.py sweeps these):
+# about _STEP_ELEMENTS elements a head step, heads split over programs until the grid holds
+# _PROGRAMS_PER_SM programs an SM, _WIDE_WARPS warps for steps above 2,048 elements.
+_STEP_ELEMENTS = 4096
+_PROGRAMS_PER_SM = 8
+_WIDE_WARPS = 8
+
+
 def _rq_launch(q_rope, q_nope, k_rope, k_nope, v, q_rope_out, q_nope_out, k_rope_out, k_nope_out, v_out,
                cos_sin_cache, pos_ids, scale_q: float, scale_kv: float, interleave: bool,
                append: Optional[tuple] = None) -> None:
@@ -778,12 +786,12 @@ def _rq_launch(q_rope, q_nope, k_rope, k_nope, v, q_rope_out, q_nope_out, k_rope
         # ~4K elements per head step; split the heads over programs when there are few token
         # blocks (decode batches)
         widest = max(2 * half_pad, nope_pad, vd_pad)
-        block_t = max(1, min(64, 4096 // widest, next_pow2(nnz)))
-        target = 8 * _device.num_sms(q_rope.device)
+        block_t = max(1, min(64, _STEP_ELEMENTS // widest, next_pow2(nnz)))
+        target = _PROGRAMS_PER_SM * _device.num_sms(q_rope.device)
         n_groups = min(units, max(1, cdiv(target, cdiv(nnz, block_t))))
         units_per_prog = cdiv(units, n_groups)
         n_groups = cdiv(units, units_per_prog)
-        num_warps = 4 if block_t * widest <= 2048 else 8
+        num_warps = 4 if block_t * widest <= 2048 else _WIDE_WARPS
 
     # outputs as uint8 views when the kernel computes the fp8 bits itself (interpreter)
     def out(t):
