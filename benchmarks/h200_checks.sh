@@ -51,7 +51,9 @@
 #   rope-tune    benchmarks/rope_append_tune.py: the fused RoPE-quantize-append's program shapes, ours alone
 #   pod-ab       tritoninfer bench pod --quick, ours only, with POD's prefill half on the Gluon kernel and without
 #                (_route.POD_PREFILL_ON_HOPPER)
-#   fit-23       FlashInfer's own tests for every file issue 23 names (FIT_PER_TEST default 12 here, 4 workers)
+#   fit-23a/b    FlashInfer's own tests for every file issue 23 names, in two halves (FIT_PER_TEST default 12
+#                here, 4 workers each): a = POD, BatchAttention, sinks, block-sparse, Hopper fp8; b = rope,
+#                norm, batch prefill, Hopper
 #   warm-fi      FlashInfer's sampling module JIT-compiled, to run beside test parts before bench-sampling
 #   warm-GROUP   tritoninfer bench GROUP --quick beside the test parts, numbers discarded: FlashInfer's
 #                JIT variants compiled before the timed bench-GROUP (POD's took over 90 s)
@@ -181,10 +183,12 @@ case "$part" in
         --providers tritoninfer-pod,tritoninfer-separate --set _route.POD_PREFILL_ON_HOPPER=$on \
         --out "$out/pod-ab-$on" > "$out/pod-ab-$on.log" 2>&1 || true
     done ;;
-  fit-23)
-    FIT_PER_TEST=${FIT_PER_TEST:-12} fit_run fit-23 4 tests/utils/test_pod_kernels.py \
+  fit-23a)
+    FIT_PER_TEST=${FIT_PER_TEST:-12} fit_run fit-23a 4 tests/utils/test_pod_kernels.py \
       tests/attention/test_batch_attention.py tests/attention/test_attention_sink.py tests/utils/test_block_sparse.py \
-      tests/attention/test_hopper_fp8_attention.py tests/attention/test_rope.py tests/utils/test_norm.py \
+      tests/attention/test_hopper_fp8_attention.py ;;
+  fit-23b)
+    FIT_PER_TEST=${FIT_PER_TEST:-12} fit_run fit-23b 4 tests/attention/test_rope.py tests/utils/test_norm.py \
       tests/attention/test_batch_prefill_kernels.py tests/attention/test_hopper.py ;;
   fit-lp)
     fit_run fit-lp 2 tests/utils/test_logits_processor.py ;;
