@@ -758,8 +758,6 @@ def _rows3(t: torch.Tensor) -> Tuple[int, int]:
 _STEP_ELEMENTS = 4096
 _PROGRAMS_PER_SM = 8
 _WIDE_WARPS = 8
-# two heads a loop step, both loaded before either is stored (twice the loads in flight a program)
-_TWO_HEADS = True
 
 
 def _rq_launch(q_rope, q_nope, k_rope, k_nope, v, q_rope_out, q_nope_out, k_rope_out, k_nope_out, v_out,
@@ -827,7 +825,7 @@ def _rq_launch(q_rope, q_nope, k_rope, k_nope, v, q_rope_out, q_nope_out, k_rope
         float(scale_q), float(scale_kv),
         ROT=rope_dim, HALF_PAD=half_pad, NOPE=no_rope_dim, NOPE_PAD=nope_pad, VD=head_dim, VD_PAD=vd_pad,
         INTERLEAVE=bool(interleave), APPEND=append is not None, HAS_V=has_v, SOFT_FP8=soft,
-        **_fp8_constexprs(fp8), BLOCK_T=block_t, TWO_HEADS=_TWO_HEADS, num_warps=num_warps,
+        **_fp8_constexprs(fp8), BLOCK_T=block_t, num_warps=num_warps,
     )
 
 

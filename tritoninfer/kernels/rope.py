@@ -198,21 +198,17 @@ def _quantize(y, o_ptr, SOFT_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MBITS
 
 
 @triton.jit
-def _load_halves(x_ptr, row_x, m_load, e1, e2):
-    """The two rotary halves (pair elements ``e1``/``e2``) of one head of ``BLOCK_T`` rows, fp32."""
-    # [BLOCK_T, HALF_PAD]
-    x1 = tl.load(x_ptr + row_x[:, None] + e1[None, :], mask=m_load, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + row_x[:, None] + e2[None, :], mask=m_load, other=0.0).to(tl.float32)
-    return x1, x2
-
-
-@triton.jit
-def _store_rotated(
-    o_ptr, row_o, m_store, e1, e2, x1, x2, cos, sin, scale,
+def _rope_quant_head(
+    x_ptr, o_ptr, row_x, row_o, m_load, m_store, e1, e2, cos, sin, scale,
     SOFT_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MBITS: tl.constexpr, FP8_EBIAS: tl.constexpr,
     FP8_MAX_BITS: tl.constexpr,
 ):
-    """Rotate the halves ``x1``/``x2`` of one head, scale, quantise and store them."""
+    """Rotate one head of ``BLOCK_T`` rows (``row_x``/``row_o`` [T] int64, last dim contiguous),
+    scale and quantise."""
+    # [BLOCK_T, HALF_PAD]
+    x1 = tl.load(x_ptr + row_x[:, None] + e1[None, :], mask=m_load, other=0.0).to(tl.float32)
+    # [BLOCK_T, HALF_PAD]
+    x2 = tl.load(x_ptr + row_x[:, None] + e2[None, :], mask=m_load, other=0.0).to(tl.float32)
     o1 = (x1 * cos - x2 * sin) * scale
     o2 = (x2 * cos + x1 * sin) * scale
     tl.store(o_ptr + row_o[:, None] + e1[None, :],
@@ -222,45 +218,16 @@ def _store_rotated(
 
 
 @triton.jit
-def _rope_quant_heads(
-    x_ptr, o_ptr, row_x, row_o, s_xh, s_oh, h, h_end, m_load, m_store, e1, e2, cos, sin, scale,
+def _quant_rows(
+    x_ptr, o_ptr, row_x, row_o, offs, m_load, m_store, scale,
     SOFT_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MBITS: tl.constexpr, FP8_EBIAS: tl.constexpr,
-    FP8_MAX_BITS: tl.constexpr, TWO: tl.constexpr,
+    FP8_MAX_BITS: tl.constexpr,
 ):
-    """Heads ``h`` (and ``h + 1`` when ``TWO`` and ``h + 1 < h_end``) of the rows ``row_x``/``row_o``
-    (head strides ``s_xh``/``s_oh``): both heads' loads are issued before either's stores, so a
-    program keeps twice the bytes in flight (stores may alias loads, so the compiler cannot hoist the
-    next head's loads above this head's stores by itself)."""
-    x1, x2 = _load_halves(x_ptr, row_x + h * s_xh, m_load, e1, e2)
-    if TWO:
-        has_b = h + 1 < h_end
-        y1, y2 = _load_halves(x_ptr, row_x + (h + 1) * s_xh, m_load & has_b, e1, e2)
-    _store_rotated(o_ptr, row_o + h * s_oh, m_store, e1, e2, x1, x2, cos, sin, scale,
-                   SOFT_FP8, FP8_MAX, FP8_MBITS, FP8_EBIAS, FP8_MAX_BITS)
-    if TWO:
-        _store_rotated(o_ptr, row_o + (h + 1) * s_oh, m_store & has_b, e1, e2, y1, y2, cos, sin, scale,
-                       SOFT_FP8, FP8_MAX, FP8_MBITS, FP8_EBIAS, FP8_MAX_BITS)
-
-
-@triton.jit
-def _quant_heads(
-    x_ptr, o_ptr, row_x, row_o, s_xh, s_oh, h, h_end, offs, m_load, m_store, scale,
-    SOFT_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MBITS: tl.constexpr, FP8_EBIAS: tl.constexpr,
-    FP8_MAX_BITS: tl.constexpr, TWO: tl.constexpr,
-):
-    """Scale and quantise columns ``offs`` of head ``h`` (and ``h + 1``, loads first, as
-    ``_rope_quant_heads``) of the rows ``row_x``/``row_o``."""
-    x = tl.load(x_ptr + (row_x + h * s_xh)[:, None] + offs[None, :], mask=m_load, other=0.0).to(tl.float32)
-    if TWO:
-        has_b = h + 1 < h_end
-        y = tl.load(x_ptr + (row_x + (h + 1) * s_xh)[:, None] + offs[None, :], mask=m_load & has_b,
-                    other=0.0).to(tl.float32)
-    tl.store(o_ptr + (row_o + h * s_oh)[:, None] + offs[None, :],
+    """Scale and quantise one head of ``BLOCK_T`` rows, columns ``offs``."""
+    # [BLOCK_T, len(offs)]
+    x = tl.load(x_ptr + row_x[:, None] + offs[None, :], mask=m_load, other=0.0).to(tl.float32)
+    tl.store(o_ptr + row_o[:, None] + offs[None, :],
              _quantize(x * scale, o_ptr, SOFT_FP8, FP8_MAX, FP8_MBITS, FP8_EBIAS, FP8_MAX_BITS), mask=m_store)
-    if TWO:
-        tl.store(o_ptr + (row_o + (h + 1) * s_oh)[:, None] + offs[None, :],
-                 _quantize(y * scale, o_ptr, SOFT_FP8, FP8_MAX, FP8_MBITS, FP8_EBIAS, FP8_MAX_BITS),
-                 mask=m_store & has_b)
 
 
 @triton.jit(do_not_specialize=["batch_size", "num_pages", "num_indices", "max_pos"])
@@ -292,7 +259,7 @@ def rope_quantize_kernel(
     ROT: tl.constexpr, HALF_PAD: tl.constexpr, NOPE: tl.constexpr, NOPE_PAD: tl.constexpr,
     VD: tl.constexpr, VD_PAD: tl.constexpr, INTERLEAVE: tl.constexpr, APPEND: tl.constexpr,
     HAS_V: tl.constexpr, SOFT_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MBITS: tl.constexpr,
-    FP8_EBIAS: tl.constexpr, FP8_MAX_BITS: tl.constexpr, BLOCK_T: tl.constexpr, TWO_HEADS: tl.constexpr,
+    FP8_EBIAS: tl.constexpr, FP8_MAX_BITS: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """RoPE on the rope part of q and k, everything times its scale and cast to fp8 (saturating):
 
@@ -308,8 +275,7 @@ def rope_quantize_kernel(
     the programs of head group 0; codes of append_paged_kv_cache), batch index -1 (padding) silently.
 
     Grid ``(cdiv(nnz, BLOCK_T), head_groups)``: a program loads positions and cos/sin once for its
-    tokens and walks ``units_per_prog`` of the ``Hq + Hk (+ Hk)`` heads (q, then k, then v), two at a
-    time with ``TWO_HEADS``.
+    tokens and walks ``units_per_prog`` of the ``Hq + Hk (+ Hk)`` heads (q, then k, then v).
     """
     HALF: tl.constexpr = ROT // 2
     pid_t = tl.program_id(0)
@@ -355,36 +321,33 @@ def rope_quantize_kernel(
     # int64 loop bounds: the head index multiplies strides
     u_begin = pid_g.to(tl.int64) * units_per_prog
     u_end = tl.minimum(u_begin + units_per_prog, num_units)
-    # TWO_HEADS: two heads a step, both loaded before either is stored
-    STEP: tl.constexpr = 2 if TWO_HEADS else 1
-    q_end = tl.minimum(u_end, num_q_heads)
-    for h in range(u_begin, q_end, STEP):
-        _rope_quant_heads(q_rope_ptr, q_rope_out_ptr, t64 * s_qr_n, t64 * s_oqr_n, s_qr_h, s_oqr_h, h, q_end,
-                          m_rot, m_rot, e1, e2, cos, sin, quant_scale_q,
-                          SOFT_FP8, FP8_MAX, FP8_MBITS, FP8_EBIAS, FP8_MAX_BITS, TWO_HEADS)
+    for h in range(u_begin, tl.minimum(u_end, num_q_heads)):
+        _rope_quant_head(q_rope_ptr, q_rope_out_ptr, t64 * s_qr_n + h * s_qr_h, t64 * s_oqr_n + h * s_oqr_h,
+                         m_rot, m_rot, e1, e2, cos, sin, quant_scale_q,
+                         SOFT_FP8, FP8_MAX, FP8_MBITS, FP8_EBIAS, FP8_MAX_BITS)
         if NOPE > 0:
-            _quant_heads(q_nope_ptr, q_nope_out_ptr, t64 * s_qn_n, t64 * s_oqn_n, s_qn_h, s_oqn_h, h, q_end,
-                         offs_n, m_nope, m_nope, quant_scale_q,
-                         SOFT_FP8, FP8_MAX, FP8_MBITS, FP8_EBIAS, FP8_MAX_BITS, TWO_HEADS)
+            _quant_rows(q_nope_ptr, q_nope_out_ptr, t64 * s_qn_n + h * s_qn_h, t64 * s_oqn_n + h * s_oqn_h,
+                        offs_n, m_nope, m_nope, quant_scale_q,
+                        SOFT_FP8, FP8_MAX, FP8_MBITS, FP8_EBIAS, FP8_MAX_BITS)
     m_rot_kv = m_kv[:, None] & m_j[None, :]
     m_nope_kv = m_kv[:, None] & (offs_n < NOPE)[None, :]
-    k_begin = tl.maximum(u_begin, num_q_heads) - num_q_heads
-    k_end = tl.minimum(u_end, num_qk) - num_q_heads
-    row_ok = row_a * s_okr_a + row_b * s_okr_b
-    for hk in range(k_begin, k_end, STEP):
-        _rope_quant_heads(k_rope_ptr, k_rope_out_ptr, t64 * s_kr_n, row_ok, s_kr_h, s_okr_h, hk, k_end,
-                          m_rot, m_rot_kv, e1, e2, cos, sin, quant_scale_kv,
-                          SOFT_FP8, FP8_MAX, FP8_MBITS, FP8_EBIAS, FP8_MAX_BITS, TWO_HEADS)
+    for h in range(tl.maximum(u_begin, num_q_heads), tl.minimum(u_end, num_qk)):
+        hk = h - num_q_heads
+        _rope_quant_head(k_rope_ptr, k_rope_out_ptr, t64 * s_kr_n + hk * s_kr_h,
+                         row_a * s_okr_a + row_b * s_okr_b + hk * s_okr_h,
+                         m_rot, m_rot_kv, e1, e2, cos, sin, quant_scale_kv,
+                         SOFT_FP8, FP8_MAX, FP8_MBITS, FP8_EBIAS, FP8_MAX_BITS)
         if NOPE > 0:
-            _quant_heads(k_nope_ptr, k_nope_out_ptr, t64 * s_kn_n, row_a * s_okn_a + row_b * s_okn_b, s_kn_h,
-                         s_okn_h, hk, k_end, offs_n, m_nope, m_nope_kv, quant_scale_kv,
-                         SOFT_FP8, FP8_MAX, FP8_MBITS, FP8_EBIAS, FP8_MAX_BITS, TWO_HEADS)
+            _quant_rows(k_nope_ptr, k_nope_out_ptr, t64 * s_kn_n + hk * s_kn_h,
+                        row_a * s_okn_a + row_b * s_okn_b + hk * s_okn_h,
+                        offs_n, m_nope, m_nope_kv, quant_scale_kv,
+                        SOFT_FP8, FP8_MAX, FP8_MBITS, FP8_EBIAS, FP8_MAX_BITS)
     if HAS_V:
         offs_v = tl.arange(0, VD_PAD)
         m_vd = (offs_v < VD)[None, :]
-        v_begin = tl.maximum(u_begin, num_qk) - num_qk
-        v_end = u_end - num_qk
-        for hv in range(v_begin, v_end, STEP):
-            _quant_heads(v_ptr, v_out_ptr, t64 * s_v_n, row_a * s_ov_a + row_b * s_ov_b, s_v_h, s_ov_h, hv, v_end,
-                         offs_v, m_t[:, None] & m_vd, m_kv[:, None] & m_vd, quant_scale_kv,
-                         SOFT_FP8, FP8_MAX, FP8_MBITS, FP8_EBIAS, FP8_MAX_BITS, TWO_HEADS)
+        for h in range(tl.maximum(u_begin, num_qk), u_end):
+            hv = h - num_qk
+            _quant_rows(v_ptr, v_out_ptr, t64 * s_v_n + hv * s_v_h,
+                        row_a * s_ov_a + row_b * s_ov_b + hv * s_ov_h,
+                        offs_v, m_t[:, None] & m_vd, m_kv[:, None] & m_vd, quant_scale_kv,
+                        SOFT_FP8, FP8_MAX, FP8_MBITS, FP8_EBIAS, FP8_MAX_BITS)
