@@ -309,8 +309,8 @@ def test_single_decode(layout):
 
 def test_single_functions_reuse_their_plan_across_layers(monkeypatch):
     """A model calls single_decode / single_prefill once per layer with the same shapes: the first
-    call's plan serves the others (one kept step per shape; the Gluon prefill route's steps are not
-    kept), and each layer still gets its own inputs' result; another length plans again."""
+    call's plan serves the others (one kept step per shape), and each layer still gets its own
+    inputs' result; another length plans again."""
     from tritoninfer import _step
 
     _step._SINGLE_STEPS.clear()
@@ -334,7 +334,7 @@ def test_single_functions_reuse_their_plan_across_layers(monkeypatch):
         testing.assert_close(tritoninfer.single_prefill_with_kv_cache(qp, k, v, causal=True),
                              reference.single_prefill_with_kv_cache(qp, k, v, causal=True), torch.float16)
     assert planned.count((1, 40)) == 1, "decode planned once for three layers"
-    assert planned.count((7, 40)) in (1, 3), planned  # once, or every call on the Gluon route
+    assert planned.count((7, 40)) == 1, planned
     tritoninfer.single_decode_with_kv_cache(q, k[:30], v[:30])
     assert planned.count((1, 30)) == 1
 

@@ -250,3 +250,25 @@ def test_pod_prefill_half_takes_the_single_prefill_route(hopper_plans, monkeypat
     assert step.route.kernel == "hopper" and tuple(step.route_work.shape) == (2, 1)
     assert pod._prefill_step(4096, 4096, params, settings, torch.bfloat16, TensorLayout.NHD, True).route.is_core
     assert pod._prefill_step(100, 4096, params, settings, torch.bfloat16, TensorLayout.NHD, False).route.is_core
+
+
+def test_single_prefill_keeps_its_gluon_step(hopper_plans):
+    """The single-request functions keep a step on the Gluon route as on the core (a model's layers
+    plan once a step): the same shapes and route give the kept step, with its uploaded work list;
+    the core route for the same shapes is another step."""
+    from tritoninfer import _plan, _step
+
+    _step._SINGLE_STEPS.clear()
+    params = _attention.score_params("NONE", -1, None, None, None, None, 128, causal=True)
+    settings = _step.Settings("NONE", -1, None, None, None, None, True)
+    tiles = _plan.prefill_tiles(2, 128, 4096 * 2, 2)
+    route = _route.PREFILL.at_plan(_facts(causal=True, device=torch.device(DEVICE), qo_lens=np.array([4096]),
+                                          kv_lens=np.array([4096])))
+    assert route.kernel == "hopper"
+    kw = dict(settings=settings, params=params, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, num_qo_heads=4,
+              num_kv_heads=2, head_dim_qk=128, head_dim_vo=128, qo_len=4096, kv_len=4096, tiles=tiles,
+              q_len_per_req=0)
+    first = _step.plan_single(torch.device(DEVICE), route=route, **kw)
+    assert first.route_work is not None and _step.plan_single(torch.device(DEVICE), route=route, **kw) is first
+    on_core = _step.plan_single(torch.device(DEVICE), route=_route.core("test"), **kw)
+    assert on_core is not first and on_core.route.is_core

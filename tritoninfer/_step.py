@@ -239,14 +239,15 @@ def plan_single(device: torch.device, *, settings: Settings, params: ScoreParams
     """The step of one request over contiguous K/V, for the single-request functions: planned on the
     device's scratch workspace and uploaded by the device's own uploader (they have no wrapper).
 
-    A model calls these once per layer with the same shapes, so a step without a custom mask on the
-    core is kept (``_SINGLE_STEPS``, least recently used out) and the next layer's call reuses it:
-    its device arrays are never written after the upload. Not while a CUDA graph is being captured
-    (a graph must own its plan's memory, which a kept step's eviction would free)."""
+    A model calls these once per layer with the same shapes, so a step without a custom mask is kept
+    (``_SINGLE_STEPS``, least recently used out) and the next layer's call reuses it, with the launches
+    its plan has bound: its device arrays are never written after the upload. The Gluon route's work
+    list depends only on the lengths and the mask, which the key holds. Not while a CUDA graph is
+    being captured (a graph must own its plan's memory, which a kept step's eviction would free)."""
     key = None
-    if packed_mask is None and route.is_core and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    if packed_mask is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         key = (device, settings, params, q_dtype, kv_dtype, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo,
-               qo_len, kv_len, tiles, q_len_per_req)
+               qo_len, kv_len, tiles, q_len_per_req, route.kernel)
         hit = _SINGLE_STEPS.get(key)
         if hit is not None:
             _SINGLE_STEPS.move_to_end(key)
