@@ -1,11 +1,12 @@
 """Program-shape sweep for the fused RoPE + fp8 quantize + paged append (issue 23's >= 80 % of the copy
 bandwidth): times tritoninfer's ``rope_quantize_fp8_append_paged_kv_cache`` on ``tritoninfer bench
 rope-append``'s inputs under each setting of ``rope._STEP_ELEMENTS``, ``_PROGRAMS_PER_SM``,
-and ``_WIDE_WARPS``, one process, after checking each setting's codes against the reference.
+``_WIDE_WARPS`` and ``_HEAD_STAGES``, one process, after checking each setting's codes against the reference.
 
     PYTHONPATH=. python benchmarks/rope_append_tune.py --configs 4096-8-8,8192-4-8 --out tune.md
 
-A config is ``STEP-PROGRAMS_PER_SM-WARPS``. Bytes per call as the bench counts them. (Two heads a loop
+A config is ``STEP-PROGRAMS_PER_SM-WARPS[-STAGES]`` (STAGES: the head loops' software pipeline,
+default 1). Bytes per call as the bench counts them. (Two heads a loop
 step, both loaded before either is stored, measured 24.2 -> 27.8 µs at 4,096 decode tokens in session 16:
 removed.)
 """
@@ -24,7 +25,8 @@ from tritoninfer.bench.timing import TimingConfig, copy_bandwidth, measure
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--configs", default="4096-8-8,4096-4-8,4096-16-8,2048-8-4,2048-16-4,8192-4-16,1024-16-4")
+    ap.add_argument("--configs", default="4096-8-8,4096-8-8-2,4096-8-8-3,2048-16-4-2,2048-16-4-3,4096-4-8-3,"
+                                         "2048-8-4-3")
     ap.add_argument("--tokens", default="1024,4096")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -41,8 +43,9 @@ def main(argv=None):
             want = case.reference()
             fn = rope.rope_quantize_fp8_append_paged_kv_cache
             for text in a.configs.split(","):
-                step, per_sm, warps = (int(x) for x in text.split("-"))
+                step, per_sm, warps, *stages = (int(x) for x in text.split("-"))
                 rope._STEP_ELEMENTS, rope._PROGRAMS_PER_SM, rope._WIDE_WARPS = step, per_sm, warps
+                rope._HEAD_STAGES = stages[0] if stages else 1
                 check = case.check(fn, want)
                 t = measure(functools.partial(case.call, fn), device=dev, mode="graph", ncopies=ncopies,
                             cfg=timing)
@@ -52,7 +55,7 @@ def main(argv=None):
             del case
             torch.cuda.empty_cache()
     text = (f"copy bandwidth {copy_tb_s:.3f} TB/s (same process)\n\n"
-            + tabulate(rows, headers=["kind", "tokens", "step-per_sm-warps", "µs", "TB/s", "of copy", "check"],
+            + tabulate(rows, headers=["kind", "tokens", "step-per_sm-warps[-stages]", "µs", "TB/s", "of copy", "check"],
                        tablefmt="github"))
     print(text)
     if a.out:

@@ -957,7 +957,7 @@ for append, has_v, fp8, interleave, nope in ((False, False, torch.float8_e4m3fn,
                                              (True, False, torch.float8_e4m3fn, False, 512)):
     ce = dict(ROT=64, HALF_PAD=32, NOPE=nope, NOPE_PAD=max(nope, 1), VD=64 + nope,
               VD_PAD=triton.next_power_of_2(64 + nope) if has_v else 1, INTERLEAVE=interleave, APPEND=append,
-              HAS_V=has_v, SOFT_FP8=False, BLOCK_T=8, **_fp8_constexprs(fp8))
+              HAS_V=has_v, SOFT_FP8=False, BLOCK_T=8, STAGES=1 + 2 * append, **_fp8_constexprs(fp8))
     f8 = "*fp8e4nv" if fp8 == torch.float8_e4m3fn else "*fp8e5"
     sig, attrs = {}, {}
     for i, p in enumerate(rope_quantize_kernel.params):

@@ -259,7 +259,7 @@ def rope_quantize_kernel(
     ROT: tl.constexpr, HALF_PAD: tl.constexpr, NOPE: tl.constexpr, NOPE_PAD: tl.constexpr,
     VD: tl.constexpr, VD_PAD: tl.constexpr, INTERLEAVE: tl.constexpr, APPEND: tl.constexpr,
     HAS_V: tl.constexpr, SOFT_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MBITS: tl.constexpr,
-    FP8_EBIAS: tl.constexpr, FP8_MAX_BITS: tl.constexpr, BLOCK_T: tl.constexpr,
+    FP8_EBIAS: tl.constexpr, FP8_MAX_BITS: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
 ):
     """RoPE on the rope part of q and k, everything times its scale and cast to fp8 (saturating):
 
@@ -275,7 +275,9 @@ def rope_quantize_kernel(
     the programs of head group 0; codes of append_paged_kv_cache), batch index -1 (padding) silently.
 
     Grid ``(cdiv(nnz, BLOCK_T), head_groups)``: a program loads positions and cos/sin once for its
-    tokens and walks ``units_per_prog`` of the ``Hq + Hk (+ Hk)`` heads (q, then k, then v).
+    tokens and walks ``units_per_prog`` of the ``Hq + Hk (+ Hk)`` heads (q, then k, then v); with
+    ``STAGES > 1`` Triton's pipeliner loads the next heads' rows (cp.async into shared memory) while
+    one is rotated and stored.
     """
     HALF: tl.constexpr = ROT // 2
     pid_t = tl.program_id(0)
@@ -321,7 +323,7 @@ def rope_quantize_kernel(
     # int64 loop bounds: the head index multiplies strides
     u_begin = pid_g.to(tl.int64) * units_per_prog
     u_end = tl.minimum(u_begin + units_per_prog, num_units)
-    for h in range(u_begin, tl.minimum(u_end, num_q_heads)):
+    for h in tl.range(u_begin, tl.minimum(u_end, num_q_heads), num_stages=STAGES):
         _rope_quant_head(q_rope_ptr, q_rope_out_ptr, t64 * s_qr_n + h * s_qr_h, t64 * s_oqr_n + h * s_oqr_h,
                          m_rot, m_rot, e1, e2, cos, sin, quant_scale_q,
                          SOFT_FP8, FP8_MAX, FP8_MBITS, FP8_EBIAS, FP8_MAX_BITS)
@@ -331,7 +333,7 @@ def rope_quantize_kernel(
                         SOFT_FP8, FP8_MAX, FP8_MBITS, FP8_EBIAS, FP8_MAX_BITS)
     m_rot_kv = m_kv[:, None] & m_j[None, :]
     m_nope_kv = m_kv[:, None] & (offs_n < NOPE)[None, :]
-    for h in range(tl.maximum(u_begin, num_q_heads), tl.minimum(u_end, num_qk)):
+    for h in tl.range(tl.maximum(u_begin, num_q_heads), tl.minimum(u_end, num_qk), num_stages=STAGES):
         hk = h - num_q_heads
         _rope_quant_head(k_rope_ptr, k_rope_out_ptr, t64 * s_kr_n + hk * s_kr_h,
                          row_a * s_okr_a + row_b * s_okr_b + hk * s_okr_h,
@@ -345,7 +347,7 @@ def rope_quantize_kernel(
     if HAS_V:
         offs_v = tl.arange(0, VD_PAD)
         m_vd = (offs_v < VD)[None, :]
-        for h in range(tl.maximum(u_begin, num_qk), u_end):
+        for h in tl.range(tl.maximum(u_begin, num_qk), u_end, num_stages=STAGES):
             hv = h - num_qk
             _quant_rows(v_ptr, v_out_ptr, t64 * s_v_n + hv * s_v_h,
                         row_a * s_ov_a + row_b * s_ov_b + hv * s_ov_h,
