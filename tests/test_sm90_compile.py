@@ -256,6 +256,61 @@ def test_mla_kernel_compiles_for_sm90():
         assert "block_m=32" in report[f"case-{case}"], report
 
 
+# the Gluon prefill for Hopper (kernels/prefill_hopper.py) as _hopper.py launches it: (page size (0:
+# contiguous K/V), causal, GQA group)
+HOPPER_CASES = {"ragged-causal": (0, True, 4), "ragged": (0, False, 1), "paged16-causal": (16, True, 4),
+                "paged64": (64, False, 8)}
+
+
+def compile_hopper_case(name: str):
+    """One variant of the Gluon prefill kernel for sm_90: its TMA descriptors' types as
+    ``_hopper.ragged_descriptors`` / ``paged_descriptors`` build them, bf16, head_dim 128."""
+    import torch
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    from tritoninfer import _hopper
+    from tritoninfer.kernels.prefill_hopper import prefill_hopper_kernel
+
+    page, causal, group = HOPPER_CASES[name]
+    d = 128
+    rows = torch.empty(1024, 8 * d, dtype=torch.bfloat16)
+
+    def desc(box_rows):
+        return mangle_type(TensorDescriptor(rows, [1024, 8 * d], [8 * d, 1], [box_rows, d],
+                                            _hopper.smem_layout(box_rows, d, torch.bfloat16)))
+
+    constexprs = dict(GROUP=group, STAGES=_hopper.STAGES, IS_CAUSAL=causal, CONSUMER_REGS=_hopper.CONSUMER_REGS,
+                      PAGE_SIZE=page, num_warps=4)
+    sig = {}
+    for p in prefill_hopper_kernel.params:
+        n = p.name
+        sig[n] = ("constexpr" if n in constexprs else desc(64) if n == "q_desc" else
+                  desc(page or _hopper.TILE) if n in ("k_desc", "v_desc") else "*bf16" if n == "o_ptr" else
+                  "*fp32" if n == "lse_ptr" else "*i32" if n.endswith("_ptr") else
+                  "fp32" if n == "sm_scale_log2" else "i32")
+    return triton.compile(GluonASTSource(prefill_hopper_kernel, sig, constexprs, {}), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, maxnreg=_hopper.maxnreg(_hopper.CONSUMER_REGS)))
+
+
+def test_hopper_prefill_kernel_compiles_for_sm90():
+    """The Gluon prefill kernel (which the interpreter cannot run) compiles for sm_90 on the CPU in
+    each mode, without spills and within an H200 SM's 227 KB of shared memory."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    done = subprocess.run([sys.executable, __file__, "hopper"], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=root)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    report = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.startswith("case-"))
+    assert set(report) == {f"case-{n}" for n in HOPPER_CASES}, done.stdout
+    for case, line in report.items():
+        facts = dict(f.split("=") for f in line.split() if "=" in f)
+        assert int(facts["stack"]) == 0, f"{case} spills: {line}"
+        assert int(facts["shared"]) <= 227 * 1024, f"{case}: {line}"
+
+
 # the sampling kernels (kernels/sampling.py) with the GPU tiles of sampling._Split / _tiles
 SAMPLING_FLOATS = {"x_ptr", "u_ptr", "p_ptr", "t_ptr", "draft_ptr", "target_ptr", "p_val", "t_val", "p_part",
                    "max_part", "z_part", "sum_part", "cval_ptr", "fin_inv_ptr", "seed_ptr", "rinv_ptr"}
@@ -416,6 +471,11 @@ def test_sampling_kernels_compile_for_sm90():
 if __name__ == "__main__" and sys.argv[1:] == ["sampling"]:
     for case, usage in compile_sampling_cases():
         print(f"case-{case} regs={usage.get('reg')} stack={usage.get('stack')} sts={usage['sts']}", flush=True)
+elif __name__ == "__main__" and sys.argv[1:] == ["hopper"]:
+    for case in HOPPER_CASES:
+        kernel = compile_hopper_case(case)
+        use = resource_usage(kernel)
+        print(f"case-{case} regs={use['reg']} stack={use['stack']} shared={kernel.metadata.shared}", flush=True)
 elif __name__ == "__main__" and sys.argv[1:] == ["mla"]:
     for case in MLA_CASES:
         tiles, kernel = compile_mla_case(case)
