@@ -508,3 +508,49 @@ def test_mla_cuda_graph_capture_replan_gpu(heads):
     ref_o, ref_lse = ref_of(c, 0.07, False)
     assert_close(out, ref_o, torch.bfloat16)
     assert_lse_close(lse, ref_lse, dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [128, 16])
+@pytest.mark.parametrize("page_size", [64, 16])
+@pytest.mark.parametrize("qo_len,causal", [(1, False), (4, True)])
+@pytest.mark.parametrize("kv_lens", [[1, 77, 1000, 4133, 0, 129], [8192]], ids=["varied", "one-long-split"])
+def test_mla_gluon_kernel_gpu(monkeypatch, heads, page_size, qo_len, causal, kv_lens):
+    """The Gluon MLA kernel (``_route.MLA_HOPPER`` on) at DeepSeek's dims, q and cache as slices of wider
+    buffers (SGLang's form): output and LSE against the reference, with and without split-KV (one long
+    request is split over the SMs and merged by the merge pass); the kernel ran (not the fallback)."""
+    from tritoninfer import _route
+
+    monkeypatch.setattr(_route, "MLA_HOPPER", True)
+    ran = []
+    real = mla.MLALaunch._launch_hopper
+    monkeypatch.setattr(mla.MLALaunch, "_launch_hopper", lambda self, *a: ran.append(1) or real(self, *a))
+    if causal:
+        kv_lens = [max(n, qo_len) for n in kv_lens]
+    c = make_case([qo_len] * len(kv_lens), kv_lens, heads, 512, 64, page_size, torch.bfloat16, strided=True)
+    sm_scale = 1 / math.sqrt(192)
+    w = BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
+    plan(w, c, heads, page_size, causal, sm_scale, torch.bfloat16)
+    assert w._step.route.kernel == "hopper", w._step.route
+    out, lse = w.run(c["q_nope"], c["q_pe"], c["ckv"], c["kpe"], return_lse=True)
+    assert ran
+    ref_o, ref_lse = ref_of(c, sm_scale, causal)
+    assert_close(out, ref_o, torch.bfloat16)
+    assert_lse_close(lse, ref_lse, dtype=torch.bfloat16)
+    # q rows not evenly spaced: the same plan on kernels/mla.py
+    ran.clear()
+    q_nope = torch.empty(c["q_nope"].shape[0], heads + 1, 512, dtype=torch.bfloat16, device="cuda")[:, :heads]
+    q_nope.copy_(c["q_nope"])
+    out2 = w.run(q_nope, c["q_pe"], c["ckv"], c["kpe"])
+    assert not ran
+    assert_close(out2, ref_o, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_mla_gluon_kernel_cuda_graph_gpu(monkeypatch):
+    """CUDA-graph mode on the Gluon route: a graph captured after a warmup plan stays valid after a
+    re-plan with other lengths (splits)."""
+    from tritoninfer import _route
+
+    monkeypatch.setattr(_route, "MLA_HOPPER", True)
+    test_mla_cuda_graph_capture_replan_gpu(128)

@@ -272,3 +272,54 @@ def test_single_prefill_keeps_its_gluon_step(hopper_plans):
     assert first.route_work is not None and _step.plan_single(torch.device(DEVICE), route=route, **kw) is first
     on_core = _step.plan_single(torch.device(DEVICE), route=_route.core("test"), **kw)
     assert on_core is not first and on_core.route.is_core
+
+
+def test_mla_route_gates(hopper_gpu, monkeypatch):
+    """The Gluon MLA kernel only when switched on (MLA_HOPPER), on sm_90, for 16-bit q and cache of one
+    dtype, DeepSeek's 512 / 64 latent, pages that are powers of two from 8 and a positive scale; at run,
+    q rows evenly spaced (SGLang's slices of one 576-wide query too) and caches of whole aligned rows."""
+    cuda = torch.device("cuda", 0)
+    ok = dict(device=cuda, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, head_dim_ckv=512, head_dim_kpe=64,
+              page_size=64, sm_scale=0.07)
+    assert "MLA_HOPPER is off" in _route.MLA.at_plan(**ok).reason
+    monkeypatch.setattr(_route, "MLA_HOPPER", True)
+    assert _route.MLA.at_plan(**ok).kernel == "hopper"
+    assert _route.MLA.at_plan(**{**ok, "page_size": 8}).kernel == "hopper"
+    for change, reason in (({"kv_dtype": torch.float8_e4m3fn}, "16-bit"), ({"page_size": 1}, "page size 1"),
+                           ({"page_size": 48}, "page size 48"), ({"head_dim_ckv": 256}, "latent dims"),
+                           ({"sm_scale": 0.0}, "not positive"), ({"device": torch.device("cpu")}, "sm_90")):
+        route = _route.MLA.at_plan(**{**ok, **change})
+        assert route.is_core and reason in route.reason, (change, route)
+
+    route = _route.MLA.at_plan(**ok)
+    q = torch.zeros(3, 4, 576, dtype=torch.bfloat16)
+    cache = torch.zeros(5, 64, 576, dtype=torch.bfloat16)
+    assert _route.MLA.at_run(route, q[..., :512], q[..., 512:], cache[..., :512], cache[..., 512:]) == ""
+    packed = torch.zeros(3, 4, 512, dtype=torch.bfloat16)
+    assert _route.MLA.at_run(route, packed, q[..., 512:], cache[..., :512], cache[..., 512:]) == ""
+    heads_apart = torch.zeros(3, 5, 512, dtype=torch.bfloat16)[:, :4]
+    assert "q_nope" in _route.MLA.at_run(route, heads_apart, q[..., 512:], cache[..., :512], cache[..., 512:])
+    odd = torch.zeros(5, 64, 580, dtype=torch.bfloat16)
+    assert "ckv_cache" in _route.MLA.at_run(route, packed, q[..., 512:], odd[..., :512], cache[..., 512:])
+    assert _route.MLA.at_run(_route.core("x"), packed, q[..., 512:], cache[..., :512], cache[..., 512:]) == "x"
+
+
+def test_mla_plan_on_the_gluon_route_uses_its_tiles(hopper_plans, monkeypatch):
+    """An MLA plan the route sends to the Gluon kernel stores the route and plans with its tiles (64-row
+    blocks, 32-position splits, also kernels/mla.py's 64-row tiles); off, the Triton kernel's own."""
+    from tritoninfer import mla
+
+    monkeypatch.setattr(_route, "MLA_HOPPER", True)
+    wrapper = mla.BatchMLAPagedAttentionWrapper(testing.make_workspace(4 << 20, DEVICE))
+    qo_indptr = torch.tensor([0, 1, 2], dtype=torch.int32)
+    kv_indptr = torch.tensor([0, 2, 5], dtype=torch.int32)
+    kv_len = torch.tensor([100, 190], dtype=torch.int32)
+    indices = torch.arange(5, dtype=torch.int32)
+    wrapper.plan(qo_indptr, kv_indptr, indices, kv_len, 128, 512, 64, 64, False, 0.07, torch.bfloat16, torch.bfloat16)
+    step = wrapper._step
+    assert step.route.kernel == "hopper" and step.tiles == mla.hopper_tiles(128, 1.0)
+    assert (step.tiles.block_m, step.tiles.block_n, step.tiles.row_tiles) == (64, mla._HOPPER_BLOCK_N, 2)
+    assert mla.hopper_tiles(16, 4.0).tile_tokens == 4 and mla.hopper_tiles(16, 1.0).row_tiles == 1
+    monkeypatch.setattr(_route, "MLA_HOPPER", False)
+    wrapper.plan(qo_indptr, kv_indptr, indices, kv_len, 128, 512, 64, 64, False, 0.07, torch.bfloat16, torch.bfloat16)
+    assert wrapper._step.route.is_core

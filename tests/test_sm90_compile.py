@@ -311,6 +311,61 @@ def test_hopper_prefill_kernel_compiles_for_sm90():
         assert int(facts["shared"]) <= 227 * 1024, f"{case}: {line}"
 
 
+# the Gluon MLA kernel (kernels/mla_hopper.py) as mla.py launches it: (page size, causal, heads)
+MLA_HOPPER_CASES = {"p64-128h": (64, False, 128), "p16-16h-causal": (16, True, 16), "p8-64h": (8, False, 64)}
+
+
+def compile_mla_hopper_case(name: str):
+    """One variant of the Gluon MLA kernel for sm_90: bf16, DeepSeek's 512 / 64 latent, q and the cache
+    as slices of 576-wide buffers (SGLang's form), its descriptors' types as ``MLALaunch`` builds them."""
+    import torch
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    from tritoninfer import _hopper, mla
+    from tritoninfer.kernels.mla_hopper import mla_hopper_kernel
+
+    page, causal, heads = MLA_HOPPER_CASES[name]
+    buf = torch.empty(4096, 576, dtype=torch.bfloat16)
+    box = min(page, mla._HOPPER_BLOCK_N)
+
+    def desc(rows, width):
+        return mangle_type(TensorDescriptor(buf, [4096, width], [576, 1], [rows, 64],
+                                            _hopper.smem_layout(rows, 64, torch.bfloat16)))
+
+    constexprs = dict(NUM_HEADS=heads, HEAD_DIM_CKV=512, PAGE_SIZE=page, BLOCK_N=mla._HOPPER_BLOCK_N,
+                      STAGES=mla._HOPPER_STAGES, IS_CAUSAL=causal, WRITE_LSE=True,
+                      CONSUMER_REGS=mla._HOPPER_CONSUMER_REGS, PRODUCER_REGS=mla._HOPPER_PRODUCER_REGS, num_warps=4)
+    sig = {}
+    for p in mla_hopper_kernel.params:
+        n = p.name
+        sig[n] = ("constexpr" if n in constexprs else desc(64, 512) if n == "q_desc" else desc(64, 64) if n == "qpe_desc"
+                  else desc(box, 512) if n == "ckv_desc" else desc(box, 64) if n == "kpe_desc" else
+                  "*bf16" if n == "o_ptr" else "*fp32" if n in ("lse_ptr", "part_o_ptr", "part_lse_ptr") else
+                  "*i32" if n.endswith("_ptr") else "fp32" if n in ("sm_scale_log2", "lse_scale") else "i32")
+    regs = _hopper.maxnreg(mla._HOPPER_CONSUMER_REGS, mla._HOPPER_PRODUCER_REGS)
+    return triton.compile(GluonASTSource(mla_hopper_kernel, sig, constexprs, {}), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, maxnreg=regs))
+
+
+def test_mla_hopper_kernel_compiles_for_sm90():
+    """The Gluon MLA kernel compiles for sm_90 on the CPU at pages of 8-64 positions, causal or not,
+    without spills and within an H200 SM's 227 KB of shared memory."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    done = subprocess.run([sys.executable, __file__, "mla-hopper"], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=root)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    report = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.startswith("case-"))
+    assert set(report) == {f"case-{n}" for n in MLA_HOPPER_CASES}, done.stdout
+    for case, line in report.items():
+        facts = dict(f.split("=") for f in line.split() if "=" in f)
+        assert int(facts["stack"]) == 0, f"{case} spills: {line}"
+        assert int(facts["shared"]) <= 227 * 1024, f"{case}: {line}"
+
+
 # the sampling kernels (kernels/sampling.py) with the GPU tiles of sampling._Split / _tiles
 SAMPLING_FLOATS = {"x_ptr", "u_ptr", "p_ptr", "t_ptr", "draft_ptr", "target_ptr", "p_val", "t_val", "p_part",
                    "max_part", "z_part", "sum_part", "cval_ptr", "fin_inv_ptr", "seed_ptr", "rinv_ptr"}
@@ -471,6 +526,11 @@ def test_sampling_kernels_compile_for_sm90():
 if __name__ == "__main__" and sys.argv[1:] == ["sampling"]:
     for case, usage in compile_sampling_cases():
         print(f"case-{case} regs={usage.get('reg')} stack={usage.get('stack')} sts={usage['sts']}", flush=True)
+elif __name__ == "__main__" and sys.argv[1:] == ["mla-hopper"]:
+    for case in MLA_HOPPER_CASES:
+        kernel = compile_mla_hopper_case(case)
+        use = resource_usage(kernel)
+        print(f"case-{case} regs={use['reg']} stack={use['stack']} shared={kernel.metadata.shared}", flush=True)
 elif __name__ == "__main__" and sys.argv[1:] == ["hopper"]:
     for case in HOPPER_CASES:
         kernel = compile_hopper_case(case)

@@ -28,10 +28,10 @@ CONSUMER_REGS = 240  # per consumer thread; the producer warpgroup keeps 24
 PERSISTENT = True  # one program per SM running work items in turn (False: one item per program)
 
 
-def maxnreg(consumer_regs: int) -> int:
+def maxnreg(consumer_regs: int, producer_regs: int = 24) -> int:
     """The kernel-wide register limit that leaves ``consumer_regs`` to each consumer thread:
     registers are handed out per warpgroup, two consumers and the producer's, 12 warps in all."""
-    return (2 * 4 * consumer_regs + 4 * 24) // 12 // 8 * 8
+    return (2 * 4 * consumer_regs + 4 * producer_regs) // 12 // 8 * 8
 
 
 @functools.lru_cache(maxsize=None)

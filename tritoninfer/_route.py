@@ -187,3 +187,62 @@ class PrefillRoute:
 
 
 PREFILL = PrefillRoute()
+
+
+# The Gluon MLA kernel (kernels/mla_hopper.py; False: every MLA plan on kernels/mla.py). Compiled for
+# sm_90 on the CPU, not yet run on a GPU (session 16): off until the GPU tests pass and the bench
+# measures it against the Triton kernel (tritoninfer bench mla --set _route.MLA_HOPPER=true).
+MLA_HOPPER = False
+# MLA page sizes the Gluon kernel takes: a TMA box per page (or per 32-position tile of a larger page)
+# lands in an 8-row slice of a 128-byte swizzled stage, so pages of at least 8 positions
+MLA_HOPPER_MIN_PAGE = 8
+
+
+class MlaRoute:
+    """Absorbed MLA: the Gluon kernel for bf16/fp16 latent caches of DeepSeek's 512 / 64 dims, pages of
+    8+ positions (a power of two) and a positive scale, on sm_90; ``kernels/mla.py`` elsewhere."""
+
+    def at_plan(self, device: torch.device, q_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim_ckv: int,
+                head_dim_kpe: int, page_size: int, sm_scale: float) -> Route:
+        route = self._at_plan(device, q_dtype, kv_dtype, head_dim_ckv, head_dim_kpe, page_size, sm_scale)
+        log.debug("MLA plan: %r", route)
+        return route
+
+    @staticmethod
+    def _at_plan(device, q_dtype, kv_dtype, head_dim_ckv, head_dim_kpe, page_size, sm_scale) -> Route:
+        if not MLA_HOPPER:
+            return core("MLA_HOPPER is off")
+        if not is_sm90(device):
+            return core("not an sm_90 GPU")
+        if not _hopper.gluon_available():
+            return core("the Gluon kernel needs Triton 3.6")
+        if q_dtype not in (torch.float16, torch.bfloat16) or kv_dtype != q_dtype:
+            return core("not 16-bit q and latent cache of one dtype")
+        if (head_dim_ckv, head_dim_kpe) != (512, 64):
+            return core(f"latent dims {head_dim_ckv}/{head_dim_kpe} (the kernel takes 512/64)")
+        if page_size < MLA_HOPPER_MIN_PAGE or page_size & (page_size - 1):
+            return core(f"page size {page_size} (the kernel takes powers of two from {MLA_HOPPER_MIN_PAGE})")
+        if not sm_scale > 0:
+            return core("a scale that is not positive")
+        return Route("hopper", "bf16/fp16 latent 512/64, paged")
+
+    @staticmethod
+    def at_run(route: Route, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor) -> str:
+        """Why this call's tensors cannot take the Gluon kernel ('' when they can): q_nope/q_pe whose
+        (token, head) rows are evenly spaced ([tokens, H, D] read as a 2-D view [tokens * H, D], also
+        as slices of one [tokens, H, 576] query) and caches whose pages are whole rows of a 2-D view,
+        16-byte aligned (TMA)."""
+        if route.is_core:
+            return route.reason
+        for t, name in ((q_nope, "q_nope"), (q_pe, "q_pe")):
+            if (t.stride(2) != 1 or (t.shape[1] > 1 and t.stride(0) != t.shape[1] * t.stride(1))
+                    or (t.stride(1) * t.element_size()) % 16 or t.data_ptr() % 16):
+                return f"{name}'s (token, head) rows are not evenly spaced 16-byte-aligned rows"
+        for t, name in ((ckv, "ckv_cache"), (kpe, "kpe_cache")):
+            if (t.stride(2) != 1 or (t.shape[1] > 1 and t.stride(0) != t.shape[1] * t.stride(1))
+                    or (t.stride(1) * t.element_size()) % 16 or t.data_ptr() % 16):
+                return f"{name}'s pages are not whole 16-byte-aligned rows of a 2-D view"
+        return ""
+
+
+MLA = MlaRoute()

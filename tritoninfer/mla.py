@@ -31,10 +31,10 @@ from typing import Literal, Optional, Tuple, Union, overload
 
 import numpy as np
 import torch
-from . import _device, _ops
+from . import _device, _hopper, _ops
 from ._attention import DevicePlan, dot_dtype
 from ._errors import fault_record
-from ._launch import CachedLauncher
+from ._launch import CachedLauncher, TmaBox
 from ._kvcache import check_graph_plan, copy_graph_page_table, init_graph_page_table
 from ._options import (
     FP8_DTYPES,
@@ -49,6 +49,8 @@ from ._options import (
     host_index,
 )
 from ._plan import Tiles, cdiv, next_pow2
+from ._route import MLA as MLA_ROUTE
+from ._route import Route, core
 from ._step import init_planned_wrapper, plan_work, upload_plan
 from .kernels.mla import mla_fwd_kernel
 from .page import append_paged_kv_cache
@@ -129,6 +131,22 @@ def mla_tiles(num_heads: int, avg_q_len: float, kv_fp8: bool = False) -> Tiles:
                  programs_per_sm=1, mask_free_tiles=block_m < 64 and not kv_fp8)
 
 
+# The Gluon kernel (kernels/mla_hopper.py, _route.MlaRoute): 32-position tiles (64 spill 32 bytes a
+# consumer thread, sm_90 compiled on the CPU), 3 stages (185 KB of shared memory), the consumers' and
+# the producer's registers a thread
+_HOPPER_BLOCK_N, _HOPPER_STAGES, _HOPPER_CONSUMER_REGS, _HOPPER_PRODUCER_REGS = 32, 3, 240, 24
+
+
+def hopper_tiles(num_heads: int, avg_q_len: float) -> Tiles:
+    """The work list's tiles on the Gluon route: 64-row blocks (one warpgroup's wgmma M, fewer heads
+    taking several query tokens, as ``mla_tiles``) and ``_HOPPER_BLOCK_N``-position splits. They are
+    also ``mla_tiles``' 64-row tiles, so ``kernels/mla.py`` runs the same plan (a call whose tensors TMA
+    cannot read, and the merge pass)."""
+    tokens = 1 if num_heads >= 64 else max(1, min(next_pow2(max(1, math.ceil(avg_q_len))), 64 // num_heads))
+    return Tiles(64, _HOPPER_BLOCK_N, _WARPS, _STAGES, tokens, cdiv(num_heads * tokens, 64), prefetch_pages=False,
+                 programs_per_sm=1, mask_free_tiles=False)
+
+
 def merge_positions(block_m: int, head_dim_ckv: int, head_dim_kpe: int, kv_dtype: torch.dtype) -> int:
     """What merging one split's partial state costs, in latent-cache positions of one program's work
     (``_plan.kv_split_chunk``): the [block_m, head_dim_ckv] float32 state's bytes over what one
@@ -177,6 +195,8 @@ class MLAStep:
     kv_indptr: torch.Tensor  # the plan's own device copy (checked on the host)
     kv_indices: torch.Tensor  # the caller's page ids on the device (the fixed buffer in CUDA-graph mode)
     max_page_id: Optional[int]  # the largest page id, when the ids were on the host (checked at run)
+    # the kernel: kernels/mla_hopper.py (hopper) or kernels/mla.py (core)
+    route: Route = core("kernels/mla.py")
     # bound launches (MLALaunch) by run variant; kept on the plan, replaced with it
     launches: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
@@ -201,7 +221,8 @@ class MLALaunch:
             part_o, part_lse = ws[: states * heads * d_ckv], ws[states * heads * d_ckv: need]
         else:
             part_o = part_lse = self.dummy  # never touched: every item writes its final output
-        merge_pass = (plan.has_splits or plan.always_merge) and _MERGE_PASS
+        # the Gluon kernel writes partial states only: its splits are merged by the merge pass
+        merge_pass = (plan.has_splits or plan.always_merge) and (_MERGE_PASS or not step.route.is_core)
         # arrival counters only for the fused merge (the merge pass is its own launch)
         fused = (plan.has_splits or plan.always_merge) and not merge_pass
         counters = plan.counters.get(plan.capacity * tiles.row_tiles) if fused else self.dummy
@@ -219,6 +240,20 @@ class MLALaunch:
                 heads, d_ckv, step.head_dim_kpe, tiles, step.page_size, step.causal, write_lse, dot,
                 step.sm_scale > 0, step.kv_dtype in FP8_DTYPES, 2))
         self.sm_scale_log2 = step.sm_scale / _LN2
+        self.step = step
+        self.hopper = None
+        if not step.route.is_core:
+            from .kernels.mla_hopper import mla_hopper_kernel
+
+            launcher = _device.per_device("mla_hopper", device, lambda: CachedLauncher(mla_hopper_kernel))
+            hopper_tail = (part_o, part_lse, plan.work, plan.qo_indptr, step.kv_indptr, step.kv_indices,
+                           plan.kv_len, plan.state_offset, tiles.tile_tokens)
+            hopper_kwargs = dict(
+                NUM_HEADS=heads, HEAD_DIM_CKV=d_ckv, PAGE_SIZE=step.page_size, BLOCK_N=tiles.block_n,
+                STAGES=_HOPPER_STAGES, IS_CAUSAL=step.causal, WRITE_LSE=write_lse,
+                CONSUMER_REGS=_HOPPER_CONSUMER_REGS, PRODUCER_REGS=_HOPPER_PRODUCER_REGS, num_warps=4,
+                maxnreg=_hopper.maxnreg(_HOPPER_CONSUMER_REGS, _HOPPER_PRODUCER_REGS))
+            self.hopper = launcher.bind(grid, hopper_tail, hopper_kwargs)
 
     def __call__(self, q_nope, q_pe, ckv, kpe, out, lse, sm_scale_log2: float, lse_scale: float,
                  q_pe_scale: float = 1.0, v_scale: float = 1.0) -> None:
@@ -228,9 +263,38 @@ class MLALaunch:
         head = (q_nope, q_nope.stride(0), q_nope.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1),
                 ckv, ckv.stride(0), ckv.stride(1), kpe, kpe.stride(0), kpe.stride(1), ckv.shape[0],
                 out, out.stride(0), out.stride(1), *lse_args, sm_scale_log2, lse_scale, q_pe_scale, v_scale)
-        self.launch(*head)
+        if self.hopper is None:
+            why = "core"
+        elif q_pe_scale != 1.0 or v_scale != 1.0:
+            why = "q_pe or output scales"
+        else:
+            why = MLA_ROUTE.at_run(self.step.route, q_nope, q_pe, ckv, kpe)
+        if why:
+            self.launch(*head)
+        else:
+            self._launch_hopper(q_nope, q_pe, ckv, kpe, out, lse_args, sm_scale_log2, lse_scale)
         if self.merge is not None:
             self.merge(*head)
+
+    def _launch_hopper(self, q_nope, q_pe, ckv, kpe, out, lse_args, sm_scale_log2: float, lse_scale: float) -> None:
+        """The Gluon kernel: q as [tokens * H, D] (rows ``stride(1)`` apart) in boxes of 64 rows, the caches as [pages * page, D] boxes
+        of a page (or of a tile's share of a larger page). Page ids outside the cache are read as zeros
+        by TMA and reported by ``_hopper.check_page_ids`` (once per plan and cache size)."""
+        step, plan = self.step, self.step.device_plan
+        num_pages = ckv.shape[0]
+        if plan.pages_checked != num_pages:
+            _hopper.check_page_ids(step.kv_indptr, step.kv_indices, step.batch, num_pages)
+            plan.pages_checked = num_pages
+        rows, heads = q_nope.shape[0], q_nope.shape[1]
+        box = min(step.page_size, step.tiles.block_n)
+        layout = _hopper.smem_layout(64, 64, q_nope.dtype)
+        box_layout = _hopper.smem_layout(box, 64, q_nope.dtype)
+        cache_rows = num_pages * step.page_size
+        self.hopper(TmaBox(q_nope, (rows * heads, step.head_dim_ckv), (q_nope.stride(1), 1), (64, 64), layout),
+                    TmaBox(q_pe, (rows * heads, step.head_dim_kpe), (q_pe.stride(1), 1), (64, 64), layout),
+                    TmaBox(ckv, (cache_rows, step.head_dim_ckv), (ckv.stride(1), 1), (box, 64), box_layout),
+                    TmaBox(kpe, (cache_rows, step.head_dim_kpe), (kpe.stride(1), 1), (box, 64), box_layout),
+                    out, out.stride(0), out.stride(1), *lse_args, sm_scale_log2, lse_scale)
 
 
 def launch_constexprs(heads: int, d_ckv: int, d_kpe: int, tiles: Tiles, page_size: int, causal: bool,
@@ -353,10 +417,14 @@ class _MLAPlanner:
             raise ValueError(f"qo_indptr: causal request {b} has {int(qo_lens[b])} query tokens but kv_len "
                              f"{int(kv_lens[b])}; causal MLA needs qo_len <= kv_len (as FlashInfer)")
         graph = self._graph
+        route = MLA_ROUTE.at_plan(self.device, q_dtype, kv_dtype, head_dim_ckv, head_dim_kpe, page_size, sm_scale)
+        avg_q_len = float(qo_lens.mean()) if batch else 1.0
         if graph is not None and graph.sized:
             tiles = graph.tiles
+        elif not route.is_core:
+            tiles = hopper_tiles(num_heads, avg_q_len)
         else:
-            tiles = mla_tiles(num_heads, float(qo_lens.mean()) if batch else 1.0, kv_dtype in FP8_DTYPES)
+            tiles = mla_tiles(num_heads, avg_q_len, kv_dtype in FP8_DTYPES)
         workspace_bytes = self._float_workspace_buffer.numel() * self._float_workspace_buffer.element_size()
         total_rows = int(qo[-1]) if batch else 0
         if graph is not None:
@@ -382,7 +450,7 @@ class _MLAPlanner:
             num_heads=num_heads, head_dim_ckv=head_dim_ckv, head_dim_kpe=head_dim_kpe, page_size=page_size,
             causal=bool(causal), sm_scale=sm_scale, q_dtype=q_dtype, kv_dtype=kv_dtype, batch=batch,
             total_rows=total_rows, tiles=tiles, device_plan=plan, kv_indptr=kv_indptr_d,
-            kv_indices=kv_indices_device, max_page_id=max_page_id,
+            kv_indices=kv_indices_device, max_page_id=max_page_id, route=route,
         )
 
     def _run_step(self, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse, *, lse_base_e: bool = False,

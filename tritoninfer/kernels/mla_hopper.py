@@ -1,0 +1,276 @@
+"""Absorbed MLA for Hopper (sm_90) in Gluon: the attention part of ``kernels/mla.py``'s kernel with a
+producer warp and two consumer warpgroups, for bf16/fp16 latent caches whose pages TMA can read
+(``_route.MlaRoute``). The work list, the partial-state layout and the merge pass are
+``kernels/mla.py``'s; this kernel writes what that kernel's attention part writes (``MERGE_MODE`` 1).
+
+A program takes 64 rows of one work item (rows are (query token, head) pairs of one request: row r
+is token r // H, head r % H, and q_nope/q_pe are read as 2-D views [tokens * H, D]) and the
+item's KV range, in tiles of 64 positions:
+- the producer warp loads the rows' q_nope (8 boxes of 64 columns) and q_pe once, then each tile's
+  latent rows into a ring of ``STAGES`` stages: per page of the tile, 8 boxes of ckv's 512 columns
+  and one of kpe's 64, every stage with a ``ready`` barrier (TMA byte count) and an ``empty`` one
+  (both consumers released it);
+- consumer warpgroup w holds output columns [256 w, 256 w + 256) as four 64 x 64 fp32
+  accumulators (128 registers a thread). Both compute the tile's scores S = q_nope ckv^T + q_pe
+  kpe^T (9 chained wgmmas) and the same online softmax, then O_w += P ckv[:, cols of w] (4 wgmmas,
+  P from registers). The scores are computed twice, 1.5x the useful tensor work at 128 heads:
+  sharing P through shared memory would remove it.
+
+Page ids are read as given: TMA keeps every box inside the cache (a box past it reads zeros), and
+``_hopper.check_page_ids`` reports ids outside it. Scores stay raw; the softmax scale (log2 units,
+positive) is applied inside exp2's argument. Gluon code does not run in the Triton interpreter: the
+CPU suite compiles it for sm_90 (tests/test_sm90_compile.py), the ``gpu`` tests run it.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+ROWS = gl.constexpr(64)  # rows a program: one warpgroup's wgmma M, shared by both consumers
+CHUNK = gl.constexpr(64)  # columns of a latent box (128 bytes: one swizzle row)
+
+
+@gluon.jit
+def _item(work_ptr, qo_indptr_ptr, kv_len_ptr, tile_tokens, num_heads):
+    """This program's work item and rows: (request or -1, its first query token, this block's first
+    token, the item's tokens end, KV range lo..hi, split, splits, rows in use, first row)."""
+    w = work_ptr + gl.program_id(1) * 7
+    req = gl.load(w)
+    q_tile_start = gl.load(w + 1)
+    lo = gl.load(w + 2)
+    hi = gl.load(w + 3)
+    split = gl.load(w + 4)
+    num_splits = gl.load(w + 5)
+    req_ok = gl.maximum(req, 0)
+    q_start = gl.load(qo_indptr_ptr + req_ok)
+    q_len = gl.load(qo_indptr_ptr + req_ok + 1) - q_start
+    tile_end = gl.minimum(q_tile_start + tile_tokens, q_len)
+    row0 = gl.program_id(0) * ROWS
+    rows = (tile_end - q_tile_start) * num_heads - row0
+    kv_len = gl.load(kv_len_ptr + req_ok)
+    return req, q_start, q_len, q_tile_start, tile_end, lo, hi, split, num_splits, rows, row0, kv_len
+
+
+@gluon.jit
+def _kv_hi(hi, q_tile_start, row0, tile_end, q_len, kv_len, is_causal, num_heads):
+    """The item's KV end for this block's rows: causal rows see up to their own token's diagonal
+    (bottom-right aligned), so the block stops after its last token's."""
+    if is_causal:
+        last_tok = gl.minimum(q_tile_start + (row0 + ROWS - 1) // num_heads, tile_end - 1)
+        hi = gl.minimum(hi, last_tok + kv_len - q_len + 1)
+    return hi
+
+
+@gluon.jit
+def _load_partition(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, kpe_smem, q_bar, ready, empty,
+                    o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2,
+                    lse_scale, part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
+                    kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads):
+    """Producer warp: the block's Q, then tile j's pages (positions lo + 64 j ...) into the ring's
+    next stage once both consumers released its last use. Pages past the request's last read page
+    0's boxes (those positions are masked), so every stage gets the bytes its barrier expects."""
+    stages: gl.constexpr = kpe_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = kpe_smem.type.shape[1]
+    # a box: a page, or the tile's share of a page larger than the tile
+    BOX: gl.constexpr = kpe_desc.block_type.shape[0]
+    N_CHUNKS: gl.constexpr = ckv_smem.type.shape[0] // stages
+    req, q_start, q_len, q_tile_start, tile_end, lo, hi, split, num_splits, rows, row0, kv_len = _item(
+        work_ptr, qo_indptr_ptr, kv_len_ptr, tile_tokens, num_heads)
+    if (req >= 0) & (rows > 0):
+        q_row = (q_start + q_tile_start) * num_heads + row0
+        bar = q_bar.index(0)
+        mbarrier.expect(bar, N_CHUNKS * q_desc.block_type.nbytes + qpe_desc.block_type.nbytes)
+        for c in gl.static_range(N_CHUNKS):
+            tma.async_copy_global_to_shared(q_desc, [q_row, c * CHUNK], bar, q_smem.index(c))
+        tma.async_copy_global_to_shared(qpe_desc, [q_row, 0], bar, qpe_smem)
+        hi = _kv_hi(hi, q_tile_start, row0, tile_end, q_len, kv_len, is_causal, num_heads)
+        n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+        page_base = gl.load(kv_indptr_ptr + req)
+        n_pages = gl.cdiv(kv_len, page_size)
+        tile_bytes: gl.constexpr = BLOCK_N * (N_CHUNKS * CHUNK * 2 + kpe_desc.block_type.shape[1] * 2)
+        for j in range(n_tiles):
+            stage = j % stages
+            # empty barriers start "released": the first pass over the ring waits on the other phase
+            mbarrier.wait(empty.index(stage), ((j // stages) & 1) ^ 1)
+            mbarrier.expect(ready.index(stage), tile_bytes)
+            for i in gl.static_range(BLOCK_N // BOX):
+                pos = lo + j * BLOCK_N + i * BOX
+                idx = pos // page_size
+                page = gl.load(kv_indices_ptr + page_base + idx, mask=idx < n_pages, other=0)
+                row = page * page_size + pos % page_size
+                for c in gl.static_range(N_CHUNKS):
+                    tma.async_copy_global_to_shared(ckv_desc, [row, c * CHUNK], ready.index(stage),
+                                                    ckv_smem.index(stage * N_CHUNKS + c).slice(i * BOX, BOX))
+                tma.async_copy_global_to_shared(kpe_desc, [row, 0], ready.index(stage),
+                                                kpe_smem.index(stage).slice(i * BOX, BOX))
+
+
+@gluon.jit
+def _consume(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, kpe_smem, q_bar, ready, empty,
+             o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2,
+             lse_scale, part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
+             kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads, WG: gl.constexpr):
+    """Consumer warpgroup ``WG``: the block's scores and softmax for every tile, and output columns
+    [256 WG, 256 WG + 256) (four 64-column accumulators); then the output (one split) or the partial
+    state (several), and the LSE (WG 0)."""
+    stages: gl.constexpr = kpe_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = kpe_smem.type.shape[1]
+    N_CHUNKS: gl.constexpr = ckv_smem.type.shape[0] // stages
+    HEAD_DIM_CKV: gl.constexpr = N_CHUNKS * CHUNK
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, CHUNK, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    req, q_start, q_len, q_tile_start, tile_end, lo, hi, split, num_splits, rows, row0, kv_len = _item(
+        work_ptr, qo_indptr_ptr, kv_len_ptr, tile_tokens, num_heads)
+    if (req >= 0) & (rows > 0):
+        hi = _kv_hi(hi, q_tile_start, row0, tile_end, q_len, kv_len, is_causal, num_heads)
+        n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+        offs_r = gl.arange(0, ROWS, layout=row_s)
+        # the last KV position each row sees (causal) and the item's end
+        diag = q_tile_start + (row0 + offs_r) // num_heads + kv_len - q_len
+        if is_causal == 0:
+            diag = diag * 0 + hi
+        cols0 = lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)
+        l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
+        acc0 = gl.zeros([ROWS, CHUNK], gl.float32, layout=o_layout)
+        acc1 = gl.zeros([ROWS, CHUNK], gl.float32, layout=o_layout)
+        acc2 = gl.zeros([ROWS, CHUNK], gl.float32, layout=o_layout)
+        acc3 = gl.zeros([ROWS, CHUNK], gl.float32, layout=o_layout)
+        mbarrier.wait(q_bar.index(0), 0)
+        for j in range(n_tiles):
+            stage = j % stages
+            mbarrier.wait(ready.index(stage), (j // stages) & 1)
+            s = warpgroup_mma(qpe_smem, kpe_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            for c in gl.static_range(N_CHUNKS):
+                s = warpgroup_mma(q_smem.index(c), ckv_smem.index(stage * N_CHUNKS + c).permute((1, 0)), s,
+                                  is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+            cols = cols0 + j * BLOCK_N
+            keep = (cols[None, :] < hi) & (cols[None, :] <= diag[:, None])
+            s = gl.where(keep, s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 1) * sm_scale_log2)
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(s * sm_scale_log2 - m_safe[:, None])
+            alpha = gl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + gl.sum(p, 1)
+            m_i = m_new
+            a_o = gl.convert_layout(alpha, row_o)[:, None]
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            base = stage * N_CHUNKS + WG * 4
+            acc0 = warpgroup_mma(p_op, ckv_smem.index(base), acc0 * a_o, is_async=True)
+            acc1 = warpgroup_mma(p_op, ckv_smem.index(base + 1), acc1 * a_o, is_async=True)
+            acc2 = warpgroup_mma(p_op, ckv_smem.index(base + 2), acc2 * a_o, is_async=True)
+            acc3 = warpgroup_mma(p_op, ckv_smem.index(base + 3), acc3 * a_o, is_async=True)
+            acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, acc2, acc3))
+            mbarrier.arrive(empty.index(stage), count=1)
+
+        # rows that saw no key: output 0, LSE -inf (as kernels/mla.py's finalize)
+        l_o = gl.convert_layout(l_i, row_o)
+        inv = 1.0 / gl.where(l_o > 0, l_o, 1.0)
+        lse = gl.where(l_i > 0, m_i + gl.log2(l_i), float("-inf"))
+        r_o = row0 + gl.arange(0, ROWS, layout=row_o)
+        tok_o = q_tile_start + r_o // num_heads
+        head_o = r_o % num_heads
+        ok_o = r_o < row0 + rows
+        r_s = row0 + offs_r
+        tok_s = q_tile_start + r_s // num_heads
+        head_s = r_s % num_heads
+        ok_s = r_s < row0 + rows
+        offs_c = WG * 4 * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, o_layout))
+        if num_splits == 1:
+            o_rows = (q_start + tok_o).to(gl.int64) * stride_o_tok + head_o.to(gl.int64) * stride_o_head
+            ptrs = o_ptr + o_rows[:, None] + offs_c[None, :]
+            out_ty: gl.constexpr = o_ptr.dtype.element_ty
+            gl.store(ptrs, (acc0 * inv[:, None]).to(out_ty), mask=ok_o[:, None])
+            gl.store(ptrs + CHUNK, (acc1 * inv[:, None]).to(out_ty), mask=ok_o[:, None])
+            gl.store(ptrs + 2 * CHUNK, (acc2 * inv[:, None]).to(out_ty), mask=ok_o[:, None])
+            gl.store(ptrs + 3 * CHUNK, (acc3 * inv[:, None]).to(out_ty), mask=ok_o[:, None])
+            if WG == 0:
+                lse_rows = (q_start + tok_s).to(gl.int64) * stride_lse_tok + head_s.to(gl.int64) * stride_lse_head
+                gl.store(lse_ptr + lse_rows, lse * lse_scale, mask=ok_s & (write_lse != 0))
+        else:
+            # the normalised partial state of this split, merged by kernels/mla.py's merge pass
+            first_o = gl.load(state_offset_ptr + req) + tok_o * num_splits
+            st_o = (first_o + split).to(gl.int64) * num_heads + head_o
+            st_ptrs = part_o_ptr + st_o[:, None] * HEAD_DIM_CKV + offs_c[None, :]
+            gl.store(st_ptrs, acc0 * inv[:, None], mask=ok_o[:, None])
+            gl.store(st_ptrs + CHUNK, acc1 * inv[:, None], mask=ok_o[:, None])
+            gl.store(st_ptrs + 2 * CHUNK, acc2 * inv[:, None], mask=ok_o[:, None])
+            gl.store(st_ptrs + 3 * CHUNK, acc3 * inv[:, None], mask=ok_o[:, None])
+            if WG == 0:
+                first_s = gl.load(state_offset_ptr + req) + tok_s * num_splits
+                st_s = (first_s + split).to(gl.int64) * num_heads + head_s
+                gl.store(part_lse_ptr + st_s, lse, mask=ok_s)
+
+
+@gluon.jit
+def _consume0(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, kpe_smem, q_bar, ready, empty,
+              o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2,
+              lse_scale, part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
+              kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads):
+    _consume(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, kpe_smem, q_bar, ready, empty,
+             o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2,
+             lse_scale, part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
+             kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads, 0)
+
+
+@gluon.jit
+def _consume1(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, kpe_smem, q_bar, ready, empty,
+              o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2,
+              lse_scale, part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
+              kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads):
+    _consume(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, kpe_smem, q_bar, ready, empty,
+             o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2,
+             lse_scale, part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
+             kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads, 1)
+
+
+@gluon.jit
+def mla_hopper_kernel(
+    q_desc, qpe_desc, ckv_desc, kpe_desc, o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok,
+    stride_lse_head, sm_scale_log2, lse_scale,
+    part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr, kv_len_ptr, state_offset_ptr,
+    tile_tokens,
+    NUM_HEADS: gl.constexpr, HEAD_DIM_CKV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+    WRITE_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+):
+    """Grid ``(row programs, work items)`` as ``kernels/mla.py``'s (work items int32 [capacity, 7]:
+    request (< 0: unused), first query token, kv_start, kv_end, split, splits, group).
+
+    q_desc: q_nope as [tokens * H, D_ckv], box [64, 64]; qpe_desc: q_pe as [tokens * H, D_kpe], box
+    [64, D_kpe] (token stride H times the head stride). ckv_desc / kpe_desc: the caches as [pages *
+    PAGE_SIZE, D] (page p from row p * PAGE_SIZE; a power of two from 8), boxes [min(PAGE_SIZE,
+    BLOCK_N), 64] and [.., D_kpe]; work items start on multiples of BLOCK_N positions. o [tokens, H, D_ckv], lse [tokens, H] float32 (times
+    ``lse_scale``; written with ``WRITE_LSE``); part_o [states * H, D_ckv] / part_lse [states * H]
+    float32 at ``state_offset[req] + token * splits + split``. ``num_warps`` is 4: the first consumer
+    is the default partition."""
+    N_CHUNKS: gl.constexpr = HEAD_DIM_CKV // CHUNK
+    # each consumer holds four 64-column accumulators: the latent must be 512 wide (DeepSeek's)
+    gl.static_assert(N_CHUNKS == 8)
+    D_KPE: gl.constexpr = kpe_desc.block_type.shape[1]
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [N_CHUNKS, ROWS, CHUNK], q_desc.layout)
+    qpe_smem = gl.allocate_shared_memory(dtype, [ROWS, D_KPE], qpe_desc.layout)
+    ckv_smem = gl.allocate_shared_memory(dtype, [STAGES * N_CHUNKS, BLOCK_N, CHUNK], ckv_desc.layout)
+    kpe_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_KPE], kpe_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar.index(0), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+
+    args = (q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, kpe_smem, q_bar, ready, empty,
+            o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2, lse_scale,
+            part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr, kv_len_ptr,
+            state_offset_ptr, tile_tokens, PAGE_SIZE, IS_CAUSAL, WRITE_LSE, NUM_HEADS)
+    gl.warp_specialize([(_consume0, args), (_consume1, args), (_load_partition, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
