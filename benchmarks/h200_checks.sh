@@ -48,6 +48,9 @@
 #   fit-s15      FlashInfer's test_block_sparse.py (2 workers), then under FIT_COMPILE=1 (3 cases a test)
 #                the sampling and multi-item cases that failed at e9e8462
 #   tests-s16    pytest -m gpu on session 16's changes: POD's prefill half on the Gluon kernel (test_pod, test_route)
+#   tests-mla-gluon  pytest -m gpu on the Gluon MLA kernel (tests/test_mla.py -k gluon; _route.MLA_HOPPER forced on)
+#   mla-ab       tritoninfer bench mla --quick with the Gluon MLA kernel on, then off (FlashInfer beside: run
+#                warm-mla first)
 #   rope-tune    benchmarks/rope_append_tune.py: the fused RoPE-quantize-append's program shapes, ours alone
 #   pod-ab       tritoninfer bench pod --quick, ours only, with POD's prefill half on the Gluon kernel and without
 #                (_route.POD_PREFILL_ON_HOPPER)
@@ -174,6 +177,14 @@ case "$part" in
   tests-s16)
     PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=10 \
       tests/test_pod.py tests/test_route.py > "$out/$part.log" 2>&1 || true ;;
+  tests-mla-gluon)
+    PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=10 -x \
+      tests/test_mla.py -k gluon > "$out/$part.log" 2>&1 || true ;;
+  mla-ab)
+    for on in true false; do
+      PYTHONPATH=/tmp/site:$PWD timeout $((limit / 2)) python3 -m tritoninfer bench mla --quick \
+        --set _route.MLA_HOPPER=$on --out "$out/mla-ab-$on" > "$out/mla-ab-$on.log" 2>&1 || true
+    done ;;
   rope-tune)
     PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 benchmarks/rope_append_tune.py --out "$out/rope-tune.md" \
       > "$out/rope-tune.log" 2>&1 || true ;;
