@@ -133,8 +133,9 @@ def mla_tiles(num_heads: int, avg_q_len: float, kv_fp8: bool = False) -> Tiles:
 
 # The Gluon kernel (kernels/mla_hopper.py, _route.MlaRoute): 32-position tiles (64 spill 32 bytes a
 # consumer thread, sm_90 compiled on the CPU), 3 stages (185 KB of shared memory), the consumers' and
-# the producer's registers a thread
-_HOPPER_BLOCK_N, _HOPPER_STAGES, _HOPPER_CONSUMER_REGS, _HOPPER_PRODUCER_REGS = 32, 3, 240, 24
+# the producer's registers a thread (240 spilled 8 bytes at 8-position pages; the launch's 160 a thread
+# leave the consumers' 232 free once the producer drops to 24)
+_HOPPER_BLOCK_N, _HOPPER_STAGES, _HOPPER_CONSUMER_REGS, _HOPPER_PRODUCER_REGS = 32, 3, 232, 24
 
 
 def hopper_tiles(num_heads: int, avg_q_len: float) -> Tiles:

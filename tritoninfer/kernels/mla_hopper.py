@@ -17,14 +17,22 @@ item's KV range, in tiles of 64 positions:
   sharing P through shared memory would remove it.
 
 Page ids are read as given: TMA keeps every box inside the cache (a box past it reads zeros), and
-``_hopper.check_page_ids`` reports ids outside it. Scores stay raw; the softmax scale (log2 units,
+``_hopper.check_page_ids`` reports ids outside it. A request's last tile reads whole pages: the rows
+past its end (whatever they hold, NaN included: FlashInfer's ``test_batch_mla_oob_kv_nan``) are
+masked in the scores and zeroed in the consumer's value chunks before P V. Scores stay raw; the softmax scale (log2 units,
 positive) is applied inside exp2's argument. Gluon code does not run in the Triton interpreter: the
 CPU suite compiles it for sm_90 (tests/test_sm90_compile.py), the ``gpu`` tests run it.
 """
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 ROWS = gl.constexpr(64)  # rows a program: one warpgroup's wgmma M, shared by both consumers
 CHUNK = gl.constexpr(64)  # columns of a latent box (128 bytes: one swizzle row)
@@ -62,6 +70,24 @@ def _kv_hi(hi, q_tile_start, row0, tile_end, q_len, kv_len, is_causal, num_heads
 
 
 @gluon.jit
+def _zero_tail(ckv_smem, first, n_valid, BLOCK_N: gl.constexpr):
+    """Zeros of rows ``n_valid`` .. of a consumer's four value chunks ``first`` .. ``first + 3`` of a
+    stage: the positions past the request's end in its last page (any values there, NaN included)
+    would reach the output through P V with P = 0 there. The other consumer may still be reading
+    these chunks for its scores, whose columns past the end it masks; the rows before ``n_valid`` are
+    written back unchanged."""
+    zl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    tail = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, zl))[:, None] >= n_valid
+    for k in gl.static_range(4):
+        chunk = ckv_smem.index(first + k)
+        x = chunk.load(zl)
+        chunk.store(gl.where(tail, gl.zeros_like(x), x))
+    # the stores, by every warp of the warpgroup, before its wgmma reads the chunks
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
 def _load_partition(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, kpe_smem, q_bar, ready, empty,
                     o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2,
                     lse_scale, part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
@@ -94,10 +120,11 @@ def _load_partition(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_
             mbarrier.wait(empty.index(stage), ((j // stages) & 1) ^ 1)
             mbarrier.expect(ready.index(stage), tile_bytes)
             for i in gl.static_range(BLOCK_N // BOX):
+                # a box: page idx of the request, from its row (pos - idx * page_size) on
                 pos = lo + j * BLOCK_N + i * BOX
                 idx = pos // page_size
                 page = gl.load(kv_indices_ptr + page_base + idx, mask=idx < n_pages, other=0)
-                row = page * page_size + pos % page_size
+                row = (page - idx) * page_size + pos
                 for c in gl.static_range(N_CHUNKS):
                     tma.async_copy_global_to_shared(ckv_desc, [row, c * CHUNK], ready.index(stage),
                                                     ckv_smem.index(stage * N_CHUNKS + c).slice(i * BOX, BOX))
@@ -164,6 +191,9 @@ def _consume(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, k
             a_o = gl.convert_layout(alpha, row_o)[:, None]
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             base = stage * N_CHUNKS + WG * 4
+            n_valid = hi - (lo + j * BLOCK_N)
+            if n_valid < BLOCK_N:
+                _zero_tail(ckv_smem, base, n_valid, BLOCK_N)
             acc0 = warpgroup_mma(p_op, ckv_smem.index(base), acc0 * a_o, is_async=True)
             acc1 = warpgroup_mma(p_op, ckv_smem.index(base + 1), acc1 * a_o, is_async=True)
             acc2 = warpgroup_mma(p_op, ckv_smem.index(base + 2), acc2 * a_o, is_async=True)
