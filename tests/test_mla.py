@@ -515,13 +515,16 @@ def test_mla_cuda_graph_capture_replan_gpu(heads):
 @pytest.mark.parametrize("page_size", [64, 16])
 @pytest.mark.parametrize("qo_len,causal", [(1, False), (4, True)])
 @pytest.mark.parametrize("kv_lens", [[1, 77, 1000, 4133, 0, 129], [8192]], ids=["varied", "one-long-split"])
-def test_mla_gluon_kernel_gpu(monkeypatch, heads, page_size, qo_len, causal, kv_lens):
-    """The Gluon MLA kernel (``_route.MLA_HOPPER`` on) at DeepSeek's dims, q and cache as slices of wider
-    buffers (SGLang's form): output and LSE against the reference, with and without split-KV (one long
-    request is split over the SMs and merged by the merge pass); the kernel ran (not the fallback)."""
+@pytest.mark.parametrize("share_p", [True, False])
+def test_mla_gluon_kernel_gpu(monkeypatch, heads, page_size, qo_len, causal, kv_lens, share_p):
+    """The Gluon MLA kernel (``_route.MLA_HOPPER`` on), P shared between its consumers or not, at
+    DeepSeek's dims, q and cache as slices of wider buffers (SGLang's form): output and LSE against the
+    reference, with and without split-KV (one long request is split over the SMs and merged by the merge
+    pass); the kernel ran (not the fallback)."""
     from tritoninfer import _route
 
     monkeypatch.setattr(_route, "MLA_HOPPER", True)
+    monkeypatch.setattr(mla, "_HOPPER_SHARE_P", share_p)
     ran = []
     real = mla.MLALaunch._launch_hopper
     monkeypatch.setattr(mla.MLALaunch, "_launch_hopper", lambda self, *a: ran.append(1) or real(self, *a))
@@ -554,3 +557,30 @@ def test_mla_gluon_kernel_cuda_graph_gpu(monkeypatch):
 
     monkeypatch.setattr(_route, "MLA_HOPPER", True)
     test_mla_cuda_graph_capture_replan_gpu(128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("share_p", [True, False])
+@pytest.mark.parametrize("page_size", [64, 16])
+def test_mla_gluon_kernel_nan_past_the_end_gpu(monkeypatch, share_p, page_size):
+    """NaN in the slots of each request's last page past its length (FlashInfer's
+    test_batch_mla_oob_kv_nan) never reaches the Gluon kernel's output: those value rows are zeroed."""
+    from tritoninfer import _route
+
+    monkeypatch.setattr(_route, "MLA_HOPPER", True)
+    monkeypatch.setattr(mla, "_HOPPER_SHARE_P", share_p)
+    kv_lens = [1000, 77, 35]
+    c = make_case([1] * len(kv_lens), kv_lens, 128, 512, 64, page_size, torch.bfloat16, extra_pages=0)
+    pages = [math.ceil(n / page_size) for n in kv_lens]
+    ends = torch.tensor(pages).cumsum(0).tolist()
+    for n, end in zip(kv_lens, ends):
+        last = c["kv_indices"][end - 1]
+        tail = n - (math.ceil(n / page_size) - 1) * page_size
+        c["ckv"][last, tail:] = float("nan")
+        c["kpe"][last, tail:] = float("nan")
+    w = BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
+    plan(w, c, 128, page_size, False, 0.07, torch.bfloat16)
+    out = w.run(c["q_nope"], c["q_pe"], c["ckv"], c["kpe"])
+    clean = {k: v.nan_to_num(0.0) if k in ("ckv", "kpe") else v for k, v in c.items()}
+    assert not out.isnan().any()
+    assert_close(out, ref_of(clean, 0.07, False)[0], torch.bfloat16)

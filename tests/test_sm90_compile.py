@@ -312,7 +312,8 @@ def test_hopper_prefill_kernel_compiles_for_sm90():
 
 
 # the Gluon MLA kernel (kernels/mla_hopper.py) as mla.py launches it: (page size, causal, heads)
-MLA_HOPPER_CASES = {"p64-128h": (64, False, 128), "p16-16h-causal": (16, True, 16), "p8-64h": (8, False, 64)}
+MLA_HOPPER_CASES = {"p64-128h": (64, False, 128, False), "p64-128h-share-p": (64, False, 128, True),
+                    "p16-16h-causal": (16, True, 16, False), "p8-64h-share-p": (8, False, 64, True)}
 
 
 def compile_mla_hopper_case(name: str):
@@ -326,7 +327,7 @@ def compile_mla_hopper_case(name: str):
     from tritoninfer import _hopper, mla
     from tritoninfer.kernels.mla_hopper import mla_hopper_kernel
 
-    page, causal, heads = MLA_HOPPER_CASES[name]
+    page, causal, heads, share_p = MLA_HOPPER_CASES[name]
     buf = torch.empty(4096, 576, dtype=torch.bfloat16)
     box = min(page, mla._HOPPER_BLOCK_N)
 
@@ -335,7 +336,7 @@ def compile_mla_hopper_case(name: str):
                                             _hopper.smem_layout(rows, 64, torch.bfloat16)))
 
     constexprs = dict(NUM_HEADS=heads, HEAD_DIM_CKV=512, PAGE_SIZE=page, BLOCK_N=mla._HOPPER_BLOCK_N,
-                      STAGES=mla._HOPPER_STAGES, IS_CAUSAL=causal, WRITE_LSE=True,
+                      STAGES=mla._HOPPER_STAGES, IS_CAUSAL=causal, WRITE_LSE=True, SHARE_P=share_p,
                       CONSUMER_REGS=mla._HOPPER_CONSUMER_REGS, PRODUCER_REGS=mla._HOPPER_PRODUCER_REGS, num_warps=4)
     sig = {}
     for p in mla_hopper_kernel.params:

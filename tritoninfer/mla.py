@@ -136,6 +136,9 @@ def mla_tiles(num_heads: int, avg_q_len: float, kv_fp8: bool = False) -> Tiles:
 # the producer's registers a thread (240 spilled 8 bytes at 8-position pages; the launch's 160 a thread
 # leave the consumers' 232 free once the producer drops to 24)
 _HOPPER_BLOCK_N, _HOPPER_STAGES, _HOPPER_CONSUMER_REGS, _HOPPER_PRODUCER_REGS = 32, 3, 232, 24
+# the first consumer computes the scores and hands P to the second through shared memory (False: both
+# compute them, 1.5x the tensor work at 128 heads, no hand-over)
+_HOPPER_SHARE_P = True
 
 
 def hopper_tiles(num_heads: int, avg_q_len: float) -> Tiles:
@@ -251,7 +254,7 @@ class MLALaunch:
                            plan.kv_len, plan.state_offset, tiles.tile_tokens)
             hopper_kwargs = dict(
                 NUM_HEADS=heads, HEAD_DIM_CKV=d_ckv, PAGE_SIZE=step.page_size, BLOCK_N=tiles.block_n,
-                STAGES=_HOPPER_STAGES, IS_CAUSAL=step.causal, WRITE_LSE=write_lse,
+                STAGES=_HOPPER_STAGES, IS_CAUSAL=step.causal, WRITE_LSE=write_lse, SHARE_P=_HOPPER_SHARE_P,
                 CONSUMER_REGS=_HOPPER_CONSUMER_REGS, PRODUCER_REGS=_HOPPER_PRODUCER_REGS, num_warps=4,
                 maxnreg=_hopper.maxnreg(_HOPPER_CONSUMER_REGS, _HOPPER_PRODUCER_REGS))
             self.hopper = launcher.bind(grid, hopper_tail, hopper_kwargs)

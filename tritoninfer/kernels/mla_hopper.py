@@ -89,6 +89,7 @@ def _zero_tail(ckv_smem, first, n_valid, BLOCK_N: gl.constexpr):
 
 @gluon.jit
 def _load_partition(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, kpe_smem, q_bar, ready, empty,
+                    p_smem, row_smem, p_ready, p_free, fin_bar,
                     o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2,
                     lse_scale, part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
                     kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads):
@@ -134,12 +135,17 @@ def _load_partition(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_
 
 @gluon.jit
 def _consume(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, kpe_smem, q_bar, ready, empty,
+                    p_smem, row_smem, p_ready, p_free, fin_bar,
              o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2,
              lse_scale, part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
              kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads, WG: gl.constexpr):
-    """Consumer warpgroup ``WG``: the block's scores and softmax for every tile, and output columns
-    [256 WG, 256 WG + 256) (four 64-column accumulators); then the output (one split) or the partial
-    state (several), and the LSE (WG 0)."""
+    """Consumer warpgroup ``WG``: output columns [256 WG, 256 WG + 256) (four 64-column accumulators)
+    of every tile, then the output (one split) or the partial state (several), and the LSE (WG 0).
+    Without shared P (``p_smem`` a placeholder of one buffer) both consumers compute each tile's scores
+    and softmax; with it (two buffers), WG 0 does and hands P and the rescale factors over through
+    ``p_smem`` / ``row_smem`` (``p_ready`` / ``p_free``, double-buffered), and its final row sums and
+    maxima through ``row_smem`` and ``fin_bar``."""
+    SHARE_P: gl.constexpr = p_smem.type.shape[0] == 2
     stages: gl.constexpr = kpe_smem.type.shape[0]
     BLOCK_N: gl.constexpr = kpe_smem.type.shape[1]
     N_CHUNKS: gl.constexpr = ckv_smem.type.shape[0] // stages
@@ -174,32 +180,67 @@ def _consume(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, k
         for j in range(n_tiles):
             stage = j % stages
             mbarrier.wait(ready.index(stage), (j // stages) & 1)
-            s = warpgroup_mma(qpe_smem, kpe_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            for c in gl.static_range(N_CHUNKS):
-                s = warpgroup_mma(q_smem.index(c), ckv_smem.index(stage * N_CHUNKS + c).permute((1, 0)), s,
-                                  is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-            cols = cols0 + j * BLOCK_N
-            keep = (cols[None, :] < hi) & (cols[None, :] <= diag[:, None])
-            s = gl.where(keep, s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 1) * sm_scale_log2)
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            p = gl.exp2(s * sm_scale_log2 - m_safe[:, None])
-            alpha = gl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + gl.sum(p, 1)
-            m_i = m_new
-            a_o = gl.convert_layout(alpha, row_o)[:, None]
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
             base = stage * N_CHUNKS + WG * 4
             n_valid = hi - (lo + j * BLOCK_N)
-            if n_valid < BLOCK_N:
-                _zero_tail(ckv_smem, base, n_valid, BLOCK_N)
-            acc0 = warpgroup_mma(p_op, ckv_smem.index(base), acc0 * a_o, is_async=True)
-            acc1 = warpgroup_mma(p_op, ckv_smem.index(base + 1), acc1 * a_o, is_async=True)
-            acc2 = warpgroup_mma(p_op, ckv_smem.index(base + 2), acc2 * a_o, is_async=True)
-            acc3 = warpgroup_mma(p_op, ckv_smem.index(base + 3), acc3 * a_o, is_async=True)
-            acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, acc2, acc3))
+            if SHARE_P and WG == 1:
+                buf = j % 2
+                mbarrier.wait(p_ready.index(buf), (j // 2) & 1)
+                a_o = row_smem.index(buf).load(row_o)[:, None]
+                if n_valid < BLOCK_N:
+                    _zero_tail(ckv_smem, base, n_valid, BLOCK_N)
+                p_in = p_smem.index(buf)
+                acc0 = warpgroup_mma(p_in, ckv_smem.index(base), acc0 * a_o, is_async=True)
+                acc1 = warpgroup_mma(p_in, ckv_smem.index(base + 1), acc1 * a_o, is_async=True)
+                acc2 = warpgroup_mma(p_in, ckv_smem.index(base + 2), acc2 * a_o, is_async=True)
+                acc3 = warpgroup_mma(p_in, ckv_smem.index(base + 3), acc3 * a_o, is_async=True)
+                acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, acc2, acc3))
+                mbarrier.arrive(p_free.index(buf), count=1)
+            else:
+                s = warpgroup_mma(qpe_smem, kpe_smem.index(stage).permute((1, 0)), s_zero, use_acc=False,
+                                  is_async=True)
+                for c in gl.static_range(N_CHUNKS):
+                    s = warpgroup_mma(q_smem.index(c), ckv_smem.index(stage * N_CHUNKS + c).permute((1, 0)), s,
+                                      is_async=True)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+                cols = cols0 + j * BLOCK_N
+                keep = (cols[None, :] < hi) & (cols[None, :] <= diag[:, None])
+                s = gl.where(keep, s, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(s, 1) * sm_scale_log2)
+                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+                p = gl.exp2(s * sm_scale_log2 - m_safe[:, None])
+                alpha = gl.exp2(m_i - m_safe)
+                l_i = l_i * alpha + gl.sum(p, 1)
+                m_i = m_new
+                if SHARE_P:
+                    buf = j % 2
+                    # P and alpha for WG 1, once it has read the buffer's previous ones
+                    mbarrier.wait(p_free.index(buf), ((j // 2) & 1) ^ 1)
+                    p_smem.index(buf).store(p.to(dtype))
+                    row_smem.index(buf).store(alpha)
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    mbarrier.arrive(p_ready.index(buf), count=1)
+                a_o = gl.convert_layout(alpha, row_o)[:, None]
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                if n_valid < BLOCK_N:
+                    _zero_tail(ckv_smem, base, n_valid, BLOCK_N)
+                acc0 = warpgroup_mma(p_op, ckv_smem.index(base), acc0 * a_o, is_async=True)
+                acc1 = warpgroup_mma(p_op, ckv_smem.index(base + 1), acc1 * a_o, is_async=True)
+                acc2 = warpgroup_mma(p_op, ckv_smem.index(base + 2), acc2 * a_o, is_async=True)
+                acc3 = warpgroup_mma(p_op, ckv_smem.index(base + 3), acc3 * a_o, is_async=True)
+                acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, acc2, acc3))
             mbarrier.arrive(empty.index(stage), count=1)
+        if SHARE_P:
+            # WG 1's rows: the final sums and maxima from WG 0 (buffers 2 and 3 of row_smem)
+            if WG == 0:
+                row_smem.index(2).store(l_i)
+                row_smem.index(3).store(m_i)
+                gl.thread_barrier()
+                mbarrier.arrive(fin_bar.index(0), count=1)
+            else:
+                mbarrier.wait(fin_bar.index(0), 0)
+                l_i = row_smem.index(2).load(row_s)
+                m_i = row_smem.index(3).load(row_s)
 
         # rows that saw no key: output 0, LSE -inf (as kernels/mla.py's finalize)
         l_o = gl.convert_layout(l_i, row_o)
@@ -242,10 +283,12 @@ def _consume(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, k
 
 @gluon.jit
 def _consume0(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, kpe_smem, q_bar, ready, empty,
+                    p_smem, row_smem, p_ready, p_free, fin_bar,
               o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2,
               lse_scale, part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
               kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads):
     _consume(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, kpe_smem, q_bar, ready, empty,
+                    p_smem, row_smem, p_ready, p_free, fin_bar,
              o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2,
              lse_scale, part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
              kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads, 0)
@@ -253,10 +296,12 @@ def _consume0(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, 
 
 @gluon.jit
 def _consume1(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, kpe_smem, q_bar, ready, empty,
+                    p_smem, row_smem, p_ready, p_free, fin_bar,
               o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2,
               lse_scale, part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
               kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads):
     _consume(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, kpe_smem, q_bar, ready, empty,
+                    p_smem, row_smem, p_ready, p_free, fin_bar,
              o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2,
              lse_scale, part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
              kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads, 1)
@@ -270,7 +315,8 @@ def mla_hopper_kernel(
     tile_tokens,
     NUM_HEADS: gl.constexpr, HEAD_DIM_CKV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-    WRITE_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    WRITE_LSE: gl.constexpr, SHARE_P: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """Grid ``(row programs, work items)`` as ``kernels/mla.py``'s (work items int32 [capacity, 7]:
     request (< 0: unused), first query token, kv_start, kv_end, split, splits, group).
@@ -291,15 +337,31 @@ def mla_hopper_kernel(
     qpe_smem = gl.allocate_shared_memory(dtype, [ROWS, D_KPE], qpe_desc.layout)
     ckv_smem = gl.allocate_shared_memory(dtype, [STAGES * N_CHUNKS, BLOCK_N, CHUNK], ckv_desc.layout)
     kpe_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_KPE], kpe_desc.layout)
+    # P handed from WG 0 to WG 1 (SHARE_P: two buffers; else a placeholder), with the rescale factors
+    # of each buffer's tile and, at the end, the row sums and maxima
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N], dtype)
+    if SHARE_P:
+        p_smem = gl.allocate_shared_memory(dtype, [2, ROWS, BLOCK_N], p_layout)
+    else:
+        p_smem = gl.allocate_shared_memory(dtype, [1, ROWS, BLOCK_N], p_layout)
+    row_smem = gl.allocate_shared_memory(gl.float32, [4, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    fin_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar.index(0), count=1)
+    mbarrier.init(fin_bar.index(0), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(p_ready.index(i), count=1)
+        mbarrier.init(p_free.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
 
     args = (q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, kpe_smem, q_bar, ready, empty,
+                    p_smem, row_smem, p_ready, p_free, fin_bar,
             o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2, lse_scale,
             part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr, kv_len_ptr,
             state_offset_ptr, tile_tokens, PAGE_SIZE, IS_CAUSAL, WRITE_LSE, NUM_HEADS)
