@@ -133,15 +133,37 @@ def compile_pair():
                           options=options)
 
 
-def test_attention_kernel_compiles_for_sm90():
-    """Every case compiles to a cubin (one subprocess without the interpreter, all cases), and the
-    cases cover the GPU's tile families: KV as M, the dot-free lanes, 64+ row prefill tiles."""
+def _compile_in_subprocess(*mode: str) -> subprocess.CompletedProcess:
+    """This file run as a script (``mode`` its argument) without the interpreter, from the repository
+    root: the compiles happen in a process whose Triton was never switched to interpreting. Asserts it
+    succeeded."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600, cwd=root)
+    done = subprocess.run([sys.executable, __file__, *mode], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=root)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    report = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.startswith("case-"))
+    return done
+
+
+def _report(done: subprocess.CompletedProcess) -> dict:
+    """The script's ``case-NAME facts`` lines, by ``case-NAME``."""
+    return dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.startswith("case-"))
+
+
+def _check_resources(report: dict) -> None:
+    """No case spills (no local-memory stack) or needs more than an H200 SM's 227 KB of shared memory."""
+    for case, line in report.items():
+        facts = dict(f.split("=") for f in line.split() if "=" in f)
+        assert int(facts["stack"]) == 0, f"{case} spills: {line}"
+        assert int(facts["shared"]) <= 227 * 1024, f"{case}: {line}"
+
+
+def test_attention_kernel_compiles_for_sm90():
+    """Every case compiles to a cubin (one subprocess without the interpreter, all cases), and the
+    cases cover the GPU's tile families: KV as M, the dot-free lanes, 64+ row prefill tiles."""
+    done = _compile_in_subprocess()
+    report = _report(done)
     assert set(report) == {f"case-{n}" for n in CASES} | {"case-pod-pair"}, done.stdout
     assert "kv_as_m" in report["case-decode-bf16"] and "lanes" in report["case-decode-lanes"]
     assert "block_m=128" in report["case-prefill"] or "block_m=64" in report["case-prefill"]
@@ -237,19 +259,11 @@ def shared_stores(compiled) -> int:
 def test_mla_kernel_compiles_for_sm90():
     """The MLA kernel's GPU variants compile to a cubin (one subprocess without the interpreter) without
     spills (no local-memory stack) and within an H200 SM's shared memory."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    done = subprocess.run([sys.executable, __file__, "mla"], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=root)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    report = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.startswith("case-"))
+    done = _compile_in_subprocess("mla")
+    report = _report(done)
     assert set(report) == {f"case-{n}" for n in MLA_CASES}, done.stdout
     assert "kv_as_m" in report["case-mla-16h-decode"]
-    for case, line in report.items():
-        facts = dict(f.split("=") for f in line.split() if "=" in f)
-        assert int(facts["stack"]) == 0, f"{case} spills: {line}"
-        assert int(facts["shared"]) <= 227 * 1024, f"{case}: {line}"
+    _check_resources(report)
     for case in ("mla-128h-decode", "mla-32h-q2-causal", "mla-16h-q4-causal"):
         assert "block_m=64" in report[f"case-{case}"], report
     for case in ("mla-128h-decode-e4m3", "mla-16h-q4-causal-e4m3"):
@@ -297,18 +311,10 @@ def compile_hopper_case(name: str):
 def test_hopper_prefill_kernel_compiles_for_sm90():
     """The Gluon prefill kernel (which the interpreter cannot run) compiles for sm_90 on the CPU in
     each mode, without spills and within an H200 SM's 227 KB of shared memory."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    done = subprocess.run([sys.executable, __file__, "hopper"], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=root)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    report = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.startswith("case-"))
+    done = _compile_in_subprocess("hopper")
+    report = _report(done)
     assert set(report) == {f"case-{n}" for n in HOPPER_CASES}, done.stdout
-    for case, line in report.items():
-        facts = dict(f.split("=") for f in line.split() if "=" in f)
-        assert int(facts["stack"]) == 0, f"{case} spills: {line}"
-        assert int(facts["shared"]) <= 227 * 1024, f"{case}: {line}"
+    _check_resources(report)
 
 
 # the Gluon MLA kernel (kernels/mla_hopper.py) as mla.py launches it: (page size, causal, heads)
@@ -353,18 +359,10 @@ def compile_mla_hopper_case(name: str):
 def test_mla_hopper_kernel_compiles_for_sm90():
     """The Gluon MLA kernel compiles for sm_90 on the CPU at pages of 8-64 positions, causal or not,
     without spills and within an H200 SM's 227 KB of shared memory."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    done = subprocess.run([sys.executable, __file__, "mla-hopper"], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=root)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    report = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.startswith("case-"))
+    done = _compile_in_subprocess("mla-hopper")
+    report = _report(done)
     assert set(report) == {f"case-{n}" for n in MLA_HOPPER_CASES}, done.stdout
-    for case, line in report.items():
-        facts = dict(f.split("=") for f in line.split() if "=" in f)
-        assert int(facts["stack"]) == 0, f"{case} spills: {line}"
-        assert int(facts["shared"]) <= 227 * 1024, f"{case}: {line}"
+    _check_resources(report)
 
 
 # the sampling kernels (kernels/sampling.py) with the GPU tiles of sampling._Split / _tiles
@@ -501,12 +499,7 @@ def compile_sampling_cases():
 def test_sampling_kernels_compile_for_sm90():
     """The interpreter accepts what the GPU compiler refuses (a global read without ``tl.constexpr(...)``
     cost a GPU run): every sampling kernel variant compiles to a cubin in a subprocess."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    done = subprocess.run([sys.executable, __file__, "sampling"], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=root)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    done = _compile_in_subprocess("sampling")
     assert done.stdout.count("case-") == len(sampling_cases()), done.stdout
     # no spills beyond a word outside the loops: tl.cumsum(reverse=True) once put 2.3 KB a thread on
     # the compaction prologue's stack, which only these launch specialisations showed. And no tile
