@@ -93,7 +93,7 @@ def _load_partition(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_
                     o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2,
                     lse_scale, part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
                     kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads):
-    """Producer warp: the block's Q, then tile j's pages (positions lo + 64 j ...) into the ring's
+    """Producer warp: the block's Q, then tile j's pages (positions lo + BLOCK_N j ...) into the ring's
     next stage once both consumers released its last use. Pages past the request's last read page
     0's boxes (those positions are masked), so every stage gets the bytes its barrier expects."""
     stages: gl.constexpr = kpe_smem.type.shape[0]
@@ -135,7 +135,7 @@ def _load_partition(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_
 
 @gluon.jit
 def _consume(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, kpe_smem, q_bar, ready, empty,
-                    p_smem, row_smem, p_ready, p_free, fin_bar,
+             p_smem, row_smem, p_ready, p_free, fin_bar,
              o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2,
              lse_scale, part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
              kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads, WG: gl.constexpr):
@@ -283,12 +283,12 @@ def _consume(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, k
 
 @gluon.jit
 def _consume0(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, kpe_smem, q_bar, ready, empty,
-                    p_smem, row_smem, p_ready, p_free, fin_bar,
+              p_smem, row_smem, p_ready, p_free, fin_bar,
               o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2,
               lse_scale, part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
               kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads):
     _consume(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, kpe_smem, q_bar, ready, empty,
-                    p_smem, row_smem, p_ready, p_free, fin_bar,
+             p_smem, row_smem, p_ready, p_free, fin_bar,
              o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2,
              lse_scale, part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
              kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads, 0)
@@ -296,12 +296,12 @@ def _consume0(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, 
 
 @gluon.jit
 def _consume1(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, kpe_smem, q_bar, ready, empty,
-                    p_smem, row_smem, p_ready, p_free, fin_bar,
+              p_smem, row_smem, p_ready, p_free, fin_bar,
               o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2,
               lse_scale, part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
               kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads):
     _consume(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, kpe_smem, q_bar, ready, empty,
-                    p_smem, row_smem, p_ready, p_free, fin_bar,
+             p_smem, row_smem, p_ready, p_free, fin_bar,
              o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2,
              lse_scale, part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
              kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads, 1)
@@ -361,7 +361,7 @@ def mla_hopper_kernel(
         mbarrier.init(empty.index(i), count=2)
 
     args = (q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, kpe_smem, q_bar, ready, empty,
-                    p_smem, row_smem, p_ready, p_free, fin_bar,
+            p_smem, row_smem, p_ready, p_free, fin_bar,
             o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2, lse_scale,
             part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr, kv_len_ptr,
             state_offset_ptr, tile_tokens, PAGE_SIZE, IS_CAUSAL, WRITE_LSE, NUM_HEADS)
