@@ -318,8 +318,10 @@ def test_hopper_prefill_kernel_compiles_for_sm90():
 
 
 # the Gluon MLA kernel (kernels/mla_hopper.py) as mla.py launches it: (page size, causal, heads)
-MLA_HOPPER_CASES = {"p64-128h": (64, False, 128, False), "p64-128h-share-p": (64, False, 128, True),
-                    "p16-16h-causal": (16, True, 16, False), "p8-64h-share-p": (8, False, 64, True)}
+# (page size, causal, heads, P shared between the consumers, the first consumer's S / P V overlap)
+MLA_HOPPER_CASES = {"p64-128h": (64, False, 128, False, False), "p64-128h-share-p": (64, False, 128, True, False),
+                    "p64-128h-overlap": (64, False, 128, True, True), "p16-16h-causal": (16, True, 16, False, False),
+                    "p8-64h-overlap-causal": (8, True, 64, True, True)}
 
 
 def compile_mla_hopper_case(name: str):
@@ -333,7 +335,7 @@ def compile_mla_hopper_case(name: str):
     from tritoninfer import _hopper, mla
     from tritoninfer.kernels.mla_hopper import mla_hopper_kernel
 
-    page, causal, heads, share_p = MLA_HOPPER_CASES[name]
+    page, causal, heads, share_p, overlap = MLA_HOPPER_CASES[name]
     buf = torch.empty(4096, 576, dtype=torch.bfloat16)
     box = min(page, mla._HOPPER_BLOCK_N)
 
@@ -342,7 +344,7 @@ def compile_mla_hopper_case(name: str):
                                             _hopper.smem_layout(rows, 64, torch.bfloat16)))
 
     constexprs = dict(NUM_HEADS=heads, HEAD_DIM_CKV=512, PAGE_SIZE=page, BLOCK_N=mla._HOPPER_BLOCK_N,
-                      STAGES=mla._HOPPER_STAGES, IS_CAUSAL=causal, WRITE_LSE=True, SHARE_P=share_p,
+                      STAGES=mla._HOPPER_STAGES, IS_CAUSAL=causal, WRITE_LSE=True, SHARE_P=share_p, OVERLAP=overlap,
                       CONSUMER_REGS=mla._HOPPER_CONSUMER_REGS, PRODUCER_REGS=mla._HOPPER_PRODUCER_REGS, num_warps=4)
     sig = {}
     for p in mla_hopper_kernel.params:

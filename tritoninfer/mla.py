@@ -139,6 +139,9 @@ _HOPPER_BLOCK_N, _HOPPER_STAGES, _HOPPER_CONSUMER_REGS, _HOPPER_PRODUCER_REGS = 
 # the first consumer computes the scores and hands P to the second through shared memory (False: both
 # compute them, 1.5x the tensor work at 128 heads, no hand-over)
 _HOPPER_SHARE_P = True
+# with shared P: the first consumer issues tile j's scores before tile j - 1's P V and runs the softmax
+# while that P V does (the prefill kernel's order)
+_HOPPER_OVERLAP = True
 
 
 def hopper_tiles(num_heads: int, avg_q_len: float) -> Tiles:
@@ -255,6 +258,7 @@ class MLALaunch:
             hopper_kwargs = dict(
                 NUM_HEADS=heads, HEAD_DIM_CKV=d_ckv, PAGE_SIZE=step.page_size, BLOCK_N=tiles.block_n,
                 STAGES=_HOPPER_STAGES, IS_CAUSAL=step.causal, WRITE_LSE=write_lse, SHARE_P=_HOPPER_SHARE_P,
+                OVERLAP=_HOPPER_OVERLAP,
                 CONSUMER_REGS=_HOPPER_CONSUMER_REGS, PRODUCER_REGS=_HOPPER_PRODUCER_REGS, num_warps=4,
                 maxnreg=_hopper.maxnreg(_HOPPER_CONSUMER_REGS, _HOPPER_PRODUCER_REGS))
             self.hopper = launcher.bind(grid, hopper_tail, hopper_kwargs)

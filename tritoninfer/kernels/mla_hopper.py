@@ -5,7 +5,7 @@ producer warp and two consumer warpgroups, for bf16/fp16 latent caches whose pag
 
 A program takes 64 rows of one work item (rows are (query token, head) pairs of one request: row r
 is token r // H, head r % H, and q_nope/q_pe are read as 2-D views [tokens * H, D]) and the
-item's KV range, in tiles of 64 positions:
+item's KV range, in tiles of ``BLOCK_N`` positions:
 - the producer warp loads the rows' q_nope (8 boxes of 64 columns) and q_pe once, then each tile's
   latent rows into a ring of ``STAGES`` stages: per page of the tile, 8 boxes of ckv's 512 columns
   and one of kpe's 64, every stage with a ``ready`` barrier (TMA byte count) and an ``empty`` one
@@ -13,14 +13,16 @@ item's KV range, in tiles of 64 positions:
 - consumer warpgroup w holds output columns [256 w, 256 w + 256) as four 64 x 64 fp32
   accumulators (128 registers a thread). Both compute the tile's scores S = q_nope ckv^T + q_pe
   kpe^T (9 chained wgmmas) and the same online softmax, then O_w += P ckv[:, cols of w] (4 wgmmas,
-  P from registers). The scores are computed twice, 1.5x the useful tensor work at 128 heads:
-  sharing P through shared memory would remove it.
+  P from registers): the scores computed twice, 1.5x the useful tensor work at 128 heads. With
+  ``SHARE_P`` only the first consumer computes them and hands P and the rescale factors to the second
+  through shared memory (double-buffered, ``p_ready`` / ``p_free``); with ``OVERLAP`` too it issues
+  tile j's scores before tile j - 1's P V and runs the softmax while that P V does.
 
 Page ids are read as given: TMA keeps every box inside the cache (a box past it reads zeros), and
 ``_hopper.check_page_ids`` reports ids outside it. A request's last tile reads whole pages: the rows
 past its end (whatever they hold, NaN included: FlashInfer's ``test_batch_mla_oob_kv_nan``) are
-masked in the scores and zeroed in the consumer's value chunks before P V. Scores stay raw; the softmax scale (log2 units,
-positive) is applied inside exp2's argument. Gluon code does not run in the Triton interpreter: the
+masked in the scores and zeroed in the consumer's value chunks before P V. Scores stay raw; the
+softmax scale (log2 units, positive) is applied inside exp2's argument. Gluon code does not run in the Triton interpreter: the
 CPU suite compiles it for sm_90 (tests/test_sm90_compile.py), the ``gpu`` tests run it.
 """
 
@@ -88,6 +90,53 @@ def _zero_tail(ckv_smem, first, n_valid, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
+def _scores(q_smem, qpe_smem, ckv_smem, kpe_smem, stage, s_zero):
+    """S = q_pe kpe^T + q_nope ckv^T of a stage: 9 chained asynchronous wgmmas (the token of the last)."""
+    n_chunks: gl.constexpr = q_smem.type.shape[0]
+    s = warpgroup_mma(qpe_smem, kpe_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    for c in gl.static_range(n_chunks):
+        s = warpgroup_mma(q_smem.index(c), ckv_smem.index(stage * n_chunks + c).permute((1, 0)), s, is_async=True)
+    return s
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, cols, hi, diag, sm_scale_log2):
+    """Online softmax of raw scores s [64, BLOCK_N] (columns ``cols``; kept where below ``hi`` and at or
+    before the row's ``diag``): (p, alpha, m, l), logits in log2 units."""
+    keep = (cols[None, :] < hi) & (cols[None, :] <= diag[:, None])
+    s = gl.where(keep, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * sm_scale_log2)
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s * sm_scale_log2 - m_safe[:, None])
+    alpha = gl.exp2(m_i - m_safe)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _hand_over(p, alpha, j, p_smem, row_smem, p_ready, p_free):
+    """Tile j's P and rescale factors to the second consumer, once it has read the buffer's previous
+    ones (double-buffered)."""
+    buf = j % 2
+    mbarrier.wait(p_free.index(buf), ((j // 2) & 1) ^ 1)
+    p_smem.index(buf).store(p.to(p_smem.dtype))
+    row_smem.index(buf).store(alpha)
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(p_ready.index(buf), count=1)
+
+
+@gluon.jit
+def _pv(a, ckv_smem, base, acc0, acc1, acc2, acc3, a_o):
+    """O += A V on four 64-column value chunks ``base`` .., the accumulators rescaled by ``a_o`` first:
+    four asynchronous wgmmas (their tokens)."""
+    acc0 = warpgroup_mma(a, ckv_smem.index(base), acc0 * a_o, is_async=True)
+    acc1 = warpgroup_mma(a, ckv_smem.index(base + 1), acc1 * a_o, is_async=True)
+    acc2 = warpgroup_mma(a, ckv_smem.index(base + 2), acc2 * a_o, is_async=True)
+    acc3 = warpgroup_mma(a, ckv_smem.index(base + 3), acc3 * a_o, is_async=True)
+    return acc0, acc1, acc2, acc3
+
+
+@gluon.jit
 def _load_partition(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, kpe_smem, q_bar, ready, empty,
                     p_smem, row_smem, p_ready, p_free, fin_bar,
                     o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2,
@@ -138,7 +187,8 @@ def _consume(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, k
              p_smem, row_smem, p_ready, p_free, fin_bar,
              o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2,
              lse_scale, part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
-             kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads, WG: gl.constexpr):
+             kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads, WG: gl.constexpr,
+             OVERLAP: gl.constexpr):
     """Consumer warpgroup ``WG``: output columns [256 WG, 256 WG + 256) (four 64-column accumulators)
     of every tile, then the output (one split) or the partial state (several), and the LSE (WG 0).
     Without shared P (``p_smem`` a placeholder of one buffer) both consumers compute each tile's scores
@@ -177,59 +227,63 @@ def _consume(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, k
         acc2 = gl.zeros([ROWS, CHUNK], gl.float32, layout=o_layout)
         acc3 = gl.zeros([ROWS, CHUNK], gl.float32, layout=o_layout)
         mbarrier.wait(q_bar.index(0), 0)
-        for j in range(n_tiles):
-            stage = j % stages
-            mbarrier.wait(ready.index(stage), (j // stages) & 1)
-            base = stage * N_CHUNKS + WG * 4
-            n_valid = hi - (lo + j * BLOCK_N)
-            if SHARE_P and WG == 1:
-                buf = j % 2
-                mbarrier.wait(p_ready.index(buf), (j // 2) & 1)
-                a_o = row_smem.index(buf).load(row_o)[:, None]
+        if SHARE_P and OVERLAP and WG == 0:
+            # S of tile j is issued before P V of tile j - 1, and its softmax runs while that P V does
+            if n_tiles > 0:
+                mbarrier.wait(ready.index(0), 0)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(q_smem, qpe_smem, ckv_smem, kpe_smem, 0,
+                                                                        s_zero), ))
+                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, cols0, hi, diag, sm_scale_log2)
+                _hand_over(p, alpha, 0, p_smem, row_smem, p_ready, p_free)
+                for j in range(1, n_tiles):
+                    stage = j % stages
+                    prev = (j - 1) % stages
+                    mbarrier.wait(ready.index(stage), (j // stages) & 1)
+                    s = _scores(q_smem, qpe_smem, ckv_smem, kpe_smem, stage, s_zero)
+                    # tile j - 1 is whole (only the last tile can end early)
+                    acc0, acc1, acc2, acc3 = _pv(gl.convert_layout(p.to(dtype), p_layout), ckv_smem, prev * N_CHUNKS,
+                                                 acc0, acc1, acc2, acc3, gl.convert_layout(alpha, row_o)[:, None])
+                    s = warpgroup_mma_wait(num_outstanding=4, deps=(s, ))
+                    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, cols0 + j * BLOCK_N, hi, diag, sm_scale_log2)
+                    _hand_over(p, alpha, j, p_smem, row_smem, p_ready, p_free)
+                    acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, acc2, acc3))
+                    mbarrier.arrive(empty.index(prev), count=1)
+                last = (n_tiles - 1) % stages
+                n_valid = hi - (lo + (n_tiles - 1) * BLOCK_N)
                 if n_valid < BLOCK_N:
-                    _zero_tail(ckv_smem, base, n_valid, BLOCK_N)
-                p_in = p_smem.index(buf)
-                acc0 = warpgroup_mma(p_in, ckv_smem.index(base), acc0 * a_o, is_async=True)
-                acc1 = warpgroup_mma(p_in, ckv_smem.index(base + 1), acc1 * a_o, is_async=True)
-                acc2 = warpgroup_mma(p_in, ckv_smem.index(base + 2), acc2 * a_o, is_async=True)
-                acc3 = warpgroup_mma(p_in, ckv_smem.index(base + 3), acc3 * a_o, is_async=True)
+                    _zero_tail(ckv_smem, last * N_CHUNKS, n_valid, BLOCK_N)
+                acc0, acc1, acc2, acc3 = _pv(gl.convert_layout(p.to(dtype), p_layout), ckv_smem, last * N_CHUNKS,
+                                             acc0, acc1, acc2, acc3, gl.convert_layout(alpha, row_o)[:, None])
                 acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, acc2, acc3))
-                mbarrier.arrive(p_free.index(buf), count=1)
-            else:
-                s = warpgroup_mma(qpe_smem, kpe_smem.index(stage).permute((1, 0)), s_zero, use_acc=False,
-                                  is_async=True)
-                for c in gl.static_range(N_CHUNKS):
-                    s = warpgroup_mma(q_smem.index(c), ckv_smem.index(stage * N_CHUNKS + c).permute((1, 0)), s,
-                                      is_async=True)
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-                cols = cols0 + j * BLOCK_N
-                keep = (cols[None, :] < hi) & (cols[None, :] <= diag[:, None])
-                s = gl.where(keep, s, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(s, 1) * sm_scale_log2)
-                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-                p = gl.exp2(s * sm_scale_log2 - m_safe[:, None])
-                alpha = gl.exp2(m_i - m_safe)
-                l_i = l_i * alpha + gl.sum(p, 1)
-                m_i = m_new
-                if SHARE_P:
+                mbarrier.arrive(empty.index(last), count=1)
+        else:
+            for j in range(n_tiles):
+                stage = j % stages
+                mbarrier.wait(ready.index(stage), (j // stages) & 1)
+                base = stage * N_CHUNKS + WG * 4
+                n_valid = hi - (lo + j * BLOCK_N)
+                if SHARE_P and WG == 1:
                     buf = j % 2
-                    # P and alpha for WG 1, once it has read the buffer's previous ones
-                    mbarrier.wait(p_free.index(buf), ((j // 2) & 1) ^ 1)
-                    p_smem.index(buf).store(p.to(dtype))
-                    row_smem.index(buf).store(alpha)
-                    fence_async_shared()
-                    gl.thread_barrier()
-                    mbarrier.arrive(p_ready.index(buf), count=1)
-                a_o = gl.convert_layout(alpha, row_o)[:, None]
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
-                if n_valid < BLOCK_N:
-                    _zero_tail(ckv_smem, base, n_valid, BLOCK_N)
-                acc0 = warpgroup_mma(p_op, ckv_smem.index(base), acc0 * a_o, is_async=True)
-                acc1 = warpgroup_mma(p_op, ckv_smem.index(base + 1), acc1 * a_o, is_async=True)
-                acc2 = warpgroup_mma(p_op, ckv_smem.index(base + 2), acc2 * a_o, is_async=True)
-                acc3 = warpgroup_mma(p_op, ckv_smem.index(base + 3), acc3 * a_o, is_async=True)
-                acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, acc2, acc3))
-            mbarrier.arrive(empty.index(stage), count=1)
+                    mbarrier.wait(p_ready.index(buf), (j // 2) & 1)
+                    a_o = row_smem.index(buf).load(row_o)[:, None]
+                    if n_valid < BLOCK_N:
+                        _zero_tail(ckv_smem, base, n_valid, BLOCK_N)
+                    acc0, acc1, acc2, acc3 = _pv(p_smem.index(buf), ckv_smem, base, acc0, acc1, acc2, acc3, a_o)
+                    acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, acc2, acc3))
+                    mbarrier.arrive(p_free.index(buf), count=1)
+                else:
+                    s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(q_smem, qpe_smem, ckv_smem, kpe_smem, stage,
+                                                                            s_zero), ))
+                    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, cols0 + j * BLOCK_N, hi, diag, sm_scale_log2)
+                    if SHARE_P:
+                        _hand_over(p, alpha, j, p_smem, row_smem, p_ready, p_free)
+                    a_o = gl.convert_layout(alpha, row_o)[:, None]
+                    p_op = gl.convert_layout(p.to(dtype), p_layout)
+                    if n_valid < BLOCK_N:
+                        _zero_tail(ckv_smem, base, n_valid, BLOCK_N)
+                    acc0, acc1, acc2, acc3 = _pv(p_op, ckv_smem, base, acc0, acc1, acc2, acc3, a_o)
+                    acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, acc2, acc3))
+                mbarrier.arrive(empty.index(stage), count=1)
         if SHARE_P:
             # WG 1's rows: the final sums and maxima from WG 0 (buffers 2 and 3 of row_smem)
             if WG == 0:
@@ -291,7 +345,20 @@ def _consume0(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, 
              p_smem, row_smem, p_ready, p_free, fin_bar,
              o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2,
              lse_scale, part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
-             kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads, 0)
+             kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads, 0, False)
+
+
+@gluon.jit
+def _consume0_overlap(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, kpe_smem, q_bar, ready, empty,
+              p_smem, row_smem, p_ready, p_free, fin_bar,
+              o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2,
+              lse_scale, part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
+              kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads):
+    _consume(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, kpe_smem, q_bar, ready, empty,
+             p_smem, row_smem, p_ready, p_free, fin_bar,
+             o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2,
+             lse_scale, part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
+             kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads, 0, True)
 
 
 @gluon.jit
@@ -304,7 +371,7 @@ def _consume1(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, 
              p_smem, row_smem, p_ready, p_free, fin_bar,
              o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2,
              lse_scale, part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
-             kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads, 1)
+             kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads, 1, False)
 
 
 @gluon.jit
@@ -315,8 +382,8 @@ def mla_hopper_kernel(
     tile_tokens,
     NUM_HEADS: gl.constexpr, HEAD_DIM_CKV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-    WRITE_LSE: gl.constexpr, SHARE_P: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    num_warps: gl.constexpr,
+    WRITE_LSE: gl.constexpr, SHARE_P: gl.constexpr, OVERLAP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Grid ``(row programs, work items)`` as ``kernels/mla.py``'s (work items int32 [capacity, 7]:
     request (< 0: unused), first query token, kv_start, kv_end, split, splits, group).
@@ -365,4 +432,9 @@ def mla_hopper_kernel(
             o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2, lse_scale,
             part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr, kv_len_ptr,
             state_offset_ptr, tile_tokens, PAGE_SIZE, IS_CAUSAL, WRITE_LSE, NUM_HEADS)
-    gl.warp_specialize([(_consume0, args), (_consume1, args), (_load_partition, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    if OVERLAP:
+        gl.warp_specialize([(_consume0_overlap, args), (_consume1, args), (_load_partition, args)], [4, 1],
+                           [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([(_consume0, args), (_consume1, args), (_load_partition, args)], [4, 1],
+                           [CONSUMER_REGS, PRODUCER_REGS])
