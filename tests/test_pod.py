@@ -209,7 +209,11 @@ def test_pod_gpu_realistic(dtype, heads, qo_p, kv_p, causal):
 
 
 @pytest.mark.gpu
-def test_batch_pod_gpu_realistic():
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_batch_pod_gpu_realistic(monkeypatch, one_launch):
+    """Prefill requests of 1,280 query tokens on average: on sm_90 the prefill half takes the Gluon
+    kernel's paged mode (two launches) unless POD_PREFILL_ON_HOPPER is off (one pair launch)."""
+    monkeypatch.setattr(_route, "POD_PREFILL_ON_HOPPER", not one_launch)
     dtype, h, hk, d, page = torch.bfloat16, 32, 8, 128, 16
     g = torch.Generator().manual_seed(7)
     kv_p = testing.make_paged_kv([2048, 1000], page, hk, d, dtype=dtype, device="cuda", generator=g)
@@ -219,6 +223,7 @@ def test_batch_pod_gpu_realistic():
     pod = BatchPODWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
     pod.plan(qo_indptr_p, kv_p.kv_indptr, kv_p.kv_indices, kv_p.kv_last_page_len, qo_indptr_d, kv_d.kv_indptr,
              kv_d.kv_indices, kv_d.kv_last_page_len, h, hk, d, page, q_data_type=dtype)
+    assert pod._step_p.route.is_core == (one_launch or not _route.is_sm90(torch.device("cuda"))), pod._step_p.route
     (o_p, o_d), (lse_p, lse_d) = pod.run(q_p, kv_p.cache, q_d, kv_d.cache, causal_p=True, return_lse=True)
     ref_p, ref_lse_p = reference.batch_prefill_with_paged_kv_cache(
         q_p, qo_indptr_p, kv_p.cache, kv_p.kv_indptr, kv_p.kv_indices, kv_p.kv_last_page_len, causal=True)

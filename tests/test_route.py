@@ -323,3 +323,26 @@ def test_mla_plan_on_the_gluon_route_uses_its_tiles(hopper_plans, monkeypatch):
     monkeypatch.setattr(_route, "MLA_HOPPER", False)
     wrapper.plan(qo_indptr, kv_indptr, indices, kv_len, 128, 512, 64, 64, False, 0.07, torch.bfloat16, torch.bfloat16)
     assert wrapper._step.route.is_core
+
+
+def test_batch_pod_prefill_half_route(hopper_plans, monkeypatch):
+    """BatchPODWithPagedKVCacheWrapper asks the route for its paged prefill half as for a causal prefill
+    (causal_p comes with run()): requests of 1,024+ query tokens on average take the Gluon kernel and
+    upload its work list, shorter ones (or POD_PREFILL_ON_HOPPER off) keep the pair launch."""
+    from tritoninfer.pod import BatchPODWithPagedKVCacheWrapper
+
+    def plan(qo_len):
+        kv = testing.make_paged_kv([qo_len, qo_len], 16, 2, 128, dtype=torch.bfloat16, device=DEVICE)
+        kv_d = testing.make_paged_kv([40], 16, 2, 128, dtype=torch.bfloat16, device=DEVICE)
+        pod = BatchPODWithPagedKVCacheWrapper(testing.make_workspace(1 << 20, DEVICE))
+        pod.plan(torch.tensor([0, qo_len, 2 * qo_len], dtype=torch.int32), kv.kv_indptr, kv.kv_indices,
+                 kv.kv_last_page_len, torch.tensor([0, 1], dtype=torch.int32), kv_d.kv_indptr, kv_d.kv_indices,
+                 kv_d.kv_last_page_len, 4, 2, 128, 16, q_data_type=torch.bfloat16)
+        return pod
+
+    pod = plan(1024)
+    assert pod._step_p.route.kernel == "hopper" and pod._step_p.route_work is not None
+    assert pod._step_p_causal.route.kernel == "hopper" and pod._step_d.route.is_core
+    assert "below 1024" in plan(600)._step_p.route.reason
+    monkeypatch.setattr(_route, "POD_PREFILL_ON_HOPPER", False)
+    assert plan(1024)._step_p.route.is_core
