@@ -1,6 +1,7 @@
 """``tritoninfer bench pod``: a decode batch and one prefill chunk together, same process, same inputs:
 
-- ``tritoninfer-pod``: tritoninfer's ``PODWithPagedKVCacheWrapper`` (both halves in one launch);
+- ``tritoninfer-pod``: tritoninfer's ``PODWithPagedKVCacheWrapper`` (one pair launch, or the Gluon prefill
+  and the decode half where the route takes the prefill half: ``_route.POD_PREFILL_ON_HOPPER``);
 - ``flashinfer-pod``: FlashInfer's ``PODWithPagedKVCacheWrapper``;
 - ``tritoninfer-separate``: tritoninfer's decode (``BatchDecodeWithPagedKVCacheWrapper``, tensor cores)
   then prefill (``single_prefill_with_kv_cache``), launched one after the other.
@@ -28,7 +29,7 @@ from . import groups
 from .timing import measure
 
 PROVIDERS = ("tritoninfer-pod", "flashinfer-pod", "tritoninfer-separate")
-LABELS = {"tritoninfer-pod": "ours POD (one launch)", "flashinfer-pod": "FlashInfer POD",
+LABELS = {"tritoninfer-pod": "ours POD", "flashinfer-pod": "FlashInfer POD",
           "tritoninfer-separate": "ours decode + prefill (two launches)"}
 # (decode batch, decode kv_len, prefill chunk)
 DEFAULT = ((64, 4096, 4096), (64, 4096, 1024))
