@@ -515,18 +515,17 @@ def test_mla_cuda_graph_capture_replan_gpu(heads):
 @pytest.mark.parametrize("page_size", [64, 16])
 @pytest.mark.parametrize("qo_len,causal", [(1, False), (4, True)])
 @pytest.mark.parametrize("kv_lens", [[1, 77, 1000, 4133, 0, 129], [8192]], ids=["varied", "one-long-split"])
-@pytest.mark.parametrize("mode", ["shared-overlap", "shared", "both"])
+@pytest.mark.parametrize("mode", ["shared", "both"])
 def test_mla_gluon_kernel_gpu(monkeypatch, heads, page_size, qo_len, causal, kv_lens, mode):
-    """The Gluon MLA kernel (``_route.MLA_HOPPER`` on) in each mode (P shared between its consumers, with
-    the first one's scores overlapping its P V or not; both consumers computing the scores), at
+    """The Gluon MLA kernel (``_route.MLA_HOPPER`` on) in each mode (P shared between its consumers; both
+    consumers computing the scores), at
     DeepSeek's dims, q and cache as slices of wider buffers (SGLang's form): output and LSE against the
     reference, with and without split-KV (one long request is split over the SMs and merged by the merge
     pass); the kernel ran (not the fallback)."""
     from tritoninfer import _route
 
     monkeypatch.setattr(_route, "MLA_HOPPER", True)
-    monkeypatch.setattr(mla, "_HOPPER_SHARE_P", mode != "both")
-    monkeypatch.setattr(mla, "_HOPPER_OVERLAP", mode == "shared-overlap")
+    monkeypatch.setattr(mla, "_HOPPER_SHARE_P", mode == "shared")
     ran = []
     real = mla.MLALaunch._launch_hopper
     monkeypatch.setattr(mla.MLALaunch, "_launch_hopper", lambda self, *a: ran.append(1) or real(self, *a))
@@ -562,7 +561,7 @@ def test_mla_gluon_kernel_cuda_graph_gpu(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["shared-overlap", "shared", "both"])
+@pytest.mark.parametrize("mode", ["shared", "both"])
 @pytest.mark.parametrize("page_size", [64, 16])
 def test_mla_gluon_kernel_nan_past_the_end_gpu(monkeypatch, mode, page_size):
     """NaN in the slots of each request's last page past its length (FlashInfer's
@@ -570,8 +569,7 @@ def test_mla_gluon_kernel_nan_past_the_end_gpu(monkeypatch, mode, page_size):
     from tritoninfer import _route
 
     monkeypatch.setattr(_route, "MLA_HOPPER", True)
-    monkeypatch.setattr(mla, "_HOPPER_SHARE_P", mode != "both")
-    monkeypatch.setattr(mla, "_HOPPER_OVERLAP", mode == "shared-overlap")
+    monkeypatch.setattr(mla, "_HOPPER_SHARE_P", mode == "shared")
     kv_lens = [1000, 77, 35]
     c = make_case([1] * len(kv_lens), kv_lens, 128, 512, 64, page_size, torch.bfloat16, extra_pages=0)
     pages = [math.ceil(n / page_size) for n in kv_lens]

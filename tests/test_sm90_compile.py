@@ -318,10 +318,9 @@ def test_hopper_prefill_kernel_compiles_for_sm90():
 
 
 # the Gluon MLA kernel (kernels/mla_hopper.py) as mla.py launches it: (page size, causal, heads)
-# (page size, causal, heads, P shared between the consumers, the first consumer's S / P V overlap)
-MLA_HOPPER_CASES = {"p64-128h": (64, False, 128, False, False), "p64-128h-share-p": (64, False, 128, True, False),
-                    "p64-128h-overlap": (64, False, 128, True, True), "p16-16h-causal": (16, True, 16, False, False),
-                    "p8-64h-overlap-causal": (8, True, 64, True, True)}
+# (page size, causal, heads, P shared between the consumers)
+MLA_HOPPER_CASES = {"p64-128h": (64, False, 128, False), "p64-128h-share-p": (64, False, 128, True),
+                    "p16-16h-causal": (16, True, 16, False), "p8-64h-share-p-causal": (8, True, 64, True)}
 
 
 def compile_mla_hopper_case(name: str):
@@ -335,7 +334,7 @@ def compile_mla_hopper_case(name: str):
     from tritoninfer import _hopper, mla
     from tritoninfer.kernels.mla_hopper import mla_hopper_kernel
 
-    page, causal, heads, share_p, overlap = MLA_HOPPER_CASES[name]
+    page, causal, heads, share_p = MLA_HOPPER_CASES[name]
     buf = torch.empty(4096, 576, dtype=torch.bfloat16)
     box = min(page, mla._HOPPER_BLOCK_N)
 
@@ -344,13 +343,13 @@ def compile_mla_hopper_case(name: str):
                                             _hopper.smem_layout(rows, 64, torch.bfloat16)))
 
     constexprs = dict(NUM_HEADS=heads, HEAD_DIM_CKV=512, PAGE_SIZE=page, BLOCK_N=mla._HOPPER_BLOCK_N,
-                      STAGES=mla._HOPPER_STAGES, IS_CAUSAL=causal, WRITE_LSE=True, SHARE_P=share_p, OVERLAP=overlap,
+                      STAGES=mla._HOPPER_STAGES, IS_CAUSAL=causal, WRITE_LSE=True, SHARE_P=share_p,
                       CONSUMER_REGS=mla._HOPPER_CONSUMER_REGS, PRODUCER_REGS=mla._HOPPER_PRODUCER_REGS, num_warps=4)
     sig = {}
     for p in mla_hopper_kernel.params:
         n = p.name
-        sig[n] = ("constexpr" if n in constexprs else desc(64, 512) if n == "q_desc" else desc(64, 64) if n == "qpe_desc"
-                  else desc(box, 512) if n == "ckv_desc" else desc(box, 64) if n == "kpe_desc" else
+        sig[n] = ("constexpr" if n in constexprs else desc(64, 512) if n == "q_desc" else
+                  desc(64, 64) if n == "qpe_desc" else desc(box, 512) if n == "ckv_desc" else desc(box, 64) if n == "kpe_desc" else
                   "*bf16" if n == "o_ptr" else "*fp32" if n in ("lse_ptr", "part_o_ptr", "part_lse_ptr") else
                   "*i32" if n.endswith("_ptr") else "fp32" if n in ("sm_scale_log2", "lse_scale") else "i32")
     regs = _hopper.maxnreg(mla._HOPPER_CONSUMER_REGS, mla._HOPPER_PRODUCER_REGS)

@@ -234,14 +234,11 @@ class MlaRoute:
         16-byte aligned (TMA)."""
         if route.is_core:
             return route.reason
-        for t, name in ((q_nope, "q_nope"), (q_pe, "q_pe")):
+        # each [A, B, D] tensor read as a 2-D view [A * B, D]: rows stride(1) apart, also across dim 0
+        for t, name in ((q_nope, "q_nope"), (q_pe, "q_pe"), (ckv, "ckv_cache"), (kpe, "kpe_cache")):
             if (t.stride(2) != 1 or (t.shape[1] > 1 and t.stride(0) != t.shape[1] * t.stride(1))
                     or (t.stride(1) * t.element_size()) % 16 or t.data_ptr() % 16):
-                return f"{name}'s (token, head) rows are not evenly spaced 16-byte-aligned rows"
-        for t, name in ((ckv, "ckv_cache"), (kpe, "kpe_cache")):
-            if (t.stride(2) != 1 or (t.shape[1] > 1 and t.stride(0) != t.shape[1] * t.stride(1))
-                    or (t.stride(1) * t.element_size()) % 16 or t.data_ptr() % 16):
-                return f"{name}'s pages are not whole 16-byte-aligned rows of a 2-D view"
+                return f"{name}'s rows are not evenly spaced 16-byte-aligned rows of a 2-D view"
         return ""
 
 

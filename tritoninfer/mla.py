@@ -136,12 +136,9 @@ def mla_tiles(num_heads: int, avg_q_len: float, kv_fp8: bool = False) -> Tiles:
 # the producer's registers a thread (240 spilled 8 bytes at 8-position pages; the launch's 160 a thread
 # leave the consumers' 232 free once the producer drops to 24)
 _HOPPER_BLOCK_N, _HOPPER_STAGES, _HOPPER_CONSUMER_REGS, _HOPPER_PRODUCER_REGS = 32, 3, 232, 24
-# the first consumer computes the scores and hands P to the second through shared memory (False: both
-# compute them, 1.5x the tensor work at 128 heads, no hand-over)
+# the first consumer computes the scores, hands P to the second through shared memory and overlaps its
+# softmax with its own P V (False: both compute the scores, 1.5x the tensor work at 128 heads)
 _HOPPER_SHARE_P = True
-# with shared P: the first consumer issues tile j's scores before tile j - 1's P V and runs the softmax
-# while that P V does (the prefill kernel's order)
-_HOPPER_OVERLAP = True
 
 
 def hopper_tiles(num_heads: int, avg_q_len: float) -> Tiles:
@@ -258,7 +255,6 @@ class MLALaunch:
             hopper_kwargs = dict(
                 NUM_HEADS=heads, HEAD_DIM_CKV=d_ckv, PAGE_SIZE=step.page_size, BLOCK_N=tiles.block_n,
                 STAGES=_HOPPER_STAGES, IS_CAUSAL=step.causal, WRITE_LSE=write_lse, SHARE_P=_HOPPER_SHARE_P,
-                OVERLAP=_HOPPER_OVERLAP,
                 CONSUMER_REGS=_HOPPER_CONSUMER_REGS, PRODUCER_REGS=_HOPPER_PRODUCER_REGS, num_warps=4,
                 maxnreg=_hopper.maxnreg(_HOPPER_CONSUMER_REGS, _HOPPER_PRODUCER_REGS))
             self.hopper = launcher.bind(grid, hopper_tail, hopper_kwargs)
@@ -285,9 +281,10 @@ class MLALaunch:
             self.merge(*head)
 
     def _launch_hopper(self, q_nope, q_pe, ckv, kpe, out, lse_args, sm_scale_log2: float, lse_scale: float) -> None:
-        """The Gluon kernel: q as [tokens * H, D] (rows ``stride(1)`` apart) in boxes of 64 rows, the caches as [pages * page, D] boxes
-        of a page (or of a tile's share of a larger page). Page ids outside the cache are read as zeros
-        by TMA and reported by ``_hopper.check_page_ids`` (once per plan and cache size)."""
+        """The Gluon kernel: q as [tokens * H, D] (rows ``stride(1)`` apart) in boxes of 64 rows, the
+        caches as [pages * page, D] in boxes of a page (or of a tile's share of a larger page). Page ids
+        outside the cache are read as zeros by TMA and reported by ``_hopper.check_page_ids`` (once per
+        plan and cache size)."""
         step, plan = self.step, self.step.device_plan
         num_pages = ckv.shape[0]
         if plan.pages_checked != num_pages:

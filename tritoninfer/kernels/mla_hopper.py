@@ -15,15 +15,16 @@ item's KV range, in tiles of ``BLOCK_N`` positions:
   kpe^T (9 chained wgmmas) and the same online softmax, then O_w += P ckv[:, cols of w] (4 wgmmas,
   P from registers): the scores computed twice, 1.5x the useful tensor work at 128 heads. With
   ``SHARE_P`` only the first consumer computes them and hands P and the rescale factors to the second
-  through shared memory (double-buffered, ``p_ready`` / ``p_free``); with ``OVERLAP`` too it issues
-  tile j's scores before tile j - 1's P V and runs the softmax while that P V does.
+  through shared memory (double-buffered, ``p_ready`` / ``p_free``), issuing tile j's scores before
+  tile j - 1's P V and running the softmax while that P V does (the prefill kernel's order).
 
 Page ids are read as given: TMA keeps every box inside the cache (a box past it reads zeros), and
 ``_hopper.check_page_ids`` reports ids outside it. A request's last tile reads whole pages: the rows
 past its end (whatever they hold, NaN included: FlashInfer's ``test_batch_mla_oob_kv_nan``) are
 masked in the scores and zeroed in the consumer's value chunks before P V. Scores stay raw; the
-softmax scale (log2 units, positive) is applied inside exp2's argument. Gluon code does not run in the Triton interpreter: the
-CPU suite compiles it for sm_90 (tests/test_sm90_compile.py), the ``gpu`` tests run it.
+softmax scale (log2 units, positive) is applied inside exp2's argument. Gluon code does not run in
+the Triton interpreter: the CPU suite compiles it for sm_90 (tests/test_sm90_compile.py), the
+``gpu`` tests run it.
 """
 
 from triton.experimental import gluon
@@ -187,8 +188,7 @@ def _consume(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, k
              p_smem, row_smem, p_ready, p_free, fin_bar,
              o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2,
              lse_scale, part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
-             kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads, WG: gl.constexpr,
-             OVERLAP: gl.constexpr):
+             kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads, WG: gl.constexpr):
     """Consumer warpgroup ``WG``: output columns [256 WG, 256 WG + 256) (four 64-column accumulators)
     of every tile, then the output (one split) or the partial state (several), and the LSE (WG 0).
     Without shared P (``p_smem`` a placeholder of one buffer) both consumers compute each tile's scores
@@ -227,7 +227,7 @@ def _consume(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, k
         acc2 = gl.zeros([ROWS, CHUNK], gl.float32, layout=o_layout)
         acc3 = gl.zeros([ROWS, CHUNK], gl.float32, layout=o_layout)
         mbarrier.wait(q_bar.index(0), 0)
-        if SHARE_P and OVERLAP and WG == 0:
+        if SHARE_P and WG == 0:
             # S of tile j is issued before P V of tile j - 1, and its softmax runs while that P V does
             if n_tiles > 0:
                 mbarrier.wait(ready.index(0), 0)
@@ -275,8 +275,6 @@ def _consume(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, k
                     s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(q_smem, qpe_smem, ckv_smem, kpe_smem, stage,
                                                                             s_zero), ))
                     p, alpha, m_i, l_i = _softmax(s, m_i, l_i, cols0 + j * BLOCK_N, hi, diag, sm_scale_log2)
-                    if SHARE_P:
-                        _hand_over(p, alpha, j, p_smem, row_smem, p_ready, p_free)
                     a_o = gl.convert_layout(alpha, row_o)[:, None]
                     p_op = gl.convert_layout(p.to(dtype), p_layout)
                     if n_valid < BLOCK_N:
@@ -345,20 +343,7 @@ def _consume0(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, 
              p_smem, row_smem, p_ready, p_free, fin_bar,
              o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2,
              lse_scale, part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
-             kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads, 0, False)
-
-
-@gluon.jit
-def _consume0_overlap(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, kpe_smem, q_bar, ready, empty,
-              p_smem, row_smem, p_ready, p_free, fin_bar,
-              o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2,
-              lse_scale, part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
-              kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads):
-    _consume(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, kpe_smem, q_bar, ready, empty,
-             p_smem, row_smem, p_ready, p_free, fin_bar,
-             o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2,
-             lse_scale, part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
-             kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads, 0, True)
+             kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads, 0)
 
 
 @gluon.jit
@@ -371,7 +356,7 @@ def _consume1(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, 
              p_smem, row_smem, p_ready, p_free, fin_bar,
              o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2,
              lse_scale, part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
-             kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads, 1, False)
+             kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads, 1)
 
 
 @gluon.jit
@@ -382,8 +367,8 @@ def mla_hopper_kernel(
     tile_tokens,
     NUM_HEADS: gl.constexpr, HEAD_DIM_CKV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-    WRITE_LSE: gl.constexpr, SHARE_P: gl.constexpr, OVERLAP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    WRITE_LSE: gl.constexpr, SHARE_P: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """Grid ``(row programs, work items)`` as ``kernels/mla.py``'s (work items int32 [capacity, 7]:
     request (< 0: unused), first query token, kv_start, kv_end, split, splits, group).
@@ -391,9 +376,9 @@ def mla_hopper_kernel(
     q_desc: q_nope as [tokens * H, D_ckv], box [64, 64]; qpe_desc: q_pe as [tokens * H, D_kpe], box
     [64, D_kpe] (token stride H times the head stride). ckv_desc / kpe_desc: the caches as [pages *
     PAGE_SIZE, D] (page p from row p * PAGE_SIZE; a power of two from 8), boxes [min(PAGE_SIZE,
-    BLOCK_N), 64] and [.., D_kpe]; work items start on multiples of BLOCK_N positions. o [tokens, H, D_ckv], lse [tokens, H] float32 (times
-    ``lse_scale``; written with ``WRITE_LSE``); part_o [states * H, D_ckv] / part_lse [states * H]
-    float32 at ``state_offset[req] + token * splits + split``. ``num_warps`` is 4: the first consumer
+    BLOCK_N), 64] and [.., D_kpe]; work items start on multiples of BLOCK_N positions. o [tokens, H,
+    D_ckv], lse [tokens, H] float32 (times ``lse_scale``; written with ``WRITE_LSE``); part_o [states *
+    H, D_ckv] / part_lse [states * H] float32 at ``state_offset[req] + token * splits + split``. ``num_warps`` is 4: the first consumer
     is the default partition."""
     N_CHUNKS: gl.constexpr = HEAD_DIM_CKV // CHUNK
     # each consumer holds four 64-column accumulators: the latent must be 512 wide (DeepSeek's)
@@ -432,9 +417,5 @@ def mla_hopper_kernel(
             o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2, lse_scale,
             part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr, kv_len_ptr,
             state_offset_ptr, tile_tokens, PAGE_SIZE, IS_CAUSAL, WRITE_LSE, NUM_HEADS)
-    if OVERLAP:
-        gl.warp_specialize([(_consume0_overlap, args), (_consume1, args), (_load_partition, args)], [4, 1],
-                           [CONSUMER_REGS, PRODUCER_REGS])
-    else:
-        gl.warp_specialize([(_consume0, args), (_consume1, args), (_load_partition, args)], [4, 1],
-                           [CONSUMER_REGS, PRODUCER_REGS])
+    gl.warp_specialize([(_consume0, args), (_consume1, args), (_load_partition, args)], [4, 1],
+                       [CONSUMER_REGS, PRODUCER_REGS])
