@@ -48,6 +48,9 @@
 #   fit-s15      FlashInfer's test_block_sparse.py (2 workers), then under FIT_COMPILE=1 (3 cases a test)
 #                the sampling and multi-item cases that failed at e9e8462
 #   tests-s16    pytest -m gpu on session 16's changes: POD's prefill half on the Gluon kernel (test_pod, test_route)
+#   tests-mla    pytest -m gpu tests/test_mla.py (all of it, on the default route)
+#   fit-mla      FlashInfer's test_deepseek_mla.py and test_mla_page.py (4 workers)
+#   fit-bp-rest  test_batch_prefill_kernels.py's ragged and multi-item cases (fit-hopper's limit cut them, s17)
 #   tests-mla-gluon  pytest -m gpu on the Gluon MLA kernel (tests/test_mla.py -k gluon; _route.MLA_HOPPER forced on)
 #   mla-ab       tritoninfer bench mla --quick with the Gluon MLA kernel on, then off (FlashInfer beside: run
 #                warm-mla first)
@@ -177,6 +180,9 @@ case "$part" in
   tests-s16)
     PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=10 \
       tests/test_pod.py tests/test_route.py > "$out/$part.log" 2>&1 || true ;;
+  tests-mla)
+    PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=10 \
+      tests/test_mla.py > "$out/$part.log" 2>&1 || true ;;
   tests-mla-gluon)
     PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=10 -x \
       tests/test_mla.py -k gluon > "$out/$part.log" 2>&1 || true ;;
@@ -207,6 +213,10 @@ case "$part" in
     fit_run fit-lp-vs 4 tests/utils/test_logits_processor.py -k VsSamplingOps ;;
   fit-multi-item)
     fit_run fit-multi-item 4 tests/attention/test_hopper.py -k multi_item ;;
+  fit-mla)
+    fit_run fit-mla 4 tests/attention/test_deepseek_mla.py tests/attention/test_mla_page.py ;;
+  fit-bp-rest)
+    FIT_K="ragged or multi_item_scoring" fit_run fit-bp-rest 4 tests/attention/test_batch_prefill_kernels.py ;;
   fit-hopper)
     fit_run fit-hopper 4 tests/attention/test_hopper.py tests/attention/test_batch_prefill_kernels.py ;;
   sampling-profile)

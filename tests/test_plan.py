@@ -165,3 +165,15 @@ def test_split_chunk_counts_the_merge_of_wide_states(monkeypatch):
     many = np.full(64, 8192)
     assert _plan.kv_split_chunk(many, np.ones(64, np.int64), 2, 132, 32, 64, None, False, programs_per_sm=1,
                                 merge_positions=fused) is None
+
+
+def test_build_work_capped_splits_start_on_aligned_positions():
+    """A chunk grown by the CUDA-graph cap is a multiple of ``align`` (the Gluon MLA kernel's boxes
+    must not cross a page), and requests under the cap keep the planned chunk."""
+    kv_lens = np.array([9000, 12, 700, 3000, 100])
+    work = _plan.build_work(np.ones(5, np.int64), kv_lens, 1, 48, max_splits=16, align=32)
+    covered(work, kv_lens.tolist(), [1] * 5, 1)
+    w = work.work
+    assert (w[:, 5] <= 16).all()
+    assert (w[np.isin(w[:, 0], [0, 3]), 2] % 32 == 0).all()
+    assert w[w[:, 0] == 2, 3].tolist()[:2] == [48, 96]  # 15 splits of 48: under the cap

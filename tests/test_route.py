@@ -281,6 +281,7 @@ def test_mla_route_gates(hopper_gpu, monkeypatch):
     cuda = torch.device("cuda", 0)
     ok = dict(device=cuda, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, head_dim_ckv=512, head_dim_kpe=64,
               page_size=64, sm_scale=0.07)
+    monkeypatch.setattr(_route, "MLA_HOPPER", False)
     assert "MLA_HOPPER is off" in _route.MLA.at_plan(**ok).reason
     monkeypatch.setattr(_route, "MLA_HOPPER", True)
     assert _route.MLA.at_plan(**ok).kernel == "hopper"

@@ -202,29 +202,31 @@ def build_work(
     tile_tokens: int,
     chunk: Optional[int],
     max_splits: Optional[int] = None,
+    align: int = 1,
 ) -> WorkPlan:
     """Vectorised work list: for each request, its query tiles times its KV splits.
 
     With ``max_splits`` (CUDA-graph capacity) a request never gets more splits than that; its
-    chunk grows instead.
+    chunk grows instead, to a multiple of ``align`` positions (the Gluon MLA kernel reads a split
+    in boxes that must not cross a page: its splits start on multiples of its tile).
     """
     kv_lens = kv_lens.astype(np.int64, copy=False)
     if chunk is None:
         num_splits = np.ones(kv_lens.size, np.int64)
     else:
-        num_splits = np.maximum(1, -(-kv_lens // chunk))
+        req_chunk = np.full(kv_lens.size, chunk, np.int64)
         if max_splits is not None:
-            num_splits = np.minimum(num_splits, max_splits)
+            grown = -(-(-(-kv_lens // max_splits)) // align) * align
+            req_chunk = np.where(-(-kv_lens // chunk) > max_splits, np.maximum(req_chunk, grown), req_chunk)
+        num_splits = np.maximum(1, -(-kv_lens // req_chunk))
     layout = _work_layout(q_lens, num_splits, tile_tokens)
     work = layout.work.copy()
     if chunk is None:
         work[:, 3] = kv_lens[layout.req]
     else:
-        # per-request chunk: `chunk` unless max_splits capped the splits (then it grows)
-        req_chunk = np.maximum(-(-kv_lens // num_splits), chunk)[layout.req]
-        kv_start = layout.split * req_chunk
+        kv_start = layout.split * req_chunk[layout.req]
         work[:, 2] = kv_start
-        work[:, 3] = np.minimum(kv_start + req_chunk, kv_lens[layout.req])
+        work[:, 3] = np.minimum(kv_start + req_chunk[layout.req], kv_lens[layout.req])
     return WorkPlan(work, layout.state_offset, layout.num_states, layout.has_splits)
 
 
@@ -291,10 +293,11 @@ def fit_work(
     head_dim_vo: int,
     fixed: bool,
     max_splits: Optional[int] = None,
+    align: int = 1,
 ) -> WorkPlan:
     """``build_work``, with automatic splits made coarser until their partial states fit the
     workspace; a ``fixed`` split that does not fit is an error (reported in plan())."""
-    work = build_work(q_lens, kv_lens, tile_tokens, chunk, max_splits)
+    work = build_work(q_lens, kv_lens, tile_tokens, chunk, max_splits, align)
     while work.has_splits and state_bytes(work.num_states, num_qo_heads, head_dim_vo) > workspace_bytes:
         if fixed:
             raise ValueError(
@@ -302,7 +305,8 @@ def fit_work(
                 f"bytes of split-KV states, the buffer has {workspace_bytes}"
             )
         chunk *= 2
-        work = build_work(q_lens, kv_lens, tile_tokens, chunk if chunk < int(kv_lens.max()) else None, max_splits)
+        work = build_work(q_lens, kv_lens, tile_tokens, chunk if chunk < int(kv_lens.max()) else None, max_splits,
+                          align)
     return work
 
 

@@ -165,7 +165,7 @@ def plan_work(*, qo_lens: np.ndarray, kv_lens: np.ndarray, tiles: Tiles, num_qo_
             f"buffers allow ({max_splits}); use a larger fixed_split_size"
         )
     work = _plan.fit_work(qo_lens, kv_lens, tiles.tile_tokens, chunk, workspace_bytes, num_qo_heads, head_dim_vo,
-                          fixed_split_size is not None, max_splits=max_splits)
+                          fixed_split_size is not None, max_splits=max_splits, align=tiles.block_n)
     if heaviest_first is not None:
         work = _plan.heaviest_first(work, qo_lens, kv_lens, tiles.tile_tokens, heaviest_first)
     return work
