@@ -585,3 +585,26 @@ def test_mla_gluon_kernel_nan_past_the_end_gpu(monkeypatch, mode, page_size):
     clean = {k: v.nan_to_num(0.0) if k in ("ckv", "kpe") else v for k, v in c.items()}
     assert not out.isnan().any()
     assert_close(out, ref_of(clean, 0.07, False)[0], torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_mla_gluon_route_plan_without_kv_gpu():
+    """A plan of kv_len 0 over a cache of no pages (FlashInfer's test_batch_mla_page_attention with
+    kv_len 0) on the Gluon route's shapes: the Triton kernel writes zeros and LSE -inf (an empty cache
+    has no TMA descriptor), and no page id is reported."""
+    import tritoninfer
+
+    batch, heads, ps = 3, 16, 16
+    w = BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
+    i32 = dict(dtype=torch.int32, device="cuda")
+    w.plan(torch.arange(batch + 1, **i32) * 7, torch.zeros(batch + 1, **i32), torch.empty(0, **i32),
+           torch.zeros(batch, **i32), heads, 512, 64, ps, False, 0.07, torch.bfloat16, torch.bfloat16)
+    assert w._step.route.kernel == "hopper"
+    q_nope = torch.randn(batch * 7, heads, 512, dtype=torch.bfloat16, device="cuda")
+    q_pe = torch.randn(batch * 7, heads, 64, dtype=torch.bfloat16, device="cuda")
+    ckv = torch.empty(0, ps, 512, dtype=torch.bfloat16, device="cuda")
+    kpe = torch.empty(0, ps, 64, dtype=torch.bfloat16, device="cuda")
+    out, lse = w.run(q_nope, q_pe, ckv, kpe, return_lse=True)
+    torch.cuda.synchronize()
+    tritoninfer.check_errors()
+    assert (out == 0).all() and torch.isneginf(lse).all()

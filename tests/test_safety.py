@@ -403,3 +403,20 @@ def test_empty_rows_raise_no_numpy_warning():
         warnings.simplefilter("error", RuntimeWarning)
         _, lse = w.run(q, kv.cache, return_lse=True)
     assert torch.isinf(lse[0]).all() and torch.isfinite(lse[1]).all()
+
+
+def test_check_page_ids_reports_only_ids_that_exist():
+    """The page-id check of the Gluon kernels' plans (``_hopper.check_page_ids``): a request without
+    pages reports nothing, also against an empty cache (FlashInfer's MLA tests plan kv_len 0 over a
+    cache of no pages); an id past the cache is reported with its request."""
+    from tritoninfer import _hopper
+
+    indptr = torch.zeros(4, dtype=torch.int32, device=DEVICE)
+    indices = torch.zeros(8, dtype=torch.int32, device=DEVICE)
+    _hopper.check_page_ids(indptr, indices, 3, 0)
+    tritoninfer.check_errors()
+    indptr = torch.tensor([0, 2, 2, 5], dtype=torch.int32, device=DEVICE)
+    indices = torch.tensor([0, 1, 2, 3, 6, 0, 0, 0], dtype=torch.int32, device=DEVICE)
+    _hopper.check_page_ids(indptr, indices, 3, 4)
+    with pytest.raises(ValueError, match="request 2 refers to page id 6"):
+        tritoninfer.check_errors()

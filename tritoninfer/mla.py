@@ -271,6 +271,8 @@ class MLALaunch:
             why = "core"
         elif q_pe_scale != 1.0 or v_scale != 1.0:
             why = "q_pe or output scales"
+        elif not self.needs_pages:
+            why = "no KV to read (an empty cache has no TMA descriptor)"
         else:
             why = MLA_ROUTE.at_run(self.step.route, q_nope, q_pe, ckv, kpe)
         if why:

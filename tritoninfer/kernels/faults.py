@@ -52,4 +52,5 @@ def check_page_ids_kernel(kv_indptr_ptr, kv_indices_ptr, err_ptr, num_pages, BLO
         offs = off + tl.arange(0, BLOCK)
         page = tl.load(kv_indices_ptr + offs, mask=offs < end, other=0)
         _, bad_page = bound_page_ids(page, bad_page, num_pages)
-    report_bad_pages(err_ptr, bad_page, num_pages, req)
+    if end > start:  # a request without pages has no id to report (id 0 of an empty cache is not one)
+        report_bad_pages(err_ptr, bad_page, num_pages, req)
