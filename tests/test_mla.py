@@ -515,17 +515,17 @@ def test_mla_cuda_graph_capture_replan_gpu(heads):
 @pytest.mark.parametrize("page_size", [64, 16])
 @pytest.mark.parametrize("qo_len,causal", [(1, False), (4, True)])
 @pytest.mark.parametrize("kv_lens", [[1, 77, 1000, 4133, 0, 129], [8192]], ids=["varied", "one-long-split"])
-@pytest.mark.parametrize("mode", ["shared", "both"])
+@pytest.mark.parametrize("mode", ["share-p", "both", "pairs"])
 def test_mla_gluon_kernel_gpu(monkeypatch, heads, page_size, qo_len, causal, kv_lens, mode):
-    """The Gluon MLA kernel (``_route.MLA_HOPPER`` on) in each mode (P shared between its consumers; both
-    consumers computing the scores), at
+    """The Gluon MLA kernel (``_route.MLA_HOPPER`` on) in each mode (``mla._HOPPER_MODE``: P shared
+    between its consumers; both consumers computing the scores; tiles in pairs, one scored by each), at
     DeepSeek's dims, q and cache as slices of wider buffers (SGLang's form): output and LSE against the
     reference, with and without split-KV (one long request is split over the SMs and merged by the merge
     pass); the kernel ran (not the fallback)."""
     from tritoninfer import _route
 
     monkeypatch.setattr(_route, "MLA_HOPPER", True)
-    monkeypatch.setattr(mla, "_HOPPER_SHARE_P", mode == "shared")
+    monkeypatch.setattr(mla, "_HOPPER_MODE", mode)
     ran = []
     real = mla.MLALaunch._launch_hopper
     monkeypatch.setattr(mla.MLALaunch, "_launch_hopper", lambda self, *a: ran.append(1) or real(self, *a))
@@ -551,17 +551,29 @@ def test_mla_gluon_kernel_gpu(monkeypatch, heads, page_size, qo_len, causal, kv_
 
 
 @pytest.mark.gpu
-def test_mla_gluon_kernel_cuda_graph_gpu(monkeypatch):
+@pytest.mark.parametrize("mode", ["share-p", "pairs"])
+def test_mla_gluon_kernel_cuda_graph_gpu(monkeypatch, mode):
     """CUDA-graph mode on the Gluon route: a graph captured after a warmup plan stays valid after a
-    re-plan with other lengths (splits)."""
+    re-plan with other lengths (splits grown by the graph's cap start on the kernel's tiles)."""
     from tritoninfer import _route
 
     monkeypatch.setattr(_route, "MLA_HOPPER", True)
+    monkeypatch.setattr(mla, "_HOPPER_MODE", mode)
     test_mla_cuda_graph_capture_replan_gpu(128)
 
 
+def test_mla_gluon_mode_names(monkeypatch):
+    """``mla._HOPPER_MODE`` names one of the kernel's modes; another name is an error, not a default."""
+    assert [mla._HOPPER_MODES[m] for m in ("both", "share-p", "pairs")] == [0, 1, 2]
+    monkeypatch.setattr(mla, "_HOPPER_MODE", "pairs")
+    assert mla.hopper_mode() == 2
+    monkeypatch.setattr(mla, "_HOPPER_MODE", "shared")
+    with pytest.raises(ValueError, match="_HOPPER_MODE"):
+        mla.hopper_mode()
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["shared", "both"])
+@pytest.mark.parametrize("mode", ["share-p", "both", "pairs"])
 @pytest.mark.parametrize("page_size", [64, 16])
 def test_mla_gluon_kernel_nan_past_the_end_gpu(monkeypatch, mode, page_size):
     """NaN in the slots of each request's last page past its length (FlashInfer's
@@ -569,7 +581,7 @@ def test_mla_gluon_kernel_nan_past_the_end_gpu(monkeypatch, mode, page_size):
     from tritoninfer import _route
 
     monkeypatch.setattr(_route, "MLA_HOPPER", True)
-    monkeypatch.setattr(mla, "_HOPPER_SHARE_P", mode == "shared")
+    monkeypatch.setattr(mla, "_HOPPER_MODE", mode)
     kv_lens = [1000, 77, 35]
     c = make_case([1] * len(kv_lens), kv_lens, 128, 512, 64, page_size, torch.bfloat16, extra_pages=0)
     pages = [math.ceil(n / page_size) for n in kv_lens]

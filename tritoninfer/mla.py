@@ -132,13 +132,24 @@ def mla_tiles(num_heads: int, avg_q_len: float, kv_fp8: bool = False) -> Tiles:
 
 
 # The Gluon kernel (kernels/mla_hopper.py, _route.MlaRoute): 32-position tiles (64 spill 32 bytes a
-# consumer thread, sm_90 compiled on the CPU), 3 stages (185 KB of shared memory), the consumers' and
-# the producer's registers a thread (240 spilled 8 bytes at 8-position pages; the launch's 160 a thread
-# leave the consumers' 232 free once the producer drops to 24)
-_HOPPER_BLOCK_N, _HOPPER_STAGES, _HOPPER_CONSUMER_REGS, _HOPPER_PRODUCER_REGS = 32, 3, 232, 24
-# the first consumer computes the scores, hands P to the second through shared memory and overlaps its
-# softmax with its own P V (False: both compute the scores, 1.5x the tensor work at 128 heads)
-_HOPPER_SHARE_P = True
+# consumer thread, sm_90 compiled on the CPU), 3 stages (185-203 KB of shared memory), the consumers'
+# and the producer's registers a thread (the launch's 168 a thread leave the consumers' 240 once the
+# producer drops to 24; tile pairs still spill 8-16 bytes there, 32-56 at 232)
+_HOPPER_BLOCK_N, _HOPPER_STAGES, _HOPPER_CONSUMER_REGS, _HOPPER_PRODUCER_REGS = 32, 3, 240, 24
+# How the two consumer warpgroups split a tile's work (kernels/mla_hopper.py's MODE): "share-p", the
+# first computes the scores, hands P to the second through shared memory and overlaps its softmax with
+# its own P V; "both", both compute the scores (1.5x the tensor work at 128 heads); "pairs", tiles in
+# pairs, each consumer scoring one and both adding both tiles' P V (FlashMLA's split: no work twice,
+# none on one consumer alone)
+_HOPPER_MODE = "share-p"
+_HOPPER_MODES = {"both": 0, "share-p": 1, "pairs": 2}
+
+
+def hopper_mode() -> int:
+    """``_HOPPER_MODE`` as the kernel's ``MODE``."""
+    if _HOPPER_MODE not in _HOPPER_MODES:
+        raise ValueError(f"mla._HOPPER_MODE: {_HOPPER_MODE!r} is not one of {', '.join(_HOPPER_MODES)}")
+    return _HOPPER_MODES[_HOPPER_MODE]
 
 
 def hopper_tiles(num_heads: int, avg_q_len: float) -> Tiles:
@@ -254,7 +265,7 @@ class MLALaunch:
                            plan.kv_len, plan.state_offset, tiles.tile_tokens)
             hopper_kwargs = dict(
                 NUM_HEADS=heads, HEAD_DIM_CKV=d_ckv, PAGE_SIZE=step.page_size, BLOCK_N=tiles.block_n,
-                STAGES=_HOPPER_STAGES, IS_CAUSAL=step.causal, WRITE_LSE=write_lse, SHARE_P=_HOPPER_SHARE_P,
+                STAGES=_HOPPER_STAGES, IS_CAUSAL=step.causal, WRITE_LSE=write_lse, MODE=hopper_mode(),
                 CONSUMER_REGS=_HOPPER_CONSUMER_REGS, PRODUCER_REGS=_HOPPER_PRODUCER_REGS, num_warps=4,
                 maxnreg=_hopper.maxnreg(_HOPPER_CONSUMER_REGS, _HOPPER_PRODUCER_REGS))
             self.hopper = launcher.bind(grid, hopper_tail, hopper_kwargs)
