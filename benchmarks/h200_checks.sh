@@ -52,7 +52,7 @@
 #   fit-mla      FlashInfer's test_deepseek_mla.py and test_mla_page.py (4 workers)
 #   fit-bp-rest  test_batch_prefill_kernels.py's ragged and multi-item cases (fit-hopper's limit cut them, s17)
 #   tests-mla-modes  pytest -m gpu tests/test_mla.py's Gluon-route tests (every mode, CUDA graphs, no KV)
-#   mla-modes    tritoninfer bench mla over the rows, once per Gluon MLA mode (MLA_MODES)
+#   mla-sets     tritoninfer bench mla over the rows, once per --set of MLA_SETS (FlashInfer beside the first)
 #   tests-mla-gluon  pytest -m gpu on the Gluon MLA kernel (tests/test_mla.py -k gluon; _route.MLA_HOPPER forced on)
 #   mla-ab       tritoninfer bench mla --quick with the Gluon MLA kernel on, then off (FlashInfer beside: run
 #                warm-mla first)
@@ -187,17 +187,17 @@ case "$part" in
       tests/test_mla.py > "$out/$part.log" 2>&1 || true ;;
   tests-mla-modes)
     PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=10 -x \
-      --timeout 90 tests/test_mla.py -k "gluon or graph or plan_without" > "$out/$part.log" 2>&1 || true ;;
-  mla-modes)
-    # the rows (and batch 128, 16 x 32K at 16 heads), each Gluon MLA mode of MLA_MODES; FlashInfer
-    # beside the first (run warm-mla first)
+      --timeout 90 tests/test_mla.py -k "${MLA_K:-gluon or graph or without_kv}" > "$out/$part.log" 2>&1 || true ;;
+  mla-sets)
+    # the rows (and batch 128, 16 x 32K at 16 heads), once per --set of MLA_SETS (space-separated;
+    # "-" for none), FlashInfer beside the first (run warm-mla first)
     shapes=128:64:1:8192:1,128:64:16:8192:1,128:64:64:8192:1,128:64:128:8192:1,128:64:16:32768:1,128:64:64:4096:4
     shapes=$shapes,128:1:64:4096:1,16:64:64:8192:1,16:64:128:8192:1,16:64:16:32768:1,16:64:64:4096:4,16:1:64:4096:1
     first=1
-    for mode in ${MLA_MODES:-pairs share-p}; do
+    for set in ${MLA_SETS:--}; do
       PYTHONPATH=/tmp/site:$PWD timeout $((limit / 2)) python3 -m tritoninfer bench mla --shapes $shapes \
-        $([ $first = 1 ] || echo --backends=) --set mla._HOPPER_MODE=$mode --out "$out/mla-$mode" \
-        > "$out/mla-$mode.log" 2>&1 || true
+        $([ $first = 1 ] || echo --backends=) $([ "$set" = - ] || echo --set "$set") --out "$out/mla-$set" \
+        > "$out/mla-$set.log" 2>&1 || true
       first=0
     done ;;
   tests-mla-gluon)

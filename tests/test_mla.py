@@ -515,10 +515,10 @@ def test_mla_cuda_graph_capture_replan_gpu(heads):
 @pytest.mark.parametrize("page_size", [64, 16])
 @pytest.mark.parametrize("qo_len,causal", [(1, False), (4, True)])
 @pytest.mark.parametrize("kv_lens", [[1, 77, 1000, 4133, 0, 129], [8192]], ids=["varied", "one-long-split"])
-@pytest.mark.parametrize("mode", ["share-p", "both", "pairs"])
+@pytest.mark.parametrize("mode", ["share-p", "both"])
 def test_mla_gluon_kernel_gpu(monkeypatch, heads, page_size, qo_len, causal, kv_lens, mode):
     """The Gluon MLA kernel (``_route.MLA_HOPPER`` on) in each mode (``mla._HOPPER_MODE``: P shared
-    between its consumers; both consumers computing the scores; tiles in pairs, one scored by each), at
+    between its consumers; both consumers computing the scores), at
     DeepSeek's dims, q and cache as slices of wider buffers (SGLang's form): output and LSE against the
     reference, with and without split-KV (one long request is split over the SMs and merged by the merge
     pass); the kernel ran (not the fallback)."""
@@ -551,29 +551,27 @@ def test_mla_gluon_kernel_gpu(monkeypatch, heads, page_size, qo_len, causal, kv_
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["share-p", "pairs"])
-def test_mla_gluon_kernel_cuda_graph_gpu(monkeypatch, mode):
+def test_mla_gluon_kernel_cuda_graph_gpu(monkeypatch):
     """CUDA-graph mode on the Gluon route: a graph captured after a warmup plan stays valid after a
     re-plan with other lengths (splits grown by the graph's cap start on the kernel's tiles)."""
     from tritoninfer import _route
 
     monkeypatch.setattr(_route, "MLA_HOPPER", True)
-    monkeypatch.setattr(mla, "_HOPPER_MODE", mode)
     test_mla_cuda_graph_capture_replan_gpu(128)
 
 
 def test_mla_gluon_mode_names(monkeypatch):
     """``mla._HOPPER_MODE`` names one of the kernel's modes; another name is an error, not a default."""
-    assert [mla._HOPPER_MODES[m] for m in ("both", "share-p", "pairs")] == [0, 1, 2]
-    monkeypatch.setattr(mla, "_HOPPER_MODE", "pairs")
-    assert mla.hopper_mode() == 2
+    assert [mla._HOPPER_MODES[m] for m in ("both", "share-p")] == [0, 1]
+    monkeypatch.setattr(mla, "_HOPPER_MODE", "both")
+    assert mla.hopper_mode() == 0
     monkeypatch.setattr(mla, "_HOPPER_MODE", "shared")
     with pytest.raises(ValueError, match="_HOPPER_MODE"):
         mla.hopper_mode()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["share-p", "both", "pairs"])
+@pytest.mark.parametrize("mode", ["share-p", "both"])
 @pytest.mark.parametrize("page_size", [64, 16])
 def test_mla_gluon_kernel_nan_past_the_end_gpu(monkeypatch, mode, page_size):
     """NaN in the slots of each request's last page past its length (FlashInfer's
@@ -599,24 +597,24 @@ def test_mla_gluon_kernel_nan_past_the_end_gpu(monkeypatch, mode, page_size):
     assert_close(out, ref_of(clean, 0.07, False)[0], torch.bfloat16)
 
 
-@pytest.mark.gpu
-def test_mla_gluon_route_plan_without_kv_gpu():
+@pytest.mark.parametrize("qo_len", [1, 7])
+def test_mla_plan_without_kv_over_an_empty_cache(qo_len):
     """A plan of kv_len 0 over a cache of no pages (FlashInfer's test_batch_mla_page_attention with
-    kv_len 0) on the Gluon route's shapes: the Triton kernel writes zeros and LSE -inf (an empty cache
-    has no TMA descriptor), and no page id is reported."""
-    import tritoninfer
+    kv_len 0): zeros and LSE -inf, and no page id reported (an empty cache has no id 0). On an H200
+    these shapes are the Gluon route's, which leaves such a plan to the Triton kernel (an empty cache
+    has no TMA descriptor)."""
+    from tritoninfer import testing
 
     batch, heads, ps = 3, 16, 16
-    w = BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
-    i32 = dict(dtype=torch.int32, device="cuda")
-    w.plan(torch.arange(batch + 1, **i32) * 7, torch.zeros(batch + 1, **i32), torch.empty(0, **i32),
-           torch.zeros(batch, **i32), heads, 512, 64, ps, False, 0.07, torch.bfloat16, torch.bfloat16)
-    assert w._step.route.kernel == "hopper"
-    q_nope = torch.randn(batch * 7, heads, 512, dtype=torch.bfloat16, device="cuda")
-    q_pe = torch.randn(batch * 7, heads, 64, dtype=torch.bfloat16, device="cuda")
-    ckv = torch.empty(0, ps, 512, dtype=torch.bfloat16, device="cuda")
-    kpe = torch.empty(0, ps, 64, dtype=torch.bfloat16, device="cuda")
+    d_ckv, d_kpe = (512, 64) if ON_GPU else (32, 16)
+    w = BatchMLAPagedAttentionWrapper(make_workspace(128 << 20, DEVICE))
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    w.plan(torch.arange(batch + 1, **i32) * qo_len, torch.zeros(batch + 1, **i32), torch.empty(0, **i32),
+           torch.zeros(batch, **i32), heads, d_ckv, d_kpe, ps, False, 0.07, torch.bfloat16, torch.bfloat16)
+    q_nope = testing.randn((batch * qo_len, heads, d_ckv), torch.bfloat16, DEVICE)
+    q_pe = testing.randn((batch * qo_len, heads, d_kpe), torch.bfloat16, DEVICE)
+    ckv = torch.empty(0, ps, d_ckv, dtype=torch.bfloat16, device=DEVICE)
+    kpe = torch.empty(0, ps, d_kpe, dtype=torch.bfloat16, device=DEVICE)
     out, lse = w.run(q_nope, q_pe, ckv, kpe, return_lse=True)
-    torch.cuda.synchronize()
     tritoninfer.check_errors()
     assert (out == 0).all() and torch.isneginf(lse).all()

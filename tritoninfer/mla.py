@@ -132,17 +132,17 @@ def mla_tiles(num_heads: int, avg_q_len: float, kv_fp8: bool = False) -> Tiles:
 
 
 # The Gluon kernel (kernels/mla_hopper.py, _route.MlaRoute): 32-position tiles (64 spill 32 bytes a
-# consumer thread, sm_90 compiled on the CPU), 3 stages (185-203 KB of shared memory), the consumers'
-# and the producer's registers a thread (the launch's 168 a thread leave the consumers' 240 once the
-# producer drops to 24; tile pairs still spill 8-16 bytes there, 32-56 at 232)
-_HOPPER_BLOCK_N, _HOPPER_STAGES, _HOPPER_CONSUMER_REGS, _HOPPER_PRODUCER_REGS = 32, 3, 240, 24
+# consumer thread, sm_90 compiled on the CPU), 4 stages (three tiles in flight while one is consumed:
+# 221-231 KB of shared memory of the SM's 227), the producer's registers a thread (24 leave the
+# consumers 232-240: hopper_consumer_regs)
+_HOPPER_BLOCK_N, _HOPPER_STAGES, _HOPPER_PRODUCER_REGS = 32, 4, 24
 # How the two consumer warpgroups split a tile's work (kernels/mla_hopper.py's MODE): "share-p", the
 # first computes the scores, hands P to the second through shared memory and overlaps its softmax with
-# its own P V; "both", both compute the scores (1.5x the tensor work at 128 heads); "pairs", tiles in
-# pairs, each consumer scoring one and both adding both tiles' P V (FlashMLA's split: no work twice,
-# none on one consumer alone)
+# its own P V; "both", both compute the scores (1.5x the tensor work at 128 heads). (A third, tiles in
+# pairs with each consumer scoring one, FlashMLA's split, ran 6-10 % slower than "share-p" on the H200
+# in session 17 and was removed: benchmarks/NOTES.md.)
 _HOPPER_MODE = "share-p"
-_HOPPER_MODES = {"both": 0, "share-p": 1, "pairs": 2}
+_HOPPER_MODES = {"both": 0, "share-p": 1}
 
 
 def hopper_mode() -> int:
@@ -150,6 +150,13 @@ def hopper_mode() -> int:
     if _HOPPER_MODE not in _HOPPER_MODES:
         raise ValueError(f"mla._HOPPER_MODE: {_HOPPER_MODE!r} is not one of {', '.join(_HOPPER_MODES)}")
     return _HOPPER_MODES[_HOPPER_MODE]
+
+
+def hopper_consumer_regs(mode: int) -> int:
+    """A consumer thread's registers in ``MODE`` ``mode`` (sm_90 compiled on the CPU, 4 stages): shared
+    P fits 232 (measured faster than 240 in session 17); both consumers scoring spill 8-16 bytes there,
+    none at 240."""
+    return 232 if mode == 1 else 240
 
 
 def hopper_tiles(num_heads: int, avg_q_len: float) -> Tiles:
@@ -263,11 +270,12 @@ class MLALaunch:
             launcher = _device.per_device("mla_hopper", device, lambda: CachedLauncher(mla_hopper_kernel))
             hopper_tail = (part_o, part_lse, plan.work, plan.qo_indptr, step.kv_indptr, step.kv_indices,
                            plan.kv_len, plan.state_offset, tiles.tile_tokens)
+            mode = hopper_mode()
             hopper_kwargs = dict(
                 NUM_HEADS=heads, HEAD_DIM_CKV=d_ckv, PAGE_SIZE=step.page_size, BLOCK_N=tiles.block_n,
-                STAGES=_HOPPER_STAGES, IS_CAUSAL=step.causal, WRITE_LSE=write_lse, MODE=hopper_mode(),
-                CONSUMER_REGS=_HOPPER_CONSUMER_REGS, PRODUCER_REGS=_HOPPER_PRODUCER_REGS, num_warps=4,
-                maxnreg=_hopper.maxnreg(_HOPPER_CONSUMER_REGS, _HOPPER_PRODUCER_REGS))
+                STAGES=_HOPPER_STAGES, IS_CAUSAL=step.causal, WRITE_LSE=write_lse, MODE=mode,
+                CONSUMER_REGS=hopper_consumer_regs(mode), PRODUCER_REGS=_HOPPER_PRODUCER_REGS, num_warps=4,
+                maxnreg=_hopper.maxnreg(hopper_consumer_regs(mode), _HOPPER_PRODUCER_REGS))
             self.hopper = launcher.bind(grid, hopper_tail, hopper_kwargs)
 
     def __call__(self, q_nope, q_pe, ckv, kpe, out, lse, sm_scale_log2: float, lse_scale: float,

@@ -32,9 +32,10 @@ def report_fault(err_ptr, code, req, value, limit):
 @triton.jit
 def report_bad_pages(err_ptr, bad_page, num_pages, req):
     """Reports (code 1) the largest id ``bound_page_ids`` kept in ``bad_page`` [N] if it is outside
-    ``[0, num_pages)``."""
+    ``[0, num_pages)``. An empty cache reports only ids above 0: ``bad_page`` starts at 0, and the
+    launchers refuse an empty cache for a plan that reads KV, so a 0 there was read from no page."""
     largest = tl.max(bad_page, 0)
-    if largest >= tl.cast(num_pages, tl.uint32):
+    if (largest >= tl.cast(num_pages, tl.uint32)) & ((largest > 0) | (num_pages > 0)):
         report_fault(err_ptr, 1, req, largest.to(tl.int32, bitcast=True), num_pages)
 
 

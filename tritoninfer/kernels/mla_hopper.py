@@ -16,11 +16,7 @@ item's KV range, in tiles of ``BLOCK_N`` positions:
   P from registers): the scores computed twice, 1.5x the useful tensor work at 128 heads (``MODE``
   0). In ``MODE`` 1 (shared P) only the first consumer computes them and hands P and the rescale factors to the second
   through shared memory (double-buffered, ``p_ready`` / ``p_free``), issuing tile j's scores before
-  tile j - 1's P V and running the softmax while that P V does (the prefill kernel's order). In
-  ``MODE`` 2 (tile pairs, FlashMLA's split) the consumers take tiles in pairs: consumer w computes the
-  scores of tile 2k + w alone, the two exchange their row maxima (one running maximum for both), then
-  their P, and each adds both tiles' P V on its columns: each consumer does half the scores and half
-  the P V, the useful tensor work once.
+  tile j - 1's P V and running the softmax while that P V does (the prefill kernel's order).
 
 Page ids are read as given: TMA keeps every box inside the cache (a box past it reads zeros), and
 ``_hopper.check_page_ids`` reports ids outside it. A request's last tile reads whole pages: the rows
@@ -134,17 +130,10 @@ def _hand_over(p, alpha, j, p_smem, row_smem, p_ready, p_free):
 def _pv(a, ckv_smem, base, acc0, acc1, acc2, acc3, a_o):
     """O += A V on four 64-column value chunks ``base`` .., the accumulators rescaled by ``a_o`` first:
     four asynchronous wgmmas (their tokens)."""
-    return _pv_add(a, ckv_smem, base, acc0 * a_o, acc1 * a_o, acc2 * a_o, acc3 * a_o)
-
-
-@gluon.jit
-def _pv_add(a, ckv_smem, base, acc0, acc1, acc2, acc3):
-    """O += A V on four 64-column value chunks ``base`` ..: four asynchronous wgmmas chained on the
-    accumulators (their tokens, pending wgmmas included)."""
-    acc0 = warpgroup_mma(a, ckv_smem.index(base), acc0, is_async=True)
-    acc1 = warpgroup_mma(a, ckv_smem.index(base + 1), acc1, is_async=True)
-    acc2 = warpgroup_mma(a, ckv_smem.index(base + 2), acc2, is_async=True)
-    acc3 = warpgroup_mma(a, ckv_smem.index(base + 3), acc3, is_async=True)
+    acc0 = warpgroup_mma(a, ckv_smem.index(base), acc0 * a_o, is_async=True)
+    acc1 = warpgroup_mma(a, ckv_smem.index(base + 1), acc1 * a_o, is_async=True)
+    acc2 = warpgroup_mma(a, ckv_smem.index(base + 2), acc2 * a_o, is_async=True)
+    acc3 = warpgroup_mma(a, ckv_smem.index(base + 3), acc3 * a_o, is_async=True)
     return acc0, acc1, acc2, acc3
 
 
@@ -173,9 +162,6 @@ def _load_partition(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_
         tma.async_copy_global_to_shared(qpe_desc, [q_row, 0], bar, qpe_smem)
         hi = _kv_hi(hi, q_tile_start, row0, tile_end, q_len, kv_len, is_causal, num_heads)
         n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
-        if p_smem.type.shape[0] == 4:
-            # tile pairs: an odd last tile is paired with one past the end (page 0's rows, all masked)
-            n_tiles += n_tiles % 2
         page_base = gl.load(kv_indptr_ptr + req)
         n_pages = gl.cdiv(kv_len, page_size)
         tile_bytes: gl.constexpr = BLOCK_N * (N_CHUNKS * CHUNK * 2 + kpe_desc.block_type.shape[1] * 2)
@@ -198,69 +184,6 @@ def _load_partition(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_
 
 
 @gluon.jit
-def _pair(ja, lo, hi, diag, m_i, l_i, acc0, acc1, acc2, acc3, q_smem, qpe_smem, ckv_smem, kpe_smem, ready, empty,
-          p_smem, row_smem, m_bar, p_bar, k, sm_scale_log2, s_layout: gl.constexpr, p_layout: gl.constexpr,
-          row_s: gl.constexpr, row_o: gl.constexpr, WG: gl.constexpr):
-    """Tiles ``ja`` and ``ja + 1`` of tile-pairs mode, pair ``k``: this consumer's scores of tile ``ja +
-    WG``, the row maxima exchanged through ``row_smem`` (``m_bar``), P through ``p_smem`` (``p_bar``),
-    then both tiles' P V on this consumer's columns. A request's odd last tile is paired with one past
-    its end (loaded by the producer, every column masked, its value rows zeroed). Returns (m, l of this
-    consumer's tiles, accumulators)."""
-    stages: gl.constexpr = kpe_smem.type.shape[0]
-    BLOCK_N: gl.constexpr = kpe_smem.type.shape[1]
-    N_CHUNKS: gl.constexpr = ckv_smem.type.shape[0] // stages
-    dtype: gl.constexpr = q_smem.dtype
-    own = ja + WG
-    buf = k % 2
-    st = own % stages
-    mbarrier.wait(ready.index(st), (own // stages) & 1)
-    # (the zero accumulator and the columns made here, not held across the loop: registers)
-    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(q_smem, qpe_smem, ckv_smem, kpe_smem, st, s_zero), ))
-    cols = lo + own * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    keep = (cols[None, :] < hi) & (cols[None, :] <= diag[:, None])
-    s = gl.where(keep, s, float("-inf"))
-    m_own = gl.max(s, 1) * sm_scale_log2
-    row_smem.index(2 * buf + WG).store(m_own)
-    gl.thread_barrier()
-    mbarrier.arrive(m_bar.index(buf), count=1)
-    mbarrier.wait(m_bar.index(buf), (k // 2) & 1)
-    m_new = gl.maximum(m_i, gl.maximum(m_own, row_smem.index(2 * buf + 1 - WG).load(row_s)))
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(s * sm_scale_log2 - m_safe[:, None])
-    alpha = gl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + gl.sum(p, 1)
-    p_smem.index(2 * buf + WG).store(p.to(dtype))
-    fence_async_shared()
-    gl.thread_barrier()
-    mbarrier.arrive(p_bar.index(buf), count=1)
-    # the other consumer's tile: its TMA bytes, seen by this consumer too
-    mbarrier.wait(ready.index((ja + 1 - WG) % stages), ((ja + 1 - WG) // stages) & 1)
-    # value rows past the end zeroed before any P V is in flight (its accumulators hold the registers)
-    n_valid = hi - (lo + ja * BLOCK_N)
-    if n_valid < 2 * BLOCK_N:
-        _zero_tail(ckv_smem, (ja % stages) * N_CHUNKS + WG * 4, n_valid, BLOCK_N)
-        _zero_tail(ckv_smem, ((ja + 1) % stages) * N_CHUNKS + WG * 4, n_valid - BLOCK_N, BLOCK_N)
-    a_o = gl.convert_layout(alpha, row_o)[:, None]
-    for t in gl.static_range(2):
-        base = ((ja + t) % stages) * N_CHUNKS + WG * 4
-        if t == WG:
-            a = gl.convert_layout(p.to(dtype), p_layout)
-        else:
-            mbarrier.wait(p_bar.index(buf), (k // 2) & 1)
-            a = p_smem.index(2 * buf + t)
-        # the accumulators are rescaled once, with the first tile's P V
-        if t == 0:
-            acc0, acc1, acc2, acc3 = _pv(a, ckv_smem, base, acc0, acc1, acc2, acc3, a_o)
-        else:
-            acc0, acc1, acc2, acc3 = _pv_add(a, ckv_smem, base, acc0, acc1, acc2, acc3)
-    acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, acc2, acc3))
-    mbarrier.arrive(empty.index(ja % stages), count=1)
-    mbarrier.arrive(empty.index((ja + 1) % stages), count=1)
-    return m_new, l_i, acc0, acc1, acc2, acc3
-
-
-@gluon.jit
 def _consume(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, kpe_smem, q_bar, ready, empty,
              p_smem, row_smem, p_ready, p_free, fin_bar,
              o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2,
@@ -268,14 +191,11 @@ def _consume(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, k
              kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads, WG: gl.constexpr):
     """Consumer warpgroup ``WG``: output columns [256 WG, 256 WG + 256) (four 64-column accumulators)
     of every tile, then the output (one split) or the partial state (several), and the LSE (WG 0).
-    The mode is ``p_smem``'s buffer count: one (a placeholder), both consumers compute each tile's
-    scores and softmax; two (shared P), WG 0 does and hands P and the rescale factors over through
+    Without shared P (``p_smem`` a placeholder of one buffer) both consumers compute each tile's scores
+    and softmax; with it (two buffers), WG 0 does and hands P and the rescale factors over through
     ``p_smem`` / ``row_smem`` (``p_ready`` / ``p_free``, double-buffered), and its final row sums and
-    maxima through ``row_smem`` and ``fin_bar``; four (tile pairs, ``_pair``), two buffers of each
-    consumer's P, ``p_ready`` / ``p_free`` exchanging the row maxima and P, and the two row sums added
-    through ``row_smem`` and ``fin_bar`` at the end."""
+    maxima through ``row_smem`` and ``fin_bar``."""
     SHARE_P: gl.constexpr = p_smem.type.shape[0] == 2
-    PAIRS: gl.constexpr = p_smem.type.shape[0] == 4
     stages: gl.constexpr = kpe_smem.type.shape[0]
     BLOCK_N: gl.constexpr = kpe_smem.type.shape[1]
     N_CHUNKS: gl.constexpr = ckv_smem.type.shape[0] // stages
@@ -307,13 +227,7 @@ def _consume(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, k
         acc2 = gl.zeros([ROWS, CHUNK], gl.float32, layout=o_layout)
         acc3 = gl.zeros([ROWS, CHUNK], gl.float32, layout=o_layout)
         mbarrier.wait(q_bar.index(0), 0)
-        if PAIRS:
-            for k in range(gl.cdiv(n_tiles, 2)):
-                m_i, l_i, acc0, acc1, acc2, acc3 = _pair(
-                    2 * k, lo, hi, diag, m_i, l_i, acc0, acc1, acc2, acc3, q_smem, qpe_smem, ckv_smem, kpe_smem,
-                    ready, empty, p_smem, row_smem, p_ready, p_free, k, sm_scale_log2, s_layout, p_layout, row_s,
-                    row_o, WG)
-        elif SHARE_P and WG == 0:
+        if SHARE_P and WG == 0:
             # S of tile j is issued before P V of tile j - 1, and its softmax runs while that P V does
             if n_tiles > 0:
                 mbarrier.wait(ready.index(0), 0)
@@ -368,13 +282,6 @@ def _consume(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, k
                     acc0, acc1, acc2, acc3 = _pv(p_op, ckv_smem, base, acc0, acc1, acc2, acc3, a_o)
                     acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, acc2, acc3))
                 mbarrier.arrive(empty.index(stage), count=1)
-        if PAIRS:
-            # each consumer summed its own tiles' P (under the shared maxima): the row sums added
-            row_smem.index(4 + WG).store(l_i)
-            gl.thread_barrier()
-            mbarrier.arrive(fin_bar.index(0), count=1)
-            mbarrier.wait(fin_bar.index(0), 0)
-            l_i = l_i + row_smem.index(5 - WG).load(row_s)
         if SHARE_P:
             # WG 1's rows: the final sums and maxima from WG 0 (buffers 2 and 3 of row_smem)
             if WG == 0:
@@ -482,31 +389,26 @@ def mla_hopper_kernel(
     qpe_smem = gl.allocate_shared_memory(dtype, [ROWS, D_KPE], qpe_desc.layout)
     ckv_smem = gl.allocate_shared_memory(dtype, [STAGES * N_CHUNKS, BLOCK_N, CHUNK], ckv_desc.layout)
     kpe_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_KPE], kpe_desc.layout)
-    # P handed between the consumers (buffers by MODE, below), with the rescale factors
+    # P handed from WG 0 to WG 1 (MODE 1: two buffers; MODE 0: a placeholder), with the rescale factors
     # of each buffer's tile and, at the end, the row sums and maxima
+    gl.static_assert(MODE == 0 or MODE == 1)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N], dtype)
-    # (MODE 0: both consumers score; 1: shared P, two buffers; 2: tile pairs, two of each consumer's)
-    gl.static_assert(MODE >= 0 and MODE <= 2)
-    if MODE == 2:
-        p_smem = gl.allocate_shared_memory(dtype, [4, ROWS, BLOCK_N], p_layout)
-    elif MODE == 1:
+    if MODE == 1:
         p_smem = gl.allocate_shared_memory(dtype, [2, ROWS, BLOCK_N], p_layout)
     else:
         p_smem = gl.allocate_shared_memory(dtype, [1, ROWS, BLOCK_N], p_layout)
-    row_smem = gl.allocate_shared_memory(gl.float32, [6, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    row_smem = gl.allocate_shared_memory(gl.float32, [4, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     fin_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    # tile pairs: every hand-over barrier waits for both consumers
-    hand_overs: gl.constexpr = 2 if MODE == 2 else 1
     mbarrier.init(q_bar.index(0), count=1)
-    mbarrier.init(fin_bar.index(0), count=hand_overs)
+    mbarrier.init(fin_bar.index(0), count=1)
     for i in gl.static_range(2):
-        mbarrier.init(p_ready.index(i), count=hand_overs)
-        mbarrier.init(p_free.index(i), count=hand_overs)
+        mbarrier.init(p_ready.index(i), count=1)
+        mbarrier.init(p_free.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
