@@ -551,6 +551,36 @@ def test_mla_gluon_kernel_gpu(monkeypatch, heads, page_size, qo_len, causal, kv_
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("heads", [128, 16])
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("qo_len,causal", [(1, False), (4, True)])
+@pytest.mark.parametrize("kv_lens", [[1, 77, 1000, 4133, 0, 129], [8192]], ids=["varied", "one-long-split"])
+def test_mla_gluon_gather_gpu(monkeypatch, heads, page_size, qo_len, causal, kv_lens):
+    """Pages TMA cannot box on the Gluon kernel (``_route.MLA_HOPPER_GATHER``: rows gathered by cp.async),
+    SGLang's page 1 and a small page, q and cache as slices of wider buffers: output and LSE against the
+    reference, with and without split-KV; the kernel ran."""
+    from tritoninfer import _route
+
+    monkeypatch.setattr(_route, "MLA_HOPPER", True)
+    monkeypatch.setattr(_route, "MLA_HOPPER_GATHER", True)
+    ran = []
+    real = mla.MLALaunch._launch_hopper
+    monkeypatch.setattr(mla.MLALaunch, "_launch_hopper", lambda self, *a: ran.append(1) or real(self, *a))
+    if causal:
+        kv_lens = [max(n, qo_len) for n in kv_lens]
+    c = make_case([qo_len] * len(kv_lens), kv_lens, heads, 512, 64, page_size, torch.bfloat16, strided=True)
+    sm_scale = 1 / math.sqrt(192)
+    w = BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
+    plan(w, c, heads, page_size, causal, sm_scale, torch.bfloat16)
+    assert w._step.route.kernel == "hopper", w._step.route
+    out, lse = w.run(c["q_nope"], c["q_pe"], c["ckv"], c["kpe"], return_lse=True)
+    assert ran
+    ref_o, ref_lse = ref_of(c, sm_scale, causal)
+    assert_close(out, ref_o, torch.bfloat16)
+    assert_lse_close(lse, ref_lse, dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
 def test_mla_gluon_kernel_cuda_graph_gpu(monkeypatch):
     """CUDA-graph mode on the Gluon route: a graph captured after a warmup plan stays valid after a
     re-plan with other lengths (splits grown by the graph's cap start on the kernel's tiles)."""

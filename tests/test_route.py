@@ -291,6 +291,12 @@ def test_mla_route_gates(hopper_gpu, monkeypatch):
                            ({"sm_scale": 0.0}, "not positive"), ({"device": torch.device("cpu")}, "sm_90")):
         route = _route.MLA.at_plan(**{**ok, **change})
         assert route.is_core and reason in route.reason, (change, route)
+    # pages TMA cannot box: gathered by the kernel's producer, when switched on
+    monkeypatch.setattr(_route, "MLA_HOPPER_GATHER", True)
+    for page in (1, 4, 48):
+        route = _route.MLA.at_plan(**{**ok, "page_size": page})
+        assert route.kernel == "hopper" and "gathered" in route.reason
+    monkeypatch.setattr(_route, "MLA_HOPPER_GATHER", False)
 
     route = _route.MLA.at_plan(**ok)
     q = torch.zeros(3, 4, 576, dtype=torch.bfloat16)

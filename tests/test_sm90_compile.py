@@ -320,7 +320,10 @@ def test_hopper_prefill_kernel_compiles_for_sm90():
 # the Gluon MLA kernel (kernels/mla_hopper.py) as mla.py launches it: (page size, causal, heads, how the
 # consumers split a tile's work: mla._HOPPER_MODE)
 MLA_HOPPER_CASES = {"p64-128h-both": (64, False, 128, "both"), "p64-128h-share-p": (64, False, 128, "share-p"),
-                    "p16-16h-causal-both": (16, True, 16, "both"), "p8-64h-share-p-causal": (8, True, 64, "share-p")}
+                    "p16-16h-causal-both": (16, True, 16, "both"), "p8-64h-share-p-causal": (8, True, 64, "share-p"),
+                    # pages gathered by cp.async (mla.gather_pages)
+                    "p1-128h-share-p": (1, False, 128, "share-p"), "p1-16h-causal-share-p": (1, True, 16, "share-p"),
+                    "p4-64h-causal-share-p": (4, True, 64, "share-p")}
 
 
 def compile_mla_hopper_case(name: str):
@@ -336,7 +339,9 @@ def compile_mla_hopper_case(name: str):
 
     page, causal, heads, mode = MLA_HOPPER_CASES[name]
     buf = torch.empty(4096, 576, dtype=torch.bfloat16)
-    box = min(page, mla._HOPPER_BLOCK_N)
+    gather = mla.gather_pages(page)
+    box = mla._HOPPER_BLOCK_N if gather else min(page, mla._HOPPER_BLOCK_N)
+    regs = mla.hopper_regs(mla._HOPPER_MODES[mode], gather)
 
     def desc(rows, width):
         return mangle_type(TensorDescriptor(buf, [4096, width], [576, 1], [rows, 64],
@@ -344,17 +349,21 @@ def compile_mla_hopper_case(name: str):
 
     constexprs = dict(NUM_HEADS=heads, HEAD_DIM_CKV=512, PAGE_SIZE=page, BLOCK_N=mla._HOPPER_BLOCK_N,
                       STAGES=mla._HOPPER_STAGES, IS_CAUSAL=causal, WRITE_LSE=True, MODE=mla._HOPPER_MODES[mode],
-                      CONSUMER_REGS=mla.hopper_consumer_regs(mla._HOPPER_MODES[mode]), PRODUCER_REGS=mla._HOPPER_PRODUCER_REGS, num_warps=4)
+                      GATHER=gather, CONSUMER_REGS=regs["CONSUMER_REGS"], PRODUCER_REGS=regs["PRODUCER_REGS"],
+                      num_warps=4)
     sig = {}
     for p in mla_hopper_kernel.params:
         n = p.name
         sig[n] = ("constexpr" if n in constexprs else desc(64, 512) if n == "q_desc" else
                   desc(64, 64) if n == "qpe_desc" else desc(box, 512) if n == "ckv_desc" else desc(box, 64) if n == "kpe_desc" else
-                  "*bf16" if n == "o_ptr" else "*fp32" if n in ("lse_ptr", "part_o_ptr", "part_lse_ptr") else
+                  "*bf16" if n in ("o_ptr", "ckv_ptr", "kpe_ptr") else
+                  "*fp32" if n in ("lse_ptr", "part_o_ptr", "part_lse_ptr") else
                   "*i32" if n.endswith("_ptr") else "fp32" if n in ("sm_scale_log2", "lse_scale") else "i32")
-    regs = _hopper.maxnreg(mla.hopper_consumer_regs(mla._HOPPER_MODES[mode]), mla._HOPPER_PRODUCER_REGS)
-    return triton.compile(GluonASTSource(mla_hopper_kernel, sig, constexprs, {}), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, maxnreg=regs))
+    # the caches and their row strides as a launch specialises them (16-byte aligned, 576), for 16-byte copies
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(mla_hopper_kernel.params)
+             if p.name in ("ckv_ptr", "kpe_ptr", "stride_ckv_row", "stride_kpe_row")}
+    return triton.compile(GluonASTSource(mla_hopper_kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, maxnreg=regs["maxnreg"]))
 
 
 def test_mla_hopper_kernel_compiles_for_sm90():

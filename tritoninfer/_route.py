@@ -193,14 +193,19 @@ PREFILL = PrefillRoute()
 # H200, bench mla --quick against the Triton kernel: 128 heads 64 x 8K 931.6 -> 332.2 µs, 16 heads
 # 350.4 -> 202.2, four query tokens 64 x 4K 1,833 -> 727, 1 x 8K 35.6 -> 26.7.
 MLA_HOPPER = True
-# MLA page sizes the Gluon kernel takes: a TMA box per page (or per 32-position tile of a larger page)
+# MLA page sizes the Gluon kernel reads by TMA: a box per page (or per 32-position tile of a larger page)
 # lands in an 8-row slice of a 128-byte swizzled stage, so pages of at least 8 positions
 MLA_HOPPER_MIN_PAGE = 8
+# Other page sizes (page 1: SGLang's MLA cache) on the Gluon kernel with rows gathered by cp.async
+# (kernels/mla_hopper.py's GATHER; False: kernels/mla.py). Written and compiled for sm_90 on the CPU
+# in session 17, not yet run on a GPU: off until its GPU tests pass and bench mla measures it.
+MLA_HOPPER_GATHER = False
 
 
 class MlaRoute:
     """Absorbed MLA: the Gluon kernel for bf16/fp16 latent caches of DeepSeek's 512 / 64 dims, pages of
-    8+ positions (a power of two) and a positive scale, on sm_90; ``kernels/mla.py`` elsewhere."""
+    8+ positions (a power of two; other pages with ``MLA_HOPPER_GATHER``) and a positive scale, on
+    sm_90; ``kernels/mla.py`` elsewhere."""
 
     def at_plan(self, device: torch.device, q_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim_ckv: int,
                 head_dim_kpe: int, page_size: int, sm_scale: float) -> Route:
@@ -220,10 +225,13 @@ class MlaRoute:
             return core("not 16-bit q and latent cache of one dtype")
         if (head_dim_ckv, head_dim_kpe) != (512, 64):
             return core(f"latent dims {head_dim_ckv}/{head_dim_kpe} (the kernel takes 512/64)")
-        if page_size < MLA_HOPPER_MIN_PAGE or page_size & (page_size - 1):
-            return core(f"page size {page_size} (the kernel takes powers of two from {MLA_HOPPER_MIN_PAGE})")
         if not sm_scale > 0:
             return core("a scale that is not positive")
+        if page_size < MLA_HOPPER_MIN_PAGE or page_size & (page_size - 1):
+            if not MLA_HOPPER_GATHER:
+                return core(f"page size {page_size} (TMA takes powers of two from {MLA_HOPPER_MIN_PAGE}; "
+                            "MLA_HOPPER_GATHER is off)")
+            return Route("hopper", f"bf16/fp16 latent 512/64, page {page_size} gathered")
         return Route("hopper", "bf16/fp16 latent 512/64, paged")
 
     @staticmethod
@@ -234,10 +242,12 @@ class MlaRoute:
         16-byte aligned (TMA)."""
         if route.is_core:
             return route.reason
-        # each [A, B, D] tensor read as a 2-D view [A * B, D]: rows stride(1) apart, also across dim 0
+        # each [A, B, D] tensor read as a 2-D view [A * B, D]: rows stride(1) apart (stride(0) when B is
+        # 1: page 1's caches), also across dim 0
         for t, name in ((q_nope, "q_nope"), (q_pe, "q_pe"), (ckv, "ckv_cache"), (kpe, "kpe_cache")):
+            row = t.stride(0) if t.shape[1] == 1 else t.stride(1)
             if (t.stride(2) != 1 or (t.shape[1] > 1 and t.stride(0) != t.shape[1] * t.stride(1))
-                    or (t.stride(1) * t.element_size()) % 16 or t.data_ptr() % 16):
+                    or (row * t.element_size()) % 16 or t.data_ptr() % 16):
                 return f"{name}'s rows are not evenly spaced 16-byte-aligned rows of a 2-D view"
         return ""
 

@@ -18,6 +18,10 @@ item's KV range, in tiles of ``BLOCK_N`` positions:
   through shared memory (double-buffered, ``p_ready`` / ``p_free``), issuing tile j's scores before
   tile j - 1's P V and running the softmax while that P V does (the prefill kernel's order).
 
+Pages of fewer than 8 positions (page 1: SGLang's MLA cache) cannot be read in TMA boxes of whole
+8-row swizzle groups: with ``GATHER`` a producer warpgroup gathers each tile's rows with cp.async
+instead (``_gather_partition``), into the same stages, and the consumers are the same.
+
 Page ids are read as given: TMA keeps every box inside the cache (a box past it reads zeros), and
 ``_hopper.check_page_ids`` reports ids outside it. A request's last tile reads whole pages: the rows
 past its end (whatever they hold, NaN included: FlashInfer's ``test_batch_mla_oob_kv_nan``) are
@@ -29,6 +33,7 @@ the Triton interpreter: the CPU suite compiles it for sm_90 (tests/test_sm90_com
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -141,7 +146,8 @@ def _pv(a, ckv_smem, base, acc0, acc1, acc2, acc3, a_o):
 def _load_partition(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, kpe_smem, q_bar, ready, empty,
                     p_smem, row_smem, p_ready, p_free, fin_bar,
                     o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2,
-                    lse_scale, part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
+                    lse_scale, ckv_ptr, stride_ckv_row, kpe_ptr, stride_kpe_row, num_pages, part_o_ptr, part_lse_ptr,
+                    work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
                     kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads):
     """Producer warp: the block's Q, then tile j's pages (positions lo + BLOCK_N j ...) into the ring's
     next stage once both consumers released its last use. Pages past the request's last read page
@@ -184,10 +190,85 @@ def _load_partition(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_
 
 
 @gluon.jit
+def _gather_partition(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, kpe_smem, q_bar, ready, empty,
+                      p_smem, row_smem, p_ready, p_free, fin_bar,
+                      o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2,
+                      lse_scale, ckv_ptr, stride_ckv_row, kpe_ptr, stride_kpe_row, num_pages, part_o_ptr, part_lse_ptr,
+                      work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
+                      kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads):
+    """Producer warpgroup for pages TMA cannot box (``GATHER``: pages of fewer than 8 positions, page 1
+    as SGLang's MLA cache): the block's Q by TMA, then each tile's latent rows gathered row by row with
+    cp.async, 16 bytes a thread and copy, into the same ring. A tile's copies are one group; tile j is
+    published (``ready``) before tile j + LAG is issued, once its own copies are complete
+    (``wait_group``), and fenced for the consumers' wgmma (async proxy). Page ids are clamped into
+    the cache (``_hopper.check_page_ids`` reports the bad ones); positions past the end read the
+    request's or page 0's rows, masked as on the TMA path."""
+    stages: gl.constexpr = kpe_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = kpe_smem.type.shape[1]
+    gl.static_assert(kpe_smem.type.shape[2] == CHUNK)  # DeepSeek's 64 rope dims: one copy a row
+    N_CHUNKS: gl.constexpr = ckv_smem.type.shape[0] // stages
+    # tiles in flight beyond the consumers' (the ring's other stages)
+    LAG: gl.constexpr = stages - 1
+    # [BLOCK_N, 64] a copy: 8 bf16 (16 bytes) a thread, 8 rows x 4 threads a warp, 4 warps down
+    gl_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    pos_layout: gl.constexpr = gl.SliceLayout(1, gl_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, gl_layout)
+    req, q_start, q_len, q_tile_start, tile_end, lo, hi, split, num_splits, rows, row0, kv_len = _item(
+        work_ptr, qo_indptr_ptr, kv_len_ptr, tile_tokens, num_heads)
+    if (req >= 0) & (rows > 0):
+        q_row = (q_start + q_tile_start) * num_heads + row0
+        bar = q_bar.index(0)
+        mbarrier.expect(bar, N_CHUNKS * q_desc.block_type.nbytes + qpe_desc.block_type.nbytes)
+        for c in gl.static_range(N_CHUNKS):
+            tma.async_copy_global_to_shared(q_desc, [q_row, c * CHUNK], bar, q_smem.index(c))
+        tma.async_copy_global_to_shared(qpe_desc, [q_row, 0], bar, qpe_smem)
+        hi = _kv_hi(hi, q_tile_start, row0, tile_end, q_len, kv_len, is_causal, num_heads)
+        n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+        page_base = gl.load(kv_indptr_ptr + req)
+        n_pages = gl.cdiv(kv_len, page_size)
+        offs_n = gl.arange(0, BLOCK_N, layout=pos_layout)
+        cols = gl.arange(0, CHUNK, layout=col_layout)
+        for j in range(n_tiles):
+            if j >= LAG:
+                # tile j - LAG's copies done (LAG - 1 later groups may still be in flight): published
+                # before this tile waits for its stage, which the consumers free only after tile j - LAG - 1
+                async_copy.wait_group(LAG - 1)
+                _publish(ready, j - LAG, stages)
+            stage = j % stages
+            mbarrier.wait(empty.index(stage), ((j // stages) & 1) ^ 1)
+            pos = lo + j * BLOCK_N + offs_n
+            idx = pos // page_size
+            page = gl.load(kv_indices_ptr + page_base + idx, mask=idx < n_pages, other=0)
+            # ids as unsigned, clamped to the last page: a bad one reads a page of the cache
+            page = gl.minimum(page.to(gl.uint32, bitcast=True), (num_pages - 1).to(gl.uint32)).to(gl.int64)
+            row = page * page_size + (pos - idx * page_size)
+            ckv_rows = ckv_ptr + row[:, None] * stride_ckv_row + cols[None, :]
+            for c in gl.static_range(N_CHUNKS):
+                async_copy.async_copy_global_to_shared(ckv_smem.index(stage * N_CHUNKS + c), ckv_rows + c * CHUNK)
+            async_copy.async_copy_global_to_shared(kpe_smem.index(stage),
+                                                   kpe_ptr + row[:, None] * stride_kpe_row + cols[None, :])
+            async_copy.commit_group()
+        # the last tiles: every copy complete
+        async_copy.wait_group(0)
+        for j in range(gl.maximum(n_tiles - LAG, 0), n_tiles):
+            _publish(ready, j, stages)
+
+
+@gluon.jit
+def _publish(ready, j, stages: gl.constexpr):
+    """Tile j's stage to the consumers: this warpgroup's completed cp.async writes made visible to
+    their wgmma (async proxy), then one arrive."""
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(ready.index(j % stages), count=1)
+
+
+@gluon.jit
 def _consume(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, kpe_smem, q_bar, ready, empty,
              p_smem, row_smem, p_ready, p_free, fin_bar,
              o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2,
-             lse_scale, part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
+             lse_scale, ckv_ptr, stride_ckv_row, kpe_ptr, stride_kpe_row, num_pages, part_o_ptr, part_lse_ptr,
+             work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
              kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads, WG: gl.constexpr):
     """Consumer warpgroup ``WG``: output columns [256 WG, 256 WG + 256) (four 64-column accumulators)
     of every tile, then the output (one split) or the partial state (several), and the LSE (WG 0).
@@ -337,12 +418,14 @@ def _consume(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, k
 def _consume0(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, kpe_smem, q_bar, ready, empty,
               p_smem, row_smem, p_ready, p_free, fin_bar,
               o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2,
-              lse_scale, part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
+              lse_scale, ckv_ptr, stride_ckv_row, kpe_ptr, stride_kpe_row, num_pages, part_o_ptr, part_lse_ptr,
+              work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
               kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads):
     _consume(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, kpe_smem, q_bar, ready, empty,
              p_smem, row_smem, p_ready, p_free, fin_bar,
              o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2,
-             lse_scale, part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
+             lse_scale, ckv_ptr, stride_ckv_row, kpe_ptr, stride_kpe_row, num_pages, part_o_ptr, part_lse_ptr,
+             work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
              kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads, 0)
 
 
@@ -350,25 +433,27 @@ def _consume0(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, 
 def _consume1(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, kpe_smem, q_bar, ready, empty,
               p_smem, row_smem, p_ready, p_free, fin_bar,
               o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2,
-              lse_scale, part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
+              lse_scale, ckv_ptr, stride_ckv_row, kpe_ptr, stride_kpe_row, num_pages, part_o_ptr, part_lse_ptr,
+              work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
               kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads):
     _consume(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, kpe_smem, q_bar, ready, empty,
              p_smem, row_smem, p_ready, p_free, fin_bar,
              o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2,
-             lse_scale, part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
+             lse_scale, ckv_ptr, stride_ckv_row, kpe_ptr, stride_kpe_row, num_pages, part_o_ptr, part_lse_ptr,
+             work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
              kv_len_ptr, state_offset_ptr, tile_tokens, page_size, is_causal, write_lse, num_heads, 1)
 
 
 @gluon.jit
 def mla_hopper_kernel(
     q_desc, qpe_desc, ckv_desc, kpe_desc, o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok,
-    stride_lse_head, sm_scale_log2, lse_scale,
+    stride_lse_head, sm_scale_log2, lse_scale, ckv_ptr, stride_ckv_row, kpe_ptr, stride_kpe_row, num_pages,
     part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr, kv_len_ptr, state_offset_ptr,
     tile_tokens,
     NUM_HEADS: gl.constexpr, HEAD_DIM_CKV: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-    WRITE_LSE: gl.constexpr, MODE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    num_warps: gl.constexpr,
+    WRITE_LSE: gl.constexpr, MODE: gl.constexpr, GATHER: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Grid ``(row programs, work items)`` as ``kernels/mla.py``'s (work items int32 [capacity, 7]:
     request (< 0: unused), first query token, kv_start, kv_end, split, splits, group).
@@ -376,7 +461,10 @@ def mla_hopper_kernel(
     q_desc: q_nope as [tokens * H, D_ckv], box [64, 64]; qpe_desc: q_pe as [tokens * H, D_kpe], box
     [64, D_kpe] (token stride H times the head stride). ckv_desc / kpe_desc: the caches as [pages *
     PAGE_SIZE, D] (page p from row p * PAGE_SIZE; a power of two from 8), boxes [min(PAGE_SIZE,
-    BLOCK_N), 64] and [.., D_kpe]; work items start on multiples of BLOCK_N positions. o [tokens, H,
+    BLOCK_N), 64] and [.., D_kpe]; work items start on multiples of BLOCK_N positions. With ``GATHER``
+    the cache descriptors only give the stages' shapes and layouts (boxes [BLOCK_N, 64]): the rows are
+    read through ``ckv_ptr`` / ``kpe_ptr`` (row ``page * PAGE_SIZE + slot``, ``stride_*_row`` elements
+    apart; ``num_pages`` pages) by a 4-warp producer. o [tokens, H,
     D_ckv], lse [tokens, H] float32 (times ``lse_scale``; written with ``WRITE_LSE``); part_o [states *
     H, D_ckv] / part_lse [states * H] float32 at ``state_offset[req] + token * splits + split``. ``num_warps`` is 4: the first consumer
     is the default partition."""
@@ -416,7 +504,12 @@ def mla_hopper_kernel(
     args = (q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ckv_smem, kpe_smem, q_bar, ready, empty,
             p_smem, row_smem, p_ready, p_free, fin_bar,
             o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, stride_lse_head, sm_scale_log2, lse_scale,
-            part_o_ptr, part_lse_ptr, work_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr, kv_len_ptr,
-            state_offset_ptr, tile_tokens, PAGE_SIZE, IS_CAUSAL, WRITE_LSE, NUM_HEADS)
-    gl.warp_specialize([(_consume0, args), (_consume1, args), (_load_partition, args)], [4, 1],
-                       [CONSUMER_REGS, PRODUCER_REGS])
+            ckv_ptr, stride_ckv_row, kpe_ptr, stride_kpe_row, num_pages, part_o_ptr, part_lse_ptr, work_ptr,
+            qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr, kv_len_ptr, state_offset_ptr, tile_tokens, PAGE_SIZE,
+            IS_CAUSAL, WRITE_LSE, NUM_HEADS)
+    if GATHER:
+        gl.warp_specialize([(_consume0, args), (_consume1, args), (_gather_partition, args)], [4, 4],
+                           [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([(_consume0, args), (_consume1, args), (_load_partition, args)], [4, 1],
+                           [CONSUMER_REGS, PRODUCER_REGS])
