@@ -510,22 +510,13 @@ def test_mla_cuda_graph_capture_replan_gpu(heads):
     assert_lse_close(lse, ref_lse, dtype=torch.bfloat16)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("heads", [128, 16])
-@pytest.mark.parametrize("page_size", [64, 16])
-@pytest.mark.parametrize("qo_len,causal", [(1, False), (4, True)])
-@pytest.mark.parametrize("kv_lens", [[1, 77, 1000, 4133, 0, 129], [8192]], ids=["varied", "one-long-split"])
-@pytest.mark.parametrize("mode", ["share-p", "both"])
-def test_mla_gluon_kernel_gpu(monkeypatch, heads, page_size, qo_len, causal, kv_lens, mode):
-    """The Gluon MLA kernel (``_route.MLA_HOPPER`` on) in each mode (``mla._HOPPER_MODE``: P shared
-    between its consumers; both consumers computing the scores), at
-    DeepSeek's dims, q and cache as slices of wider buffers (SGLang's form): output and LSE against the
-    reference, with and without split-KV (one long request is split over the SMs and merged by the merge
-    pass); the kernel ran (not the fallback)."""
+def _gluon_case_checked(monkeypatch, heads, page_size, qo_len, causal, kv_lens):
+    """One case on the Gluon MLA kernel (``_route.MLA_HOPPER`` on) at DeepSeek's dims, q and cache as
+    slices of wider buffers (SGLang's form): the plan took the route, the kernel ran, output and LSE
+    match the reference. Returns (wrapper, case, reference output, the kernel's run record)."""
     from tritoninfer import _route
 
     monkeypatch.setattr(_route, "MLA_HOPPER", True)
-    monkeypatch.setattr(mla, "_HOPPER_MODE", mode)
     ran = []
     real = mla.MLALaunch._launch_hopper
     monkeypatch.setattr(mla.MLALaunch, "_launch_hopper", lambda self, *a: ran.append(1) or real(self, *a))
@@ -541,6 +532,23 @@ def test_mla_gluon_kernel_gpu(monkeypatch, heads, page_size, qo_len, causal, kv_
     ref_o, ref_lse = ref_of(c, sm_scale, causal)
     assert_close(out, ref_o, torch.bfloat16)
     assert_lse_close(lse, ref_lse, dtype=torch.bfloat16)
+    return w, c, ref_o, ran
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [128, 16])
+@pytest.mark.parametrize("page_size", [64, 16])
+@pytest.mark.parametrize("qo_len,causal", [(1, False), (4, True)])
+@pytest.mark.parametrize("kv_lens", [[1, 77, 1000, 4133, 0, 129], [8192]], ids=["varied", "one-long-split"])
+@pytest.mark.parametrize("mode", ["share-p", "both"])
+def test_mla_gluon_kernel_gpu(monkeypatch, heads, page_size, qo_len, causal, kv_lens, mode):
+    """The Gluon MLA kernel (``_route.MLA_HOPPER`` on) in each mode (``mla._HOPPER_MODE``: P shared
+    between its consumers; both consumers computing the scores), at
+    DeepSeek's dims, q and cache as slices of wider buffers (SGLang's form): output and LSE against the
+    reference, with and without split-KV (one long request is split over the SMs and merged by the merge
+    pass); the kernel ran (not the fallback)."""
+    monkeypatch.setattr(mla, "_HOPPER_MODE", mode)
+    w, c, ref_o, ran = _gluon_case_checked(monkeypatch, heads, page_size, qo_len, causal, kv_lens)
     # q rows not evenly spaced: the same plan on kernels/mla.py
     ran.clear()
     q_nope = torch.empty(c["q_nope"].shape[0], heads + 1, 512, dtype=torch.bfloat16, device="cuda")[:, :heads]
@@ -561,23 +569,8 @@ def test_mla_gluon_gather_gpu(monkeypatch, heads, page_size, qo_len, causal, kv_
     reference, with and without split-KV; the kernel ran."""
     from tritoninfer import _route
 
-    monkeypatch.setattr(_route, "MLA_HOPPER", True)
     monkeypatch.setattr(_route, "MLA_HOPPER_GATHER", True)
-    ran = []
-    real = mla.MLALaunch._launch_hopper
-    monkeypatch.setattr(mla.MLALaunch, "_launch_hopper", lambda self, *a: ran.append(1) or real(self, *a))
-    if causal:
-        kv_lens = [max(n, qo_len) for n in kv_lens]
-    c = make_case([qo_len] * len(kv_lens), kv_lens, heads, 512, 64, page_size, torch.bfloat16, strided=True)
-    sm_scale = 1 / math.sqrt(192)
-    w = BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
-    plan(w, c, heads, page_size, causal, sm_scale, torch.bfloat16)
-    assert w._step.route.kernel == "hopper", w._step.route
-    out, lse = w.run(c["q_nope"], c["q_pe"], c["ckv"], c["kpe"], return_lse=True)
-    assert ran
-    ref_o, ref_lse = ref_of(c, sm_scale, causal)
-    assert_close(out, ref_o, torch.bfloat16)
-    assert_lse_close(lse, ref_lse, dtype=torch.bfloat16)
+    _gluon_case_checked(monkeypatch, heads, page_size, qo_len, causal, kv_lens)
 
 
 @pytest.mark.gpu
