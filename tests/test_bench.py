@@ -911,3 +911,24 @@ def test_sampling_table_compares_kernel_times_like_for_like():
     col = head.index("FI/ours kernels")
     assert float(lines[0][col]) == 1.5 and float(lines[0][head.index("FI/ours")]) == 0.6
     assert lines[1][col].strip() == ""
+
+
+def test_mla_group_prefill_rows(tmp_path, capsys):
+    """``bench mla --prefill`` on the CPU: the non-absorbed prefill table (qk and vo dims differ), our
+    output checked against the reference, FlashInfer's backends absent."""
+    assert main(["mla", "--quick", "--prefill", "--prefill-shapes", "2:2:5,1:1:9", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "mla.md").read_text()
+    assert "## Non-absorbed prefill" in text and "head_dim_qk 24 / vo 16" in text
+    prefill = text.split("## Non-absorbed prefill", 1)[1]
+    rows = [line for line in prefill.splitlines() if line.startswith("| ") and "ok (" in line]
+    assert len(rows) == 2 and all("vs reference" in r for r in rows)
+    capsys.readouterr()
+
+
+def test_mla_group_prefill_shapes_option():
+    from tritoninfer.bench import mla as bm
+
+    assert bm.parse_args(["--prefill-shapes", "16:1:8192"]).prefill_shapes == [(16, 1, 8192)]
+    with pytest.raises(SystemExit):
+        bm.parse_args(["--prefill-shapes", "16:8192"])
+    assert bm.prefill_flops((2, 3, 4), (192, 128)) == 2 * 2 * 320 * 3 * 4 * 5 / 2

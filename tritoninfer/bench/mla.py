@@ -14,6 +14,11 @@ refuses fp8; bf16 queries, ``ckv_scale = kpe_scale = 0.5``): their ``ours fp8/bf
 fp8 time over our bf16 time of the same shape (the issue expects about 0.5 where memory bounds
 it). Past --ref-max-tokens they are checked against our bf16 run on the dequantised cache.
 
+``--prefill`` adds DeepSeek's non-absorbed prefill (what an engine runs for the prompt): ragged causal
+attention with ``head_dim_qk`` 192 and ``head_dim_vo`` 128 through ``BatchPrefillWithRaggedKVCacheWrapper``,
+ours against FlashInfer's same wrapper (fa2, fa3), timed with events around eager calls, in a second
+table; FLOPs = 2 x heads x (192 + 128) x the causal (query, key) pairs.
+
 Counted per call: bytes = the live latent rows once per request (576 x 2 bytes per KV position, 1 for fp8) plus
 q and o; FLOPs = 2 x heads x qlen x kv x (576 + 512) per request (the causal mask of the 4-token
 steps is not subtracted). Roofline fraction = max(bytes / copy bandwidth, FLOPs / --peak-tflops) /
@@ -46,6 +51,10 @@ FP8_SCALE = 0.5  # a power of two: the dequantised cache is exact in bf16
 QUICK = ((128, 64, 1, 8192, 1), (128, 64, 64, 8192, 1), (16, 64, 64, 8192, 1), (128, 1, 64, 4096, 1),
          (128, 64, 64, 4096, 4))
 CPU_SHAPES = ((4, 1, 2, 9, 1), (4, 4, 2, 9, 2))
+# non-absorbed prefill: (heads, requests, tokens a request); 128 heads on one GPU, 16 a TP-8 shard
+PREFILL = ((128, 1, 4096), (16, 1, 8192), (16, 8, 2048))
+PREFILL_DIMS, CPU_PREFILL_DIMS = (192, 128), (24, 16)
+CPU_PREFILL = ((2, 2, 7),)
 
 Shape = Tuple[int, int, int, int, int]  # heads, page_size, batch, kv_len, qo_len
 
@@ -210,6 +219,88 @@ def bench_shape(shape: Shape, a: argparse.Namespace, setup: groups.Setup, dims, 
     return row
 
 
+@dataclass
+class PrefillRow:
+    shape: Tuple[int, int, int]  # heads, requests, tokens a request
+    ours_us: Optional[float] = None
+    peers_us: Dict[str, Optional[float]] = field(default_factory=dict)
+    peer_status: Dict[str, str] = field(default_factory=dict)
+    flops: float = 0.0
+    check: str = ""
+
+
+def prefill_flops(shape: Tuple[int, int, int], dims: Tuple[int, int]) -> float:
+    """2 x heads x (qk + vo) x the causal (query, key) pairs of every request."""
+    heads, batch, tokens = shape
+    return 2.0 * heads * (dims[0] + dims[1]) * batch * tokens * (tokens + 1) / 2
+
+
+def bench_prefill(shape: Tuple[int, int, int], a: argparse.Namespace, setup: groups.Setup, dims, fi_prefill,
+                  workspaces) -> PrefillRow:
+    """One non-absorbed prefill row: q/k [n, heads, qk], v [n, heads, vo] (k's rope part shared by the
+    heads in DeepSeek, materialised per head as SGLang passes it), causal, one wrapper per library."""
+    from .. import reference, testing
+    from ..prefill import BatchPrefillWithRaggedKVCacheWrapper
+
+    heads, batch, tokens = shape
+    row = PrefillRow(shape, flops=prefill_flops(shape, dims))
+    dev = setup.device
+    g = torch.Generator(device=dev).manual_seed(a.seed)
+    n = batch * tokens
+    q = torch.randn(n, heads, dims[0], dtype=torch.bfloat16, device=dev, generator=g)
+    k = torch.randn(n, heads, dims[0], dtype=torch.bfloat16, device=dev, generator=g)
+    v = torch.randn(n, heads, dims[1], dtype=torch.bfloat16, device=dev, generator=g)
+    indptr = torch.arange(batch + 1, dtype=torch.int32, device=dev) * tokens
+    scale = 1 / math.sqrt(dims[0])
+    outs: Dict[str, torch.Tensor] = {}
+
+    def timed(wrapper, name):
+        wrapper.plan(indptr, indptr, heads, heads, dims[0], head_dim_vo=dims[1], causal=True, sm_scale=scale,
+                     q_data_type=torch.bfloat16)
+        outs.setdefault(name, wrapper.run(q, k, v).clone())
+        t = measure(lambda i: wrapper.run(q, k, v), device=dev, mode="events", ncopies=1, cfg=setup.timing)
+        return t.time_us if setup.gpu else None
+
+    try:
+        row.ours_us = timed(BatchPrefillWithRaggedKVCacheWrapper(workspaces[0], "NHD"), "ours")
+    except Exception as exc:  # our failure is this row's status, the sweep goes on
+        row.check = "ERROR " + groups.error_text(exc)
+        return row
+    for b in a.backends if fi_prefill is not None else []:
+        try:
+            row.peers_us[b] = timed(fi_prefill.BatchPrefillWithRaggedKVCacheWrapper(workspaces[1], "NHD", backend=b),
+                                    "flashinfer")
+        except Exception as exc:  # a backend this GPU or shape lacks: its cell says so
+            row.peers_us[b] = None
+            row.peer_status[b] = groups.error_text(exc)
+    tol = testing.tolerance(torch.bfloat16)
+    if n * tokens * heads <= a.ref_max_tokens * 64:
+        want, _ = reference.batch_prefill_with_ragged_kv_cache(q, k, v, indptr, indptr, causal=True,
+                                                               sm_scale=scale)
+        row.check = groups.check_close(outs["ours"], want, tol) + " vs reference"
+    elif "flashinfer" in outs:
+        row.check = groups.check_close(outs["ours"], outs["flashinfer"], tol) + " vs FlashInfer"
+    else:
+        row.check = "unchecked (no FlashInfer, beyond the reference's size)"
+    if setup.gpu:
+        torch.cuda.empty_cache()
+    return row
+
+
+def prefill_table(rows: List[PrefillRow], backends: Sequence[str], peak_tflops: float) -> str:
+    out = []
+    for r in rows:
+        best = min([t for t in r.peers_us.values() if t], default=None)
+        t = r.ours_us
+        out.append([str(x) for x in r.shape] + [groups.fmt(t)]
+                   + [groups.fmt(r.peers_us.get(b)) or r.peer_status.get(b, "") for b in backends]
+                   + [groups.ratio(best, t), groups.fmt(r.flops / (t * 1e6) if t else None, ".1f"),
+                      groups.fmt(r.flops / (t * 1e6) / peak_tflops if t else None, ".0%"), r.check])
+    head = ["heads", "requests", "tokens", "ours µs"] + [f"FI {b} µs" for b in backends] + \
+        ["best FI/ours", "ours TFLOP/s", "of peak", "check"]
+    return groups.markdown_table(out, head)
+
+
 def table(rows: List[Row], backends: Sequence[str], copy_tb_s: Optional[float], peak_tflops: float) -> str:
     out = []
     for r in rows:
@@ -279,8 +370,26 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--kv-dtype", type=groups.name_list(tuple(KV_DTYPES), "cache dtype"), default=["bf16"],
                    help="latent cache dtypes, bf16,e4m3 (default bf16): e4m3 rows are tritoninfer only "
                         "(FlashInfer 0.5.3's MLA refuses fp8), compared with our bf16 row of the shape")
+    p.add_argument("--prefill", action="store_true",
+                   help="also DeepSeek's non-absorbed prefill (ragged, causal, head_dim_qk 192 / vo 128), "
+                        "FlashInfer's ragged wrapper beside")
+    p.add_argument("--prefill-shapes", type=_prefill_shapes, default=None,
+                   help="heads:requests:tokens,... for --prefill (default 128:1:4096,16:1:8192,16:8:2048)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(list(argv))
+
+
+def _prefill_shapes(text: str) -> List[Tuple[int, int, int]]:
+    out = []
+    for item in text.split(","):
+        try:
+            values = tuple(groups.int_list("a shape field")(p)[0] for p in item.split(":"))
+        except argparse.ArgumentTypeError:
+            values = ()
+        if len(values) != 3:
+            raise argparse.ArgumentTypeError(f"expected heads:requests:tokens items, got {item!r}")
+        out.append(values)
+    return out
 
 
 def main(argv: Sequence[str]) -> int:
@@ -331,5 +440,21 @@ def main(argv: Sequence[str]) -> int:
         "0.5.3's MLA refuses fp8); ours fp8/bf16: our fp8 time over our bf16 time of the shape; checked "
         "against the dequantised reference (or our bf16 run on the dequantised cache)."]
         if "e4m3" in a.kv_dtype else []))
-    groups.finish(setup, a.out, head, table(rows, backends, setup.copy_tb_s, a.peak_tflops), tail)
-    return 1 if any(groups.failed(r.check) for r in rows) else 0
+    body = table(rows, backends, setup.copy_tb_s, a.peak_tflops)
+    prefill_rows: List[PrefillRow] = []
+    if a.prefill:
+        fi_prefill, why = groups.peer_flashinfer("prefill")
+        pdims = PREFILL_DIMS if setup.gpu else CPU_PREFILL_DIMS
+        for shape in a.prefill_shapes or (PREFILL if setup.gpu else CPU_PREFILL):
+            prefill_rows.append(bench_prefill(shape, a, setup, pdims, fi_prefill, workspaces))
+            r = prefill_rows[-1]
+            groups.progress(f"mla prefill {shape}: ours {groups.fmt(r.ours_us) or '-'} us, "
+                            + ", ".join(f"{b} {groups.fmt(t) or r.peer_status.get(b, '')}" for b, t in r.peers_us.items())
+                            + f"; {r.check}")
+        body += (f"\n\n## Non-absorbed prefill (ragged, causal, head_dim_qk {pdims[0]} / vo {pdims[1]})\n\n"
+                 "µs: median of event-timed eager calls; FlashInfer: its BatchPrefillWithRaggedKVCacheWrapper "
+                 f"(fa2, fa3){'' if fi_prefill is not None else ' (' + why + ')'}; of peak: against "
+                 f"{a.peak_tflops:g} TFLOP/s.\n\n"
+                 + prefill_table(prefill_rows, a.backends if fi_prefill is not None else [], a.peak_tflops))
+    groups.finish(setup, a.out, head, body, tail)
+    return 1 if any(groups.failed(r.check) for r in rows + prefill_rows) else 0
