@@ -464,6 +464,32 @@ def test_gpu_hopper_paged_prefill(case, gluon, monkeypatch):
     assert bool(calls) == gluon
 
 
+# pages TMA cannot box, on the Gluon kernel's gathering producer (_route.HOPPER_GATHER): page 1 (SGLang's,
+# as 3-D tuples), 4 (5-D, causal, empty requests), 48 (not dividing the 128-token tile)
+HOPPER_GATHER_CASES = [
+    Case((1100, 1000), (1300, 1000), page_size=1, form="tuple3d", heads=(16, 2), head_dim=128,
+         q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16),
+    Case((6000, 0, 77, 3000), (6000, 5, 0, 6100), page_size=4, heads=(32, 8), head_dim=128,
+         q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, causal=True),
+    Case((1024, 1024), (1100, 1024), page_size=48, heads=(32, 8), head_dim=128, q_dtype=torch.bfloat16,
+         kv_dtype=torch.bfloat16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", HOPPER_GATHER_CASES, ids=lambda c: c.id())
+def test_gpu_hopper_paged_prefill_gather(case, monkeypatch):
+    """With ``_route.HOPPER_GATHER`` on, paged plans whose pages TMA cannot box run on the Gluon kernel
+    (its producer gathers the rows by cp.async) and match the reference."""
+    from tritoninfer import _route
+
+    _needs_hopper()
+    monkeypatch.setattr(_route, "HOPPER_GATHER", True)
+    calls = _count_hopper_launches(monkeypatch)
+    test_paged_prefill_matches_reference(case, device="cuda")
+    assert calls
+
+
 @pytest.mark.gpu
 def test_gpu_hopper_paged_fallbacks(monkeypatch):
     """A paged plan in the Gluon kernel's range still takes the core for a run with fp8 scales or sinks

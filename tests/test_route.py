@@ -70,6 +70,15 @@ def test_route_takes_the_gluon_kernel_only_where_measured(hopper_gpu):
         assert repr(route).startswith("Route(core: ")
 
 
+def test_route_gathers_pages_tma_cannot_box_when_switched_on(hopper_gpu, monkeypatch):
+    """``_route.HOPPER_GATHER``: paged plans whose pages TMA cannot box (page 1, SGLang's; 4; 48) take
+    the kernel's gathering producer; the other limits stay."""
+    monkeypatch.setattr(_route, "HOPPER_GATHER", True)
+    for page in (1, 4, 48):
+        assert _route.PREFILL.at_plan(_facts(page_size=page, mean=512)).kernel == "hopper"
+    assert "below 512" in _route.PREFILL.at_plan(_facts(page_size=1, mean=500)).reason
+
+
 def test_route_off_hopper_or_other_triton(hopper_gpu, monkeypatch):
     monkeypatch.setattr(_hopper, "gluon_available", lambda: False)
     assert "Triton 3.6" in _route.PREFILL.at_plan(_facts()).reason
@@ -161,14 +170,21 @@ def test_paged_descriptors():
 
     nhd = TensorLayout.NHD
     cache = torch.randn(5, 2, 16, 4, 64).to(torch.bfloat16)
-    (k_desc, v_desc), rows_per_page = _hopper.paged_descriptors(unpack_paged_kv_cache(cache, nhd))
+    boxes = _hopper.paged_descriptors(unpack_paged_kv_cache(cache, nhd))
+    (k_desc, v_desc), rows_per_page = boxes.boxes, boxes.rows_per_page
     assert rows_per_page == 32 and k_desc.shape == (4 * 32 + 16, 256) and k_desc.block == (16, 64)
+    assert (boxes.page_size, boxes.num_pages) == (16, 5)
     assert k_desc.tensor.data_ptr() == cache.data_ptr() and v_desc.tensor.data_ptr() == cache[:, 1].data_ptr()
     assert k_desc.gluon().block_shape == [16, 64]
     k, v = torch.randn(2, 7, 8, 4, 64).to(torch.bfloat16).unbind(0)
     assert _hopper.paged_descriptors(unpack_paged_kv_cache((k, v), nhd))[1] == 8
     tokens = torch.randn(2, 30, 4, 64).to(torch.bfloat16)
-    assert _hopper.paged_descriptors(unpack_paged_kv_cache((tokens[0], tokens[1]), nhd))[1] == 1  # page size 1
+    # page size 1: the kernel gathers its rows; the boxes (a 128-row tile) only give the stages' layout
+    one = _hopper.paged_descriptors(unpack_paged_kv_cache((tokens[0], tokens[1]), nhd))
+    assert (one.rows_per_page, one.page_size, one.num_pages) == (1, 1, 30)
+    assert one.boxes[0].block == (_hopper.TILE, 64) and one.boxes[0].strides == (256, 1)
+    assert _hopper.gather_pages(1) and _hopper.gather_pages(4) and _hopper.gather_pages(48)
+    assert not _hopper.gather_pages(8) and not _hopper.gather_pages(0)
     padded = torch.randn(5, 2, 16, 4, 72).to(torch.bfloat16)[..., :64]
     heads_apart = torch.randn(5, 2, 4, 16, 64).to(torch.bfloat16).transpose(2, 3)
     mixed = (k, torch.randn(7, 8, 4, 64).to(torch.bfloat16).transpose(0, 1).contiguous().transpose(0, 1))

@@ -151,11 +151,12 @@ def _report(done: subprocess.CompletedProcess) -> dict:
     return dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.startswith("case-"))
 
 
-def _check_resources(report: dict) -> None:
-    """No case spills (no local-memory stack) or needs more than an H200 SM's 227 KB of shared memory."""
+def _check_resources(report: dict, stack_allowed=lambda case: 0) -> None:
+    """No case spills (no local-memory stack; ``stack_allowed(case)`` bytes where a case is known to) or
+    needs more than an H200 SM's 227 KB of shared memory."""
     for case, line in report.items():
         facts = dict(f.split("=") for f in line.split() if "=" in f)
-        assert int(facts["stack"]) == 0, f"{case} spills: {line}"
+        assert int(facts["stack"]) <= stack_allowed(case), f"{case} spills: {line}"
         assert int(facts["shared"]) <= 227 * 1024, f"{case}: {line}"
 
 
@@ -273,7 +274,9 @@ def test_mla_kernel_compiles_for_sm90():
 # the Gluon prefill for Hopper (kernels/prefill_hopper.py) as _hopper.py launches it: (page size (0:
 # contiguous K/V), causal, GQA group)
 HOPPER_CASES = {"ragged-causal": (0, True, 4), "ragged": (0, False, 1), "paged16-causal": (16, True, 4),
-                "paged64": (64, False, 8)}
+                "paged64": (64, False, 8),
+                # pages gathered by cp.async (_hopper.gather_pages: page 1, SGLang's)
+                "paged1-gather-causal": (1, True, 4), "paged4-gather": (4, False, 8)}
 
 
 def compile_hopper_case(name: str):
@@ -295,16 +298,22 @@ def compile_hopper_case(name: str):
         return mangle_type(TensorDescriptor(rows, [1024, 8 * d], [8 * d, 1], [box_rows, d],
                                             _hopper.smem_layout(box_rows, d, torch.bfloat16)))
 
+    gather = _hopper.gather_pages(page)
     constexprs = dict(GROUP=group, STAGES=_hopper.STAGES, IS_CAUSAL=causal, CONSUMER_REGS=_hopper.CONSUMER_REGS,
-                      PAGE_SIZE=page, num_warps=4)
+                      PAGE_SIZE=page, GATHER=gather, num_warps=4)
     sig = {}
     for p in prefill_hopper_kernel.params:
         n = p.name
         sig[n] = ("constexpr" if n in constexprs else desc(64) if n == "q_desc" else
-                  desc(page or _hopper.TILE) if n in ("k_desc", "v_desc") else "*bf16" if n == "o_ptr" else
+                  desc(_hopper.TILE if gather or not page else page) if n in ("k_desc", "v_desc") else
+                  "*bf16" if n in ("o_ptr", "k_ptr", "v_ptr") else
                   "*fp32" if n == "lse_ptr" else "*i32" if n.endswith("_ptr") else
                   "fp32" if n == "sm_scale_log2" else "i32")
-    return triton.compile(GluonASTSource(prefill_hopper_kernel, sig, constexprs, {}), target=GPUTarget("cuda", 90, 32),
+    # the caches and their row stride as a launch specialises them (16-byte aligned), for 16-byte copies
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(prefill_hopper_kernel.params)
+             if p.name in ("k_ptr", "v_ptr", "stride_kv_row")}
+    return triton.compile(GluonASTSource(prefill_hopper_kernel, sig, constexprs, attrs),
+                          target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=4, maxnreg=_hopper.maxnreg(_hopper.CONSUMER_REGS)))
 
 
@@ -314,7 +323,9 @@ def test_hopper_prefill_kernel_compiles_for_sm90():
     done = _compile_in_subprocess("hopper")
     report = _report(done)
     assert set(report) == {f"case-{n}" for n in HOPPER_CASES}, done.stdout
-    _check_resources(report)
+    # the gathering producer warpgroup keeps the TMA warp's 24 registers a thread (the consumers need
+    # the rest) and spills 24 bytes in it (sm_90 compile, session 17)
+    _check_resources(report, lambda case: 24 if "gather" in case else 0)
 
 
 # the Gluon MLA kernel (kernels/mla_hopper.py) as mla.py launches it: (page size, causal, heads, how the

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
@@ -26,6 +26,15 @@ TILE = 128  # query tokens per work item: two consumer warpgroups of 64
 STAGES = 3  # K/V ring depth: 3 x 64 KB at head_dim 128, with Q 224 KB of the H200's 227
 CONSUMER_REGS = 240  # per consumer thread; the producer warpgroup keeps 24
 PERSISTENT = True  # one program per SM running work items in turn (False: one item per program)
+# smallest page the paged mode reads by TMA: a box per page lands in an 8-row slice of the 128-byte
+# swizzled stage (_route.HOPPER_MIN_PAGE names the same limit for the route)
+TMA_MIN_PAGE = 8
+
+
+def gather_pages(page_size: int) -> bool:
+    """Pages the kernel's paged mode gathers by cp.async (its ``GATHER``) rather than TMA boxes: fewer
+    than ``TMA_MIN_PAGE`` positions, or not dividing the 128-token tile."""
+    return page_size > 0 and (page_size < TMA_MIN_PAGE or TILE % page_size != 0)
 
 
 def maxnreg(consumer_regs: int, producer_regs: int = 24) -> int:
@@ -72,22 +81,33 @@ def smem_layout(rows: int, head_dim: int, dtype: torch.dtype):
                                                                    torch.bfloat16: gl.bfloat16}[dtype])
 
 
-def ragged_descriptors(k: torch.Tensor, v: torch.Tensor) -> Optional[Tuple[tuple, int]]:
-    """TMA boxes of contiguous NHD K/V (128-token boxes of one head) and rows per page (0), or
-    None where a 2-D TMA view does not fit them (the run then takes the core)."""
+class KVBoxes(NamedTuple):
+    """The kernel's view of K/V for one call: TMA boxes of K and V, rows per page (0: contiguous), the
+    page size (0: contiguous), the pages in the cache (the gather's clamp)."""
+
+    boxes: tuple
+    rows_per_page: int
+    page_size: int = 0
+    num_pages: int = 0
+
+
+def ragged_descriptors(k: torch.Tensor, v: torch.Tensor) -> Optional[KVBoxes]:
+    """TMA boxes of contiguous NHD K/V (128-token boxes of one head), or None where a 2-D TMA view
+    does not fit them (the run then takes the core)."""
     if not (tma_ready(k) and tma_ready(v)):
         return None
     n, h, d = k.shape
     layout = smem_layout(TILE, d, k.dtype)
-    return tuple(TmaBox(t, (n, h * d), (t.stride(0), 1), (TILE, d), layout) for t in (k, v)), 0
+    return KVBoxes(tuple(TmaBox(t, (n, h * d), (t.stride(0), 1), (TILE, d), layout) for t in (k, v)), 0)
 
 
-def paged_descriptors(kv: PagedKV) -> Optional[Tuple[tuple, int]]:
+def paged_descriptors(kv: PagedKV) -> Optional[KVBoxes]:
     """TMA boxes of an NHD paged cache for the kernel's paged mode: K and V as 2-D views
     [rows, H * D] with a box of one page of one head, page p starting at row p * rows_per_page (in a
-    5-D cache K and V pages alternate: rows_per_page = 2 * page). None where the cache does not fit
-    that view (heads or slots not packed, page strides that are not whole rows or differ). Kept on
-    ``kv`` (``PagedKV.tma``), ``False`` standing for None."""
+    5-D cache K and V pages alternate: rows_per_page = 2 * page); for pages the kernel gathers
+    (``gather_pages``) boxes of a 128-row tile, which only give the stages' layout. None where the
+    cache does not fit that view (heads or slots not packed, page strides that are not whole rows or
+    differ). Kept on ``kv`` (``PagedKV.tma``), ``False`` standing for None."""
     if kv.tma is None:
         kv.tma = _paged_descriptors(kv) or False
     return kv.tma or None
@@ -102,8 +122,10 @@ def _paged_descriptors(kv: PagedKV) -> Optional[Tuple[tuple, int]]:
         return None
     rows_per_page = page_stride // row
     rows = (kv.k.shape[0] - 1) * rows_per_page + page
-    layout = smem_layout(page, d, kv.k.dtype)
-    return tuple(TmaBox(t, (rows, row), (row, 1), (page, d), layout) for t in (kv.k, kv.v)), rows_per_page
+    box = TILE if gather_pages(page) else page
+    layout = smem_layout(box, d, kv.k.dtype)
+    return KVBoxes(tuple(TmaBox(t, (max(rows, box), row), (row, 1), (box, d), layout) for t in (kv.k, kv.v)),
+                   rows_per_page, page, kv.k.shape[0])
 
 
 def _check_page_ids_launcher():
@@ -127,15 +149,14 @@ def launch(q, kv_descriptors, out, lse, qo_indptr, kv_indptr, kv_len, tiles: tor
     [batch]; ``tiles`` the uploaded ``work_tiles`` (int32 [2, tiles]). ``launches``: where a plan keeps
     its bound launches (``DevicePlan.launches``), so a later run with the same plan only passes the
     call's tensors."""
-    (k_box, v_box), rows_per_page = kv_descriptors
+    (k_box, v_box), rows_per_page, page, num_pages = kv_descriptors
     tokens, hq, d = q.shape
-    paged = kv_indices is not None
     key = ("hopper", id(qo_indptr), id(kv_indptr), id(kv_indices), id(kv_len), id(tiles), tokens, hq, num_kv_heads,
-           d, q.dtype, sm_scale, causal, k_box.block[0] if paged else 0, rows_per_page)
+           d, q.dtype, sm_scale, causal, page, rows_per_page)
     bound = launches.get(key) if launches is not None else None
     if bound is None:
-        bound = _bind(q, qo_indptr, kv_indptr, kv_len, tiles, num_kv_heads, sm_scale, causal, kv_indices,
-                      k_box.block[0] if paged else 0, rows_per_page)
+        bound = _bind(q, qo_indptr, kv_indptr, kv_len, tiles, num_kv_heads, sm_scale, causal, kv_indices, page,
+                      rows_per_page)
         if launches is not None:
             if len(launches) >= 16:
                 launches.clear()
@@ -143,7 +164,9 @@ def launch(q, kv_descriptors, out, lse, qo_indptr, kv_indptr, kv_len, tiles: tor
     if lse is None:  # the kernel always writes one (see kernels/prefill_hopper.py)
         lse = bound.lse_scratch
     q_box = TmaBox(q, (tokens, hq * d), (q.stride(0), 1), (64, d), smem_layout(64, d, q.dtype))
-    bound.launch(q_box, k_box, v_box, out, out.stride(0), out.stride(1), lse, lse.stride(0))
+    # (the gather's reads: the caches' bases, row stride and pages; unread by the TMA modes)
+    bound.launch(q_box, k_box, v_box, out, out.stride(0), out.stride(1), lse, lse.stride(0), k_box.tensor,
+                 v_box.tensor, k_box.strides[0], num_pages)
 
 
 class _HopperLaunch:
@@ -166,7 +189,7 @@ def _bind(q, qo_indptr, kv_indptr, kv_len, tiles, num_kv_heads, sm_scale, causal
     tail = (qo_indptr, kv_indptr, kv_len, tiles[0], tiles[1], hq, num_items, sm_scale * math.log2(math.e),
             kv_indices if kv_indices is not None else kv_indptr, rows_per_page)
     kwargs = dict(GROUP=hq // num_kv_heads, STAGES=STAGES, IS_CAUSAL=causal, CONSUMER_REGS=CONSUMER_REGS,
-                  PAGE_SIZE=page, num_warps=4, maxnreg=maxnreg(CONSUMER_REGS))
+                  PAGE_SIZE=page, GATHER=gather_pages(page), num_warps=4, maxnreg=maxnreg(CONSUMER_REGS))
     bound = BoundLaunch(launcher, (grid,), tail, kwargs)
     lse = torch.empty((tokens, hq), dtype=torch.float32, device=q.device)
     return _HopperLaunch(bound, lse, (qo_indptr, kv_indptr, kv_len, tiles, kv_indices))

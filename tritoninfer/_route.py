@@ -45,6 +45,10 @@ POD_PREFILL_ON_HOPPER = True
 # smallest page the paged mode takes: a TMA box per page lands in an 8-row slice of the 128-byte
 # swizzled K/V stage; Triton 3.6 cannot slice one below its 8-row swizzle pattern
 HOPPER_MIN_PAGE = 8
+# Other page sizes (page 1: SGLang's default) in the paged mode with K/V rows gathered by cp.async
+# (kernels/prefill_hopper.py's GATHER; False: the core). Written and compiled for sm_90 on the CPU in
+# session 17, not yet run on a GPU: off until its GPU tests pass and the bench measures it.
+HOPPER_GATHER = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,9 +126,9 @@ class PrefillRoute:
         if reason:
             return core(reason)
         paged = f.page_size > 0
-        if paged and (_hopper.TILE % f.page_size or f.page_size < HOPPER_MIN_PAGE):
+        if paged and (_hopper.TILE % f.page_size or f.page_size < HOPPER_MIN_PAGE) and not HOPPER_GATHER:
             return core(f"page size {f.page_size} (the paged mode takes {HOPPER_MIN_PAGE}-{_hopper.TILE}, dividing "
-                        f"{_hopper.TILE})")
+                        f"{_hopper.TILE}; HOPPER_GATHER is off)")
         if not paged and int(f.kv_lens.sum()) < _hopper.TILE:
             return core("K/V shorter than one TMA box")
         causal = bool(f.params.causal)

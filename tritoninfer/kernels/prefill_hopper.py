@@ -9,6 +9,8 @@ A work item: 128 query tokens of one query head. A program (one per SM, persiste
 turn, as three partitions (``gl.warp_specialize``):
 - a producer warp that brings K/V tiles by TMA into a ring of ``STAGES`` shared-memory stages, each
   with a ``ready`` mbarrier (TMA byte count) and an ``empty`` one (both consumers released it);
+  (paged K/V whose pages TMA cannot box, page 1 as SGLang's: a producer warpgroup that gathers the rows
+  by cp.async into the same ring instead, ``GATHER``);
 - two consumer warpgroups of 64 query rows each. A consumer issues the wgmma of S_j = Q K_j^T before
   the wgmma of O += P_{j-1} V_{j-1} and runs the softmax of S_j while the second one works; P goes
   from the S accumulator's registers into the PV wgmma's A operand. The two consumers are tied only
@@ -21,7 +23,14 @@ the fallback, the ``gpu`` tests this kernel (tests/test_prefill.py).
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (the wgmma M of one warpgroup)
 
@@ -64,9 +73,10 @@ def _item(item, num_qo_heads, group, tile_req_ptr, tile_start_ptr, qo_indptr_ptr
 
 @gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
-                    stride_o_head, lse_ptr, stride_lse_tok, sm_scale_log2, is_causal, qo_indptr_ptr, kv_indptr_ptr,
+                    stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages, sm_scale_log2,
+                    is_causal, qo_indptr_ptr, kv_indptr_ptr,
                     kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
-                    num_items):
+                    num_items, page_size):
     """Producer warp, contiguous K/V: the program's items in turn, tile j of an item (rows kv_start +
     j * BLOCK_N ...) into the ring's next stage once both consumers released its last use; the ring
     runs on across items, so the next item's first tiles load under this one's last. (Constants come
@@ -95,9 +105,10 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready
 
 @gluon.jit
 def _load_paged_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
-                          stride_o_head, lse_ptr, stride_lse_tok, sm_scale_log2, is_causal, qo_indptr_ptr,
+                          stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages,
+                          sm_scale_log2, is_causal, qo_indptr_ptr,
                           kv_indptr_ptr, kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr,
-                          num_qo_heads, group, num_items):
+                          num_qo_heads, group, num_items, page_size):
     """Producer warp, paged K/V: tile j is BLOCK_N / PAGE pages, one TMA box [PAGE, D] each into its
     rows of the stage. ``kv_start`` is the request's first entry in ``kv_indices``; page p's rows
     start at row p * rows_per_page of the K and V descriptors. Boxes of pages past the request's
@@ -130,6 +141,66 @@ def _load_paged_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar,
 
 
 @gluon.jit
+def _gather_paged_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
+                            stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages,
+                            sm_scale_log2, is_causal, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr, kv_indices_ptr,
+                            rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group, num_items, page_size):
+    """Producer warpgroup, paged K/V whose pages TMA cannot box (``GATHER``; page 1: SGLang's cache):
+    tile j's rows gathered by cp.async, 16 bytes a thread and copy, in sub-tiles of 32 rows (few
+    addresses live at once: the warpgroup keeps 24 registers a thread), into the same ring. A tile's
+    copies are one group; the ring's tile t is published (``ready``) before tile t + LAG is issued,
+    once its copies are complete, and fenced for the consumers' wgmma (async proxy); the ring runs on
+    across items as the TMA producers'. Page ids are clamped into the cache (``_hopper.check_page_ids``
+    reports the bad ones); positions past the end read page 0's rows, masked by the consumers."""
+    stages: gl.constexpr = k_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
+    SUB: gl.constexpr = 8
+    LAG: gl.constexpr = stages - 1
+    # [SUB, HEAD_DIM]: 8 elements (16 bytes) a thread, a warp across HEAD_DIM / 8 threads of a row
+    cols_t: gl.constexpr = HEAD_DIM // 8
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // cols_t, cols_t], [4, 1], [1, 0])
+    offs_r = gl.arange(0, SUB, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    last_page = (num_pages - 1).to(gl.uint32)
+    t = 0
+    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        q_start, m0, q_len, kv_start, kv_len, n_tiles, head, kv_col = _item(
+            item, num_qo_heads, group, tile_req_ptr, tile_start_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
+            is_causal, BLOCK_N, HEAD_DIM)
+        n_pages = gl.cdiv(kv_len, page_size)
+        for j in range(n_tiles):
+            if t >= LAG:
+                async_copy.wait_group(LAG - 1)
+                _publish(ready, t - LAG, stages)
+            stage = t % stages
+            mbarrier.wait(empty.index(stage), ((t // stages) & 1) ^ 1)
+            for sub in gl.static_range(BLOCK_N // SUB):
+                pos = j * BLOCK_N + sub * SUB + offs_r
+                idx = pos // page_size
+                page = gl.load(kv_indices_ptr + kv_start + idx, mask=idx < n_pages, other=0)
+                page = gl.minimum(page.to(gl.uint32, bitcast=True), last_page).to(gl.int64)
+                row = (page * rows_per_page + (pos - idx * page_size)) * stride_kv_row + kv_col
+                offs = row[:, None] + cols[None, :]
+                async_copy.async_copy_global_to_shared(k_smem.index(stage).slice(sub * SUB, SUB), k_ptr + offs)
+                async_copy.async_copy_global_to_shared(v_smem.index(stage).slice(sub * SUB, SUB), v_ptr + offs)
+            async_copy.commit_group()
+            t += 1
+    async_copy.wait_group(0)
+    for r in range(gl.maximum(t - LAG, 0), t):
+        _publish(ready, r, stages)
+
+
+@gluon.jit
+def _publish(ready, t, stages: gl.constexpr):
+    """Ring tile t's stage to the consumers: this warpgroup's completed cp.async writes made visible to
+    their wgmma (async proxy), then one arrive."""
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(ready.index(t % stages), count=1)
+
+
+@gluon.jit
 def _q_origin(item, num_items, num_qo_heads, tile_req_ptr, tile_start_ptr, qo_indptr_ptr, WG: gl.constexpr,
               HEAD_DIM: gl.constexpr):
     """Where a consumer's 64 query rows of ``item`` start in q_desc: (row, column); any valid item's
@@ -148,9 +219,10 @@ def _load_q(q_desc, my_q, my_bar, row, col, valid):
 
 @gluon.jit
 def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
-             stride_o_head, lse_ptr, stride_lse_tok, sm_scale_log2, is_causal, qo_indptr_ptr, kv_indptr_ptr,
+             stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages, sm_scale_log2,
+             is_causal, qo_indptr_ptr, kv_indptr_ptr,
              kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
-             num_items, WG: gl.constexpr):
+             num_items, page_size, WG: gl.constexpr):
     """Consumer warpgroup ``WG``: for each of the program's items, query rows m0 + 64 WG ... + 63
     against every KV tile of the item. The next item's Q loads once this item's last S is done,
     under the last PV and the epilogue."""
@@ -249,33 +321,37 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
 
 @gluon.jit
 def _consume0(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
-              stride_o_head, lse_ptr, stride_lse_tok, sm_scale_log2, is_causal, qo_indptr_ptr, kv_indptr_ptr,
+              stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages, sm_scale_log2,
+              is_causal, qo_indptr_ptr, kv_indptr_ptr,
               kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
-              num_items):
+              num_items, page_size):
     _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
-             stride_o_head, lse_ptr, stride_lse_tok, sm_scale_log2, is_causal, qo_indptr_ptr, kv_indptr_ptr,
+             stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages, sm_scale_log2,
+             is_causal, qo_indptr_ptr, kv_indptr_ptr,
              kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
-             num_items, 0)
+             num_items, page_size, 0)
 
 
 @gluon.jit
 def _consume1(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
-              stride_o_head, lse_ptr, stride_lse_tok, sm_scale_log2, is_causal, qo_indptr_ptr, kv_indptr_ptr,
+              stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages, sm_scale_log2,
+              is_causal, qo_indptr_ptr, kv_indptr_ptr,
               kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
-              num_items):
+              num_items, page_size):
     _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
-             stride_o_head, lse_ptr, stride_lse_tok, sm_scale_log2, is_causal, qo_indptr_ptr, kv_indptr_ptr,
+             stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages, sm_scale_log2,
+             is_causal, qo_indptr_ptr, kv_indptr_ptr,
              kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
-             num_items, 1)
+             num_items, page_size, 1)
 
 
 @gluon.jit
 def prefill_hopper_kernel(
-    q_desc, k_desc, v_desc, o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok,
-    qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr, tile_req_ptr, tile_start_ptr, num_qo_heads, num_items, sm_scale_log2,
-    kv_indices_ptr, rows_per_page,
+    q_desc, k_desc, v_desc, o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr,
+    stride_kv_row, num_pages, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr, tile_req_ptr, tile_start_ptr, num_qo_heads,
+    num_items, sm_scale_log2, kv_indices_ptr, rows_per_page,
     GROUP: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    PAGE_SIZE: gl.constexpr, num_warps: gl.constexpr,
+    PAGE_SIZE: gl.constexpr, GATHER: gl.constexpr, num_warps: gl.constexpr,
 ):
     """q_desc: [tokens, H_qo * D] box [64, D]; o: [tokens, H_qo, D] (any row and head strides); lse:
     [tokens, H_qo] float32 base 2. ``tile_req`` / ``tile_start`` int32 [tiles]: the request and first
@@ -289,7 +365,10 @@ def prefill_hopper_kernel(
     ``kv_indptr`` token offsets (``kv_indices_ptr`` and ``rows_per_page`` unused).
     ``PAGE_SIZE > 0`` (8 to 128, dividing 128): k_desc / v_desc are 2-D views [rows, H_kv * D] of
     the K and V pages, box [PAGE_SIZE, D], page p starting at row p * rows_per_page; ``kv_indptr`` /
-    ``kv_indices`` the page table."""
+    ``kv_indices`` the page table. With ``GATHER`` (any ``PAGE_SIZE``: page 1, SGLang's), the same
+    rows are read by cp.async through ``k_ptr`` / ``v_ptr`` (``stride_kv_row`` elements a row,
+    ``num_pages`` pages) and the descriptors only give the stages' layout (box [128, D]).
+    ``k_ptr`` ... ``num_pages`` are unread otherwise."""
     BLOCK_N: gl.constexpr = 128
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
@@ -306,9 +385,14 @@ def prefill_hopper_kernel(
         mbarrier.init(empty.index(i), count=2)
 
     args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok, stride_o_head,
-            lse_ptr, stride_lse_tok, sm_scale_log2, IS_CAUSAL, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
-            kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, GROUP, num_items)
-    if PAGE_SIZE > 0:
+            lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages, sm_scale_log2, IS_CAUSAL, qo_indptr_ptr,
+            kv_indptr_ptr, kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads,
+            GROUP, num_items, PAGE_SIZE)
+    if GATHER:
+        # the producer a warpgroup (registers are handed out per warpgroup: the same 24 a thread)
+        gl.warp_specialize([(_consume0, args), (_consume1, args), (_gather_paged_partition, args)], [4, 4],
+                           [CONSUMER_REGS, 24])
+    elif PAGE_SIZE > 0:
         gl.warp_specialize([(_consume0, args), (_consume1, args), (_load_paged_partition, args)], [4, 1],
                            [CONSUMER_REGS, 24])
     else:
