@@ -51,6 +51,7 @@
 #   tests-mla    pytest -m gpu tests/test_mla.py (all of it, on the default route)
 #   fit-mla      FlashInfer's test_deepseek_mla.py and test_mla_page.py (4 workers)
 #   fit-bp-rest  test_batch_prefill_kernels.py's ragged and multi-item cases (fit-hopper's limit cut them, s17)
+#   tests-gluon  pytest -m gpu on both Gluon kernels (prefill incl. gathered pages, MLA incl. gather), -x
 #   tests-mla-modes  pytest -m gpu tests/test_mla.py's Gluon-route tests (every mode, CUDA graphs, no KV)
 #   mla-sets     tritoninfer bench mla over the rows, once per --set of MLA_SETS (FlashInfer beside the first)
 #   tests-mla-gluon  pytest -m gpu on the Gluon MLA kernel (tests/test_mla.py -k gluon; _route.MLA_HOPPER forced on)
@@ -185,6 +186,11 @@ case "$part" in
   tests-mla)
     PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=10 \
       tests/test_mla.py > "$out/$part.log" 2>&1 || true ;;
+  tests-gluon)
+    # both Gluon kernels after a change to their signatures: prefill (ragged, paged, gathered pages) and MLA
+    PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=10 -x \
+      --timeout 90 tests/test_prefill.py tests/test_mla.py -k "hopper or gluon or graph or without_kv or gather" \
+      > "$out/$part.log" 2>&1 || true ;;
   tests-mla-modes)
     PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=10 -x \
       --timeout 90 tests/test_mla.py -k "${MLA_K:-gluon or graph or without_kv}" > "$out/$part.log" 2>&1 || true ;;
