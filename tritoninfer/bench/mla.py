@@ -334,18 +334,22 @@ def grid(a: argparse.Namespace, gpu: bool) -> List[Shape]:
                                   a.qo_len or QO_LENS))
 
 
-def _shapes(text: str) -> List[Shape]:
+def _int_tuples(text: str, n: int, form: str) -> list:
+    """Comma-separated items of ``n`` colon-separated integers (``form`` names them in the error)."""
     out = []
     for item in text.split(","):
-        parts = item.split(":")
         try:
-            values = tuple(groups.int_list("a shape field")(p)[0] for p in parts)
+            values = tuple(groups.int_list("a shape field")(p)[0] for p in item.split(":"))
         except argparse.ArgumentTypeError:
             values = ()
-        if len(values) != 5:
-            raise argparse.ArgumentTypeError(f"expected heads:page:batch:kv_len:qo_len items, got {item!r}")
+        if len(values) != n:
+            raise argparse.ArgumentTypeError(f"expected {form} items, got {item!r}")
         out.append(values)
     return out
+
+
+def _shapes(text: str) -> List[Shape]:
+    return _int_tuples(text, 5, "heads:page:batch:kv_len:qo_len")
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -380,16 +384,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def _prefill_shapes(text: str) -> List[Tuple[int, int, int]]:
-    out = []
-    for item in text.split(","):
-        try:
-            values = tuple(groups.int_list("a shape field")(p)[0] for p in item.split(":"))
-        except argparse.ArgumentTypeError:
-            values = ()
-        if len(values) != 3:
-            raise argparse.ArgumentTypeError(f"expected heads:requests:tokens items, got {item!r}")
-        out.append(values)
-    return out
+    return _int_tuples(text, 3, "heads:requests:tokens")
 
 
 def main(argv: Sequence[str]) -> int:

@@ -42,6 +42,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .gather import publish_stage
+
 ROWS = gl.constexpr(64)  # rows a program: one warpgroup's wgmma M, shared by both consumers
 CHUNK = gl.constexpr(64)  # columns of a latent box (128 bytes: one swizzle row)
 
@@ -233,7 +235,7 @@ def _gather_partition(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ck
                 # tile j - LAG's copies done (LAG - 1 later groups may still be in flight): published
                 # before this tile waits for its stage, which the consumers free only after tile j - LAG - 1
                 async_copy.wait_group(LAG - 1)
-                _publish(ready, j - LAG, stages)
+                publish_stage(ready, j - LAG, stages)
             stage = j % stages
             mbarrier.wait(empty.index(stage), ((j // stages) & 1) ^ 1)
             pos = lo + j * BLOCK_N + offs_n
@@ -251,16 +253,7 @@ def _gather_partition(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ck
         # the last tiles: every copy complete
         async_copy.wait_group(0)
         for j in range(gl.maximum(n_tiles - LAG, 0), n_tiles):
-            _publish(ready, j, stages)
-
-
-@gluon.jit
-def _publish(ready, j, stages: gl.constexpr):
-    """Tile j's stage to the consumers: this warpgroup's completed cp.async writes made visible to
-    their wgmma (async proxy), then one arrive."""
-    fence_async_shared()
-    gl.thread_barrier()
-    mbarrier.arrive(ready.index(j % stages), count=1)
+            publish_stage(ready, j, stages)
 
 
 @gluon.jit

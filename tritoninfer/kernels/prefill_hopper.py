@@ -24,13 +24,9 @@ the fallback, the ``gpu`` tests this kernel (tests/test_prefill.py).
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from .gather import publish_stage
 
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (the wgmma M of one warpgroup)
 
@@ -172,7 +168,7 @@ def _gather_paged_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ba
         for j in range(n_tiles):
             if t >= LAG:
                 async_copy.wait_group(LAG - 1)
-                _publish(ready, t - LAG, stages)
+                publish_stage(ready, t - LAG, stages)
             stage = t % stages
             mbarrier.wait(empty.index(stage), ((t // stages) & 1) ^ 1)
             for sub in gl.static_range(BLOCK_N // SUB):
@@ -188,16 +184,7 @@ def _gather_paged_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ba
             t += 1
     async_copy.wait_group(0)
     for r in range(gl.maximum(t - LAG, 0), t):
-        _publish(ready, r, stages)
-
-
-@gluon.jit
-def _publish(ready, t, stages: gl.constexpr):
-    """Ring tile t's stage to the consumers: this warpgroup's completed cp.async writes made visible to
-    their wgmma (async proxy), then one arrive."""
-    fence_async_shared()
-    gl.thread_barrier()
-    mbarrier.arrive(ready.index(t % stages), count=1)
+        publish_stage(ready, r, stages)
 
 
 @gluon.jit
