@@ -448,17 +448,26 @@ def test_compat_mla_fast_plan_and_private_attributes():
 @pytest.mark.parametrize("page_size", [1, 64])
 @pytest.mark.parametrize("qo_len,causal", [(1, False), (4, True)])
 def test_mla_deepseek_dims_gpu(heads, page_size, qo_len, causal):
-    kv_lens = [1, 77, 1000, 4133, 0, 129]
+    _deepseek_case_checked(heads, page_size, qo_len, causal, [1, 77, 1000, 4133, 0, 129])
+
+
+def _deepseek_case_checked(heads, page_size, qo_len, causal, kv_lens, route=None):
+    """One bf16 case at DeepSeek's dims, q and cache as slices of wider buffers (SGLang's form): output
+    and LSE against the reference (``route``: the kernel the plan must take). Returns (wrapper, case,
+    reference output)."""
     if causal:
         kv_lens = [max(n, qo_len) for n in kv_lens]
     c = make_case([qo_len] * len(kv_lens), kv_lens, heads, 512, 64, page_size, torch.bfloat16, strided=True)
     sm_scale = 1 / math.sqrt(192)
     w = BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
     plan(w, c, heads, page_size, causal, sm_scale, torch.bfloat16)
+    if route is not None:
+        assert w._step.route.kernel == route, w._step.route
     out, lse = w.run(c["q_nope"], c["q_pe"], c["ckv"], c["kpe"], return_lse=True)
     ref_o, ref_lse = ref_of(c, sm_scale, causal)
     assert_close(out, ref_o, torch.bfloat16)
     assert_lse_close(lse, ref_lse, dtype=torch.bfloat16)
+    return w, c, ref_o
 
 
 @pytest.mark.gpu
@@ -520,18 +529,8 @@ def _gluon_case_checked(monkeypatch, heads, page_size, qo_len, causal, kv_lens):
     ran = []
     real = mla.MLALaunch._launch_hopper
     monkeypatch.setattr(mla.MLALaunch, "_launch_hopper", lambda self, *a: ran.append(1) or real(self, *a))
-    if causal:
-        kv_lens = [max(n, qo_len) for n in kv_lens]
-    c = make_case([qo_len] * len(kv_lens), kv_lens, heads, 512, 64, page_size, torch.bfloat16, strided=True)
-    sm_scale = 1 / math.sqrt(192)
-    w = BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
-    plan(w, c, heads, page_size, causal, sm_scale, torch.bfloat16)
-    assert w._step.route.kernel == "hopper", w._step.route
-    out, lse = w.run(c["q_nope"], c["q_pe"], c["ckv"], c["kpe"], return_lse=True)
+    w, c, ref_o = _deepseek_case_checked(heads, page_size, qo_len, causal, kv_lens, route="hopper")
     assert ran
-    ref_o, ref_lse = ref_of(c, sm_scale, causal)
-    assert_close(out, ref_o, torch.bfloat16)
-    assert_lse_close(lse, ref_lse, dtype=torch.bfloat16)
     return w, c, ref_o, ran
 
 

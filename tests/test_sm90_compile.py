@@ -332,7 +332,7 @@ def test_hopper_prefill_kernel_compiles_for_sm90():
 # consumers split a tile's work: mla._HOPPER_MODE)
 MLA_HOPPER_CASES = {"p64-128h-both": (64, False, 128, "both"), "p64-128h-share-p": (64, False, 128, "share-p"),
                     "p16-16h-causal-both": (16, True, 16, "both"), "p8-64h-share-p-causal": (8, True, 64, "share-p"),
-                    # pages gathered by cp.async (mla.gather_pages)
+                    # pages gathered by cp.async (_hopper.mla_gather_pages)
                     "p1-128h-share-p": (1, False, 128, "share-p"), "p1-16h-causal-share-p": (1, True, 16, "share-p"),
                     "p4-64h-causal-share-p": (4, True, 64, "share-p")}
 
@@ -350,7 +350,7 @@ def compile_mla_hopper_case(name: str):
 
     page, causal, heads, mode = MLA_HOPPER_CASES[name]
     buf = torch.empty(4096, 576, dtype=torch.bfloat16)
-    gather = mla.gather_pages(page)
+    gather = _hopper.mla_gather_pages(page)
     box = mla._HOPPER_BLOCK_N if gather else min(page, mla._HOPPER_BLOCK_N)
     regs = mla.hopper_regs(mla._HOPPER_MODES[mode], gather)
 

@@ -26,15 +26,27 @@ TILE = 128  # query tokens per work item: two consumer warpgroups of 64
 STAGES = 3  # K/V ring depth: 3 x 64 KB at head_dim 128, with Q 224 KB of the H200's 227
 CONSUMER_REGS = 240  # per consumer thread; the producer warpgroup keeps 24
 PERSISTENT = True  # one program per SM running work items in turn (False: one item per program)
-# smallest page the paged mode reads by TMA: a box per page lands in an 8-row slice of the 128-byte
-# swizzled stage (_route.HOPPER_MIN_PAGE names the same limit for the route)
+# smallest page the Gluon kernels read by TMA: a box per page lands in an 8-row slice of a 128-byte
+# swizzled stage; Triton 3.6 cannot slice one below its 8-row swizzle pattern
 TMA_MIN_PAGE = 8
 
 
 def gather_pages(page_size: int) -> bool:
-    """Pages the kernel's paged mode gathers by cp.async (its ``GATHER``) rather than TMA boxes: fewer
-    than ``TMA_MIN_PAGE`` positions, or not dividing the 128-token tile."""
+    """Pages the prefill kernel's paged mode gathers by cp.async (its ``GATHER``) rather than TMA boxes:
+    fewer than ``TMA_MIN_PAGE`` positions, or not dividing the 128-token tile."""
     return page_size > 0 and (page_size < TMA_MIN_PAGE or TILE % page_size != 0)
+
+
+def mla_gather_pages(page_size: int) -> bool:
+    """Pages the MLA kernel gathers (its ``GATHER``): fewer than ``TMA_MIN_PAGE`` positions or not a
+    power of two (its boxes are a page, or a 32-position tile's share of one)."""
+    return page_size < TMA_MIN_PAGE or bool(page_size & (page_size - 1))
+
+
+def row_stride(t: torch.Tensor) -> int:
+    """Elements between the consecutive rows of a [A, B, D] tensor read as [A * B, D] (B page slots or
+    heads): ``stride(1)``, or ``stride(0)`` when B is 1 (page 1's caches)."""
+    return t.stride(0) if t.shape[1] == 1 else t.stride(1)
 
 
 def maxnreg(consumer_regs: int, producer_regs: int = 24) -> int:

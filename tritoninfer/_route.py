@@ -42,9 +42,6 @@ BLOCK_SPARSE_MIN_LEN = 48
 # would take it: two launches (the Gluon prefill, then the decode half on the core) instead of both halves
 # in one grid of the core's pair kernel. False keeps every POD in one launch (to time both)
 POD_PREFILL_ON_HOPPER = True
-# smallest page the paged mode takes: a TMA box per page lands in an 8-row slice of the 128-byte
-# swizzled K/V stage; Triton 3.6 cannot slice one below its 8-row swizzle pattern
-HOPPER_MIN_PAGE = 8
 # Other page sizes (page 1: SGLang's default) in the paged mode with K/V rows gathered by cp.async
 # (kernels/prefill_hopper.py's GATHER; False: the core). Written and compiled for sm_90 on the CPU in
 # session 17, not yet run on a GPU: off until its GPU tests pass and the bench measures it.
@@ -126,8 +123,8 @@ class PrefillRoute:
         if reason:
             return core(reason)
         paged = f.page_size > 0
-        if paged and (_hopper.TILE % f.page_size or f.page_size < HOPPER_MIN_PAGE) and not HOPPER_GATHER:
-            return core(f"page size {f.page_size} (the paged mode takes {HOPPER_MIN_PAGE}-{_hopper.TILE}, dividing "
+        if paged and _hopper.gather_pages(f.page_size) and not HOPPER_GATHER:
+            return core(f"page size {f.page_size} (TMA boxes take {_hopper.TMA_MIN_PAGE}-{_hopper.TILE}, dividing "
                         f"{_hopper.TILE}; HOPPER_GATHER is off)")
         if not paged and int(f.kv_lens.sum()) < _hopper.TILE:
             return core("K/V shorter than one TMA box")
@@ -197,11 +194,9 @@ PREFILL = PrefillRoute()
 # H200, bench mla --quick against the Triton kernel: 128 heads 64 x 8K 931.6 -> 332.2 µs, 16 heads
 # 350.4 -> 202.2, four query tokens 64 x 4K 1,833 -> 727, 1 x 8K 35.6 -> 26.7.
 MLA_HOPPER = True
-# MLA page sizes the Gluon kernel reads by TMA: a box per page (or per 32-position tile of a larger page)
-# lands in an 8-row slice of a 128-byte swizzled stage, so pages of at least 8 positions
-MLA_HOPPER_MIN_PAGE = 8
-# Other page sizes (page 1: SGLang's MLA cache) on the Gluon kernel with rows gathered by cp.async
-# (kernels/mla_hopper.py's GATHER; False: kernels/mla.py). Written and compiled for sm_90 on the CPU
+# Page sizes the Gluon MLA kernel cannot read by TMA (_hopper.mla_gather_pages; page 1: SGLang's MLA
+# cache) on that kernel with rows gathered by cp.async (kernels/mla_hopper.py's GATHER; False:
+# kernels/mla.py). Written and compiled for sm_90 on the CPU
 # in session 17, not yet run on a GPU: off until its GPU tests pass and bench mla measures it.
 MLA_HOPPER_GATHER = False
 
@@ -231,9 +226,9 @@ class MlaRoute:
             return core(f"latent dims {head_dim_ckv}/{head_dim_kpe} (the kernel takes 512/64)")
         if not sm_scale > 0:
             return core("a scale that is not positive")
-        if page_size < MLA_HOPPER_MIN_PAGE or page_size & (page_size - 1):
+        if _hopper.mla_gather_pages(page_size):
             if not MLA_HOPPER_GATHER:
-                return core(f"page size {page_size} (TMA takes powers of two from {MLA_HOPPER_MIN_PAGE}; "
+                return core(f"page size {page_size} (TMA takes powers of two from {_hopper.TMA_MIN_PAGE}; "
                             "MLA_HOPPER_GATHER is off)")
             return Route("hopper", f"bf16/fp16 latent 512/64, page {page_size} gathered")
         return Route("hopper", "bf16/fp16 latent 512/64, paged")
@@ -249,9 +244,8 @@ class MlaRoute:
         # each [A, B, D] tensor read as a 2-D view [A * B, D]: rows stride(1) apart (stride(0) when B is
         # 1: page 1's caches), also across dim 0
         for t, name in ((q_nope, "q_nope"), (q_pe, "q_pe"), (ckv, "ckv_cache"), (kpe, "kpe_cache")):
-            row = t.stride(0) if t.shape[1] == 1 else t.stride(1)
             if (t.stride(2) != 1 or (t.shape[1] > 1 and t.stride(0) != t.shape[1] * t.stride(1))
-                    or (row * t.element_size()) % 16 or t.data_ptr() % 16):
+                    or (_hopper.row_stride(t) * t.element_size()) % 16 or t.data_ptr() % 16):
                 return f"{name}'s rows are not evenly spaced 16-byte-aligned rows of a 2-D view"
         return ""
 

@@ -50,7 +50,6 @@ from ._options import (
 )
 from ._plan import Tiles, cdiv, next_pow2
 from ._route import MLA as MLA_ROUTE
-from ._route import MLA_HOPPER_MIN_PAGE
 from ._route import Route, core
 from ._step import init_planned_wrapper, plan_work, upload_plan
 from .kernels.mla import mla_fwd_kernel
@@ -153,12 +152,6 @@ def hopper_mode() -> int:
     return _HOPPER_MODES[_HOPPER_MODE]
 
 
-def gather_pages(page_size: int) -> bool:
-    """Pages the Gluon kernel reads row by row (its ``GATHER``): those TMA cannot box, fewer than
-    ``_route.MLA_HOPPER_MIN_PAGE`` positions or not a power of two."""
-    return page_size < MLA_HOPPER_MIN_PAGE or bool(page_size & (page_size - 1))
-
-
 def hopper_regs(mode: int, gather: bool) -> dict:
     """The Gluon kernel's register split (``CONSUMER_REGS``, ``PRODUCER_REGS``, the launch's ``maxnreg``),
     sm_90 compiled on the CPU at 4 stages: shared P fits 232 a consumer thread (measured faster than
@@ -179,12 +172,6 @@ def hopper_tiles(num_heads: int, avg_q_len: float) -> Tiles:
     tokens = 1 if num_heads >= 64 else max(1, min(next_pow2(max(1, math.ceil(avg_q_len))), 64 // num_heads))
     return Tiles(64, _HOPPER_BLOCK_N, _WARPS, _STAGES, tokens, cdiv(num_heads * tokens, 64), prefetch_pages=False,
                  programs_per_sm=1, mask_free_tiles=False)
-
-
-def _row_stride(cache: torch.Tensor) -> int:
-    """Elements between the consecutive rows of a [A, B, D] cache or query read as [A * B, D] (B is page
-    slots or heads; stride(0) when B is 1)."""
-    return cache.stride(0) if cache.shape[1] == 1 else cache.stride(1)
 
 
 def merge_positions(block_m: int, head_dim_ckv: int, head_dim_kpe: int, kv_dtype: torch.dtype) -> int:
@@ -288,11 +275,11 @@ class MLALaunch:
             launcher = _device.per_device("mla_hopper", device, lambda: CachedLauncher(mla_hopper_kernel))
             hopper_tail = (part_o, part_lse, plan.work, plan.qo_indptr, step.kv_indptr, step.kv_indices,
                            plan.kv_len, plan.state_offset, tiles.tile_tokens)
-            mode = hopper_mode()
+            mode, gather = hopper_mode(), _hopper.mla_gather_pages(step.page_size)
             hopper_kwargs = dict(
                 NUM_HEADS=heads, HEAD_DIM_CKV=d_ckv, PAGE_SIZE=step.page_size, BLOCK_N=tiles.block_n,
-                STAGES=_HOPPER_STAGES, IS_CAUSAL=step.causal, WRITE_LSE=write_lse, MODE=mode,
-                GATHER=gather_pages(step.page_size), num_warps=4, **hopper_regs(mode, gather_pages(step.page_size)))
+                STAGES=_HOPPER_STAGES, IS_CAUSAL=step.causal, WRITE_LSE=write_lse, MODE=mode, GATHER=gather,
+                num_warps=4, **hopper_regs(mode, gather))
             self.hopper = launcher.bind(grid, hopper_tail, hopper_kwargs)
 
     def __call__(self, q_nope, q_pe, ckv, kpe, out, lse, sm_scale_log2: float, lse_scale: float,
@@ -319,10 +306,10 @@ class MLALaunch:
             self.merge(*head)
 
     def _launch_hopper(self, q_nope, q_pe, ckv, kpe, out, lse_args, sm_scale_log2: float, lse_scale: float) -> None:
-        """The Gluon kernel: q as [tokens * H, D] (rows ``stride(1)`` apart) in boxes of 64 rows, the
-        caches as [pages * page, D] in boxes of a page (or of a tile's share of a larger page), or, for
-        pages TMA cannot box (``gather_pages``), gathered row by row (the descriptors then only give
-        the stages' layout). Page ids outside the cache are read as zeros by TMA, clamped into it by
+        """The Gluon kernel: q as [tokens * H, D] (rows ``_hopper.row_stride`` apart) in boxes of 64 rows,
+        the caches as [pages * page, D] in boxes of a page (or of a tile's share of a larger page), or,
+        for pages TMA cannot box (``_hopper.mla_gather_pages``), gathered row by row (the descriptors
+        then only give the stages' layout). Page ids outside the cache are read as zeros by TMA, clamped into it by
         the gather, and reported by ``_hopper.check_page_ids`` (once per plan and cache size)."""
         step, plan = self.step, self.step.device_plan
         num_pages = ckv.shape[0]
@@ -330,17 +317,18 @@ class MLALaunch:
             _hopper.check_page_ids(step.kv_indptr, step.kv_indices, step.batch, num_pages)
             plan.pages_checked = num_pages
         rows, heads = q_nope.shape[0], q_nope.shape[1]
-        gather = gather_pages(step.page_size)
+        gather = _hopper.mla_gather_pages(step.page_size)
         box = step.tiles.block_n if gather else min(step.page_size, step.tiles.block_n)
         layout = _hopper.smem_layout(64, 64, q_nope.dtype)
         box_layout = _hopper.smem_layout(box, 64, q_nope.dtype)
         cache_rows = max(num_pages * step.page_size, box)
-        self.hopper(TmaBox(q_nope, (rows * heads, step.head_dim_ckv), (_row_stride(q_nope), 1), (64, 64), layout),
-                    TmaBox(q_pe, (rows * heads, step.head_dim_kpe), (_row_stride(q_pe), 1), (64, 64), layout),
-                    TmaBox(ckv, (cache_rows, step.head_dim_ckv), (_row_stride(ckv), 1), (box, 64), box_layout),
-                    TmaBox(kpe, (cache_rows, step.head_dim_kpe), (_row_stride(kpe), 1), (box, 64), box_layout),
+        q_row, qpe_row, ckv_row, kpe_row = (_hopper.row_stride(t) for t in (q_nope, q_pe, ckv, kpe))
+        self.hopper(TmaBox(q_nope, (rows * heads, step.head_dim_ckv), (q_row, 1), (64, 64), layout),
+                    TmaBox(q_pe, (rows * heads, step.head_dim_kpe), (qpe_row, 1), (64, 64), layout),
+                    TmaBox(ckv, (cache_rows, step.head_dim_ckv), (ckv_row, 1), (box, 64), box_layout),
+                    TmaBox(kpe, (cache_rows, step.head_dim_kpe), (kpe_row, 1), (box, 64), box_layout),
                     out, out.stride(0), out.stride(1), *lse_args, sm_scale_log2, lse_scale,
-                    ckv, _row_stride(ckv), kpe, _row_stride(kpe), num_pages)
+                    ckv, ckv_row, kpe, kpe_row, num_pages)
 
 
 def launch_constexprs(heads: int, d_ckv: int, d_kpe: int, tiles: Tiles, page_size: int, causal: bool,
