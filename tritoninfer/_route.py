@@ -196,8 +196,8 @@ PREFILL = PrefillRoute()
 MLA_HOPPER = True
 # Page sizes the Gluon MLA kernel cannot read by TMA (_hopper.mla_gather_pages; page 1: SGLang's MLA
 # cache) on that kernel with rows gathered by cp.async (kernels/mla_hopper.py's GATHER; False:
-# kernels/mla.py). Written and compiled for sm_90 on the CPU
-# in session 17, not yet run on a GPU: off until its GPU tests pass and bench mla measures it.
+# kernels/mla.py). Written and compiled for sm_90 on the CPU in session 17, not yet run on a GPU: off
+# until its GPU tests pass and bench mla measures it.
 MLA_HOPPER_GATHER = False
 
 
