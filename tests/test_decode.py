@@ -245,15 +245,16 @@ def test_forward_overwrites_planned_settings():
     wrapper.end_forward()
 
 
-def test_bound_launches_are_kept_per_plan_and_run_variant():
-    """run() reuses the launch bound on its plan (launch_attention's key): one per variant (LSE or
-    not, q_len_per_req), a new one when forward() replaces the parameters, none carried to a new plan;
-    every call still reads its own q."""
+def test_bound_launches_are_kept_per_run_variant_and_rebound_by_a_new_plan():
+    """run() reuses the launch bound by an earlier run (launch_attention's key): one per variant (LSE or
+    not, q_len_per_req), a new one when forward() replaces the parameters. A new plan (other lengths,
+    another split) keeps the launches and rebinds them to its own tensors; every call still reads its
+    own q and the plan it runs."""
     case = Case((9, 30), heads=(4, 2), tensor_cores=True)
     kv, q = _make(case)
     wrapper = BatchDecodeWithPagedKVCacheWrapper(testing.make_workspace(1 << 20, DEVICE), use_tensor_cores=True)
     _plan(wrapper, case, kv)
-    launches = wrapper._step.device_plan.launches
+    launches = wrapper._step.device_plan.attention_launches
     for seed in (1, 2):
         q = testing.randn(q.shape, q.dtype, DEVICE, generator=torch.Generator().manual_seed(seed))
         testing.assert_close(wrapper.run(q, kv.cache), _reference(case, kv, q)[0], torch.float16)
@@ -270,8 +271,15 @@ def test_bound_launches_are_kept_per_plan_and_run_variant():
     testing.assert_close(wrapper.run(q, kv.cache), _reference(dataclasses.replace(case, sm_scale=0.2), kv, q)[0],
                          torch.float16)
     assert len(launches) == 4
-    _plan(wrapper, case, kv)
-    assert wrapper._step.device_plan.launches is not launches and len(wrapper._step.device_plan.launches) == 0
+    plain = next(b for b in launches.values() if b.plan is wrapper._step.device_plan and b.variant.write_lse is False
+                 and b.state_mult == 1 and b.sm_scale != 0.2)
+    for lens, splits in (((40, 3), 4), ((1, 64), 1), ((9, 30), None)):
+        other = dataclasses.replace(case, kv_lens=lens)
+        kv2, q2 = _make(other)
+        _plan(wrapper, other, kv2, fixed_split_size=splits)
+        assert wrapper._step.device_plan.attention_launches is launches
+        testing.assert_close(wrapper.run(q2, kv2.cache), _reference(other, kv2, q2)[0], torch.float16)
+        assert len(launches) == 4 and plain.plan is wrapper._step.device_plan
 
 
 def test_fp8_close_to_unquantized_data():

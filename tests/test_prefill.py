@@ -125,7 +125,7 @@ def test_folded_softmax_scale_of_any_sign(sm_scale, k_scale):
     wrapper.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 4, 2, 32, case.page_size,
                  causal=True, sm_scale=sm_scale, q_data_type=case.q_dtype)
     o, lse = wrapper.run(q, kv.cache, k_scale=k_scale, return_lse=True)
-    bound = next(iter(wrapper._step.device_plan.launches.values()))
+    bound = next(iter(wrapper._step.device_plan.attention_launches.values()))
     assert bound.attention.kwargs["FOLD_SCALE"] and not bound.unfolded.kwargs["FOLD_SCALE"]
     ref_o, ref_lse = reference.batch_prefill_with_paged_kv_cache(
         q, qo_indptr.to(DEVICE), kv.cache, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, "NHD", causal=True,

@@ -118,8 +118,11 @@ class DevicePlan:
     reads_kv: bool = True  # some request has KV (a paged plan then needs a cache with pages)
     # the cache size whose page ids a run checked for the Gluon kernel (_step.check_page_ids), -1: none
     pages_checked: int = dataclasses.field(default=-1, compare=False)
-    # launch_attention's bound launches for this plan (AttentionLaunch), by run variant
+    # bound launches of this plan (the Gluon kernel's), by run variant
     launches: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    # launch_attention's bound launches (AttentionLaunch), by run variant: the uploader's, shared by
+    # the plans of one wrapper (a new plan rebinds them)
+    attention_launches: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 
 class SplitCounters:
@@ -185,6 +188,8 @@ class PlanUploader:
         self._done: List[Optional[torch.cuda.Event]] = [None] * slots
         self._next = 0
         self.counters = SplitCounters(self.device)
+        # the attention core's bound launches, shared by the plans uploaded here (DevicePlan)
+        self.attention_launches: dict = {}
         self._arenas: List[torch.Tensor] = []  # pinned int32, kept: captured graphs read them
         self._arena_used = 0
         if reserve_capture and self.device.type == "cuda":
@@ -200,14 +205,18 @@ class PlanUploader:
         return region
 
     def upload(self, arrays: list, non_blocking: bool = True, out: Optional[torch.Tensor] = None) -> list:
-        """Returns device views of ``arrays`` (in ``out`` when given: a fixed int32 buffer)."""
+        """Returns device views of ``arrays`` (in ``out`` when given: a fixed int32 buffer of at least
+        ``packed_size`` entries), each starting on a 16-byte boundary."""
         sizes = [int(a.size) for a in arrays]
-        total = sum(sizes)
+        starts = packed_starts(sizes)
+        total = starts[-1]
         if out is not None and out.numel() < total:
             raise ValueError(f"plan buffer too small: {out.numel()} < {total}")
         if self.device.type != "cuda":
-            flat = torch.from_numpy(np.concatenate([a.reshape(-1) for a in arrays]).astype(np.int32, copy=False)) \
-                if arrays else torch.empty(0, dtype=torch.int32)
+            flat = torch.zeros(total, dtype=torch.int32)
+            flat_np = flat.numpy()
+            for a, n, pos in zip(arrays, sizes, starts):
+                flat_np[pos:pos + n] = a.reshape(-1)
             dev = flat if out is None else out
             if out is not None:
                 out[:total].copy_(flat)
@@ -228,19 +237,26 @@ class PlanUploader:
                 if done is None:
                     done = self._done[slot] = torch.cuda.Event()
             host_np = host.numpy()
-            pos = 0
-            for a, n in zip(arrays, sizes):
+            for a, n, pos in zip(arrays, sizes, starts):
                 host_np[pos:pos + n] = a.reshape(-1)
-                pos += n
             dev = torch.empty(total, dtype=torch.int32, device=self.device) if out is None else out
             dev[:total].copy_(host[:total], non_blocking=non_blocking or capturing)
             if done is not None:
                 done.record(_current_stream(self.device))
-        out, pos = [], 0
-        for n in sizes:
-            out.append(dev[pos:pos + n])
-            pos += n
-        return out
+        return [dev[pos:pos + n] for n, pos in zip(sizes, starts)]
+
+
+def packed_starts(sizes: List[int]) -> List[int]:
+    """Where ``PlanUploader.upload`` puts arrays of ``sizes`` int32 entries, and (last) the entries it
+    needs: every array starts on a 16-byte boundary. Triton specialises pointers on that alignment,
+    so aligned plan views keep one compiled kernel (and one shared launch, ``_launch.py``) for every
+    plan, whatever its sizes."""
+    starts, pos = [], 0
+    for n in sizes:
+        starts.append(pos)
+        pos = (pos + n + 3) & ~3
+    starts.append(pos)
+    return starts
 
 
 def pad_work(plan: WorkPlan, capacity: int) -> np.ndarray:
@@ -413,44 +429,91 @@ def launch_attention(
     per request (offset of sequence position 0 in them, prefix length).
 
     The launch with everything but the per-call tensors and scales bound (``AttentionLaunch``) is
-    kept on the plan, so a wrapper's later ``run()`` calls skip rebuilding it. Its key holds the
-    identities of the objects it binds, which it keeps alive, so an identity is never reused.
+    kept in ``plan.attention_launches``, which the plans of one uploader (one wrapper) share: a
+    wrapper's later ``run()`` calls skip rebuilding it, and the first ``run()`` after a new plan only
+    rebinds the plan's tensors (``AttentionLaunch.bind_plan``). The key holds the identities of
+    canonical objects the launch keeps alive (so an identity is never reused); the plan's own
+    tensors are compared by identity at each call.
     """
-    key = (id(params), id(tiles), id(workspace), id(kv.kv_indptr), id(kv.kv_indices), id(packed_mask),
-           id(mask_indptr), kv.page_size, q_len_per_req, state_mult, num_kv_heads, head_dim_qk, head_dim_vo,
-           q.shape[1], q.dtype, kv.k.dtype, lse is None, sinks is None, head_scales is None)
-    bound = plan.launches.get(key)
+    key = (id(params), id(tiles), id(workspace), kv.page_size, q_len_per_req, state_mult, num_kv_heads, head_dim_qk,
+           head_dim_vo, q.shape[1], q.dtype, kv.k.dtype, lse is None, sinks is None, head_scales is None,
+           packed_mask is None)
+    launches = plan.attention_launches
+    bound = launches.get(key)
     if bound is None:
-        if len(plan.launches) >= 16:
-            plan.launches.clear()
-        bound = plan.launches[key] = AttentionLaunch(
+        if len(launches) >= 16:
+            launches.clear()
+        bound = launches[key] = AttentionLaunch(
             plan=plan, kv=kv, tiles=tiles, num_qo_heads=q.shape[1], num_kv_heads=num_kv_heads,
             head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, params=params, q_len_per_req=q_len_per_req,
             state_mult=state_mult, workspace=workspace, dot=dot_dtype(q.dtype, kv.k.dtype), has_lse=lse is not None,
             has_sinks=sinks is not None, has_head_scales=head_scales is not None, packed_mask=packed_mask,
             mask_indptr=mask_indptr,
         )
+    elif (bound.plan is not plan or bound.kv_indptr is not kv.kv_indptr or bound.kv_indices is not kv.kv_indices
+          or bound.packed_mask is not packed_mask or bound.mask_indptr is not mask_indptr):
+        bound.bind_plan(plan, kv, packed_mask, mask_indptr)
     bound(q, out, lse, kv, q_scale, k_scale, v_scale, sinks, head_scales)
 
 
 class AttentionLaunch:
     """The attention kernel's launch (split states merged inside it) with what one plan fixes bound: the
     grid, the tiles, the plan's tensors, the workspace and the flags. A call passes the tensors
-    and scales that may change from call to call."""
+    and scales that may change from call to call; ``bind_plan`` moves the launch to another plan of
+    the same shapes and settings (a wrapper's next step)."""
 
     def __init__(self, *, plan: DevicePlan, kv: KVSource, tiles: Tiles, num_qo_heads: int, num_kv_heads: int,
                  head_dim_qk: int, head_dim_vo: int, params: ScoreParams, q_len_per_req: int, state_mult: int,
                  workspace: Optional[torch.Tensor], dot, has_lse: bool, has_sinks: bool, has_head_scales: bool,
                  packed_mask: Optional[torch.Tensor], mask_indptr: Optional[torch.Tensor]) -> None:
-        group = num_qo_heads // num_kv_heads
-        # the layout depends only on state_capacity, so a captured graph keeps valid pointers
-        states = plan.state_capacity * state_mult
-        merge = plan.has_splits or plan.always_merge
+        self.device = device = plan.kv_len.device
         # for pointers a disabled feature never reads: an allocation of its own, so 16-byte aligned
         # (a plan view may not be, which would keep every call off the driver launch path)
-        dummy = _device.per_device("unread", plan.kv_len.device,
-                                   lambda: torch.zeros(16, dtype=torch.int32, device=plan.kv_len.device))
-        if merge:
+        self.dummy = dummy = _device.per_device("unread", device,
+                                                lambda: torch.zeros(16, dtype=torch.int32, device=device))
+        self.sm_scale = params.sm_scale
+        self.num_qo_heads, self.num_kv_heads, self.head_dim_vo = num_qo_heads, num_kv_heads, head_dim_vo
+        self.tiles, self.state_mult, self.workspace = tiles, state_mult, workspace
+        # objects whose identities are in launch_attention's key: alive as long as this launch is
+        self.keep = (params, tiles, workspace)
+        self.variant = variant = attention_variant(
+            params, tiles, group=num_qo_heads // num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
+            page_size=kv.page_size, has_custom_mask=packed_mask is not None and not params.multi_item,
+            has_sinks=has_sinks, has_head_scales=has_head_scales, write_lse=has_lse, dot=dot)
+        # lse, its row stride, sinks and the three head scales follow the per-call arguments: those
+        # up to the last feature this launch has are passed per call, the rest bound here unread
+        present = [has_lse, has_lse, has_sinks] + [has_head_scales] * 3
+        self.optional = max((i + 1 for i, on in enumerate(present) if on), default=0)
+        self._leading = (dummy, 0, dummy, dummy, dummy, dummy)[self.optional:]
+        self._settings = (
+            alibi_tensor(num_qo_heads, device) if params.alibi else dummy, fault_record(device))
+        self._scalars = (q_len_per_req, tiles.tile_tokens, state_mult, num_qo_heads, params.logits_soft_cap,
+                         1.0 / params.rope_scale, math.log2(params.rope_theta), params.window_left)
+        grid, tail = self._plan_tail(plan, kv, packed_mask, mask_indptr)
+        self.attention = _ATTENTION.bind(grid, tail, variant.kwargs())
+        # the folded softmax needs a positive scale; a call with another one (sm_scale, q_scale or
+        # k_scale <= 0) takes the same launch unfolded
+        self.unfolded = self.attention
+        if variant.fold_scale:
+            self.unfolded = _ATTENTION.bind(grid, tail, variant.unfolded().kwargs())
+
+    def bind_plan(self, plan: DevicePlan, kv: KVSource, packed_mask: Optional[torch.Tensor],
+                  mask_indptr: Optional[torch.Tensor]) -> None:
+        """The same launch over another plan's tensors (its work list, page table, mask and partial
+        states): the compiled kernels and parameter buffers stay, only the plan's values are
+        rewritten (``BoundLaunch.rebind``)."""
+        grid, tail = self._plan_tail(plan, kv, packed_mask, mask_indptr)
+        self.attention.rebind(grid, tail)
+        if self.unfolded is not self.attention:
+            self.unfolded.rebind(grid, tail)
+
+    def _plan_tail(self, plan: DevicePlan, kv: KVSource, packed_mask: Optional[torch.Tensor],
+                   mask_indptr: Optional[torch.Tensor]) -> Tuple[tuple, tuple]:
+        """The grid and the bound arguments for ``plan``; records the plan's tensors (by identity)."""
+        dummy, num_qo_heads, head_dim_vo, workspace = self.dummy, self.num_qo_heads, self.head_dim_vo, self.workspace
+        # the layout depends only on state_capacity, so a captured graph keeps valid pointers
+        states = plan.state_capacity * self.state_mult
+        if plan.has_splits or plan.always_merge:
             need = states * num_qo_heads * (head_dim_vo + 1)
             if workspace is None or workspace.numel() // 4 < need:
                 have = 0 if workspace is None else workspace.numel()
@@ -461,44 +524,18 @@ class AttentionLaunch:
             part_o = ws[: states * num_qo_heads * head_dim_vo]
             part_lse = ws[states * num_qo_heads * head_dim_vo: need]
             # one counter per (group of split items, KV head, row program); groups <= work items
-            counters = plan.counters.get(plan.capacity * num_kv_heads * tiles.row_tiles)
+            counters = plan.counters.get(plan.capacity * self.num_kv_heads * self.tiles.row_tiles)
         else:
             part_o = part_lse = counters = dummy  # never touched: every item writes its final output
-        self.device = plan.kv_len.device
-        self.dummy = dummy
-        self.sm_scale = params.sm_scale
-        # objects whose identities are in launch_attention's key: alive as long as this launch is
-        self.keep = (params, tiles, workspace, kv.kv_indptr, kv.kv_indices, packed_mask, mask_indptr)
+        self.plan, self.kv_indptr, self.kv_indices = plan, kv.kv_indptr, kv.kv_indices
+        self.packed_mask, self.mask_indptr = packed_mask, mask_indptr
         self.needs_pages = kv.page_size > 0 and plan.reads_kv
-        qo_indptr = plan.qo_indptr if plan.qo_indptr is not None else dummy
-        grid = (plan.capacity, num_kv_heads, tiles.row_tiles)
-        variant = attention_variant(
-            params, tiles, group=group, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, page_size=kv.page_size,
-            has_custom_mask=packed_mask is not None and not params.multi_item, has_sinks=has_sinks,
-            has_head_scales=has_head_scales, write_lse=has_lse, dot=dot)
-        # lse, its row stride, sinks and the three head scales follow the per-call arguments: those
-        # up to the last feature this launch has are passed per call, the rest bound here unread
-        present = [has_lse, has_lse, has_sinks] + [has_head_scales] * 3
-        self.optional = max((i + 1 for i, on in enumerate(present) if on), default=0)
-        tail = (dummy, 0, dummy, dummy, dummy, dummy)[self.optional:] + (
-            part_o, part_lse, counters, plan.work, qo_indptr, kv.kv_indptr,
-            kv.kv_indices if kv.kv_indices is not None else dummy,
-            plan.kv_len, plan.state_offset,
-            packed_mask if packed_mask is not None else dummy,
-            mask_indptr if mask_indptr is not None else dummy,
-            alibi_tensor(num_qo_heads, self.device) if params.alibi else dummy,
-            fault_record(self.device), kv.kv_indices.numel() if kv.kv_indices is not None else 0,
-            q_len_per_req, tiles.tile_tokens, state_mult, num_qo_heads,
-            params.logits_soft_cap, 1.0 / params.rope_scale, math.log2(params.rope_theta), params.window_left,
-        )
-        self.variant = variant
-        attention = _ATTENTION.bind(grid, tail, variant.kwargs())
-        # the folded softmax needs a positive scale; a call with another one (sm_scale, q_scale or
-        # k_scale <= 0) takes the same launch unfolded
-        self.attention = attention
-        self.unfolded = attention
-        if variant.fold_scale:
-            self.unfolded = _ATTENTION.bind(grid, tail, variant.unfolded().kwargs())
+        tail = self._leading + (
+            part_o, part_lse, counters, plan.work, plan.qo_indptr if plan.qo_indptr is not None else dummy,
+            kv.kv_indptr, kv.kv_indices if kv.kv_indices is not None else dummy, plan.kv_len, plan.state_offset,
+            packed_mask if packed_mask is not None else dummy, mask_indptr if mask_indptr is not None else dummy,
+            *self._settings, kv.kv_indices.numel() if kv.kv_indices is not None else 0, *self._scalars)
+        return (plan.capacity, self.num_kv_heads, self.tiles.row_tiles), tail
 
     def __call__(self, q: torch.Tensor, out: torch.Tensor, lse: Optional[torch.Tensor], kv: KVSource,
                  q_scale: Optional[float], k_scale: Optional[float], v_scale: Optional[float],

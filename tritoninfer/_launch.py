@@ -64,6 +64,23 @@ def _args_key(args: tuple) -> tuple:
                   if type(a) is int else _arg_key(a) for a in args])
 
 
+def _values_and_key(args: tuple) -> Tuple[tuple, tuple]:
+    """The values a launcher passes for ``args`` (tensors as addresses) and ``_args_key(args)``, in one
+    pass (a bound launch's tail at each new plan)."""
+    values, key = [], []
+    for a in args:
+        t = type(a)
+        if t is torch.Tensor:
+            p = a.data_ptr()
+            values.append(p)
+            key.append((a.dtype, (p & 15) == 0))
+        else:
+            values.append(a)
+            key.append((1 if a == 1 else ((a & 15) == 0, -2147483648 <= a < 2147483648, a < 9223372036854775808))
+                       if t is int else _arg_key(a))
+    return tuple(values), tuple(key)
+
+
 # False: ``CachedLauncher`` calls Triton's compiled launcher on every hit (the driver path off, for
 # comparisons; ``BoundLaunch`` keeps its own)
 CACHED_DRIVER_PATH = True
@@ -82,6 +99,11 @@ class CachedLauncher:
         # per specialisation key: (DriverLaunch, HeadKinds), or None where the driver path cannot
         # take the kernel or its arguments (built at the key's second call)
         self._driver: Dict[Tuple, Optional[Tuple["DriverLaunch", "HeadKinds"]]] = {}
+        # bound launches' compiled kernels by specialisation of the whole call (``shared_key``), with
+        # the TMA layouts whose identities the key holds: a plan's new bound launch finds what the
+        # previous plan's compiled instead of taking Triton's ``kernel[grid]`` path (~90 µs)
+        self.bound_hits: Dict[Tuple, Tuple[Any, tuple]] = {}
+        self._bound_keep: Dict[Tuple, tuple] = {}
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
@@ -89,6 +111,22 @@ class CachedLauncher:
     def bind(self, grid: tuple, tail: tuple, kwargs: dict) -> "BoundLaunch":
         """A launch whose trailing runtime arguments ``tail`` and compile-time ``kwargs`` are fixed."""
         return BoundLaunch(self, grid, tail, kwargs)
+
+    @staticmethod
+    def shared_key(device: int, kwargs: dict, head: tuple, tail: tuple) -> tuple:
+        """What Triton specialises a bound launch's call on: the keywords, and every argument as
+        ``_args_key`` has it, TMA boxes as ``_box_key`` has them."""
+        spec = _args_key(head + tail)
+        if any(type(a) is TmaBox for a in head):
+            spec = tuple([_box_key((a,))[0] if type(a) is TmaBox else k for a, k in zip(head, spec)]) + spec[len(head):]
+        return device, tuple(kwargs.items()), spec
+
+    def keep_bound_hit(self, key: tuple, hit, head: tuple) -> None:
+        if len(self.bound_hits) >= 256:
+            self.bound_hits.clear()
+            self._bound_keep.clear()
+        self.bound_hits[key] = hit
+        self._bound_keep[key] = tuple(a.layout for a in head if type(a) is TmaBox)
 
     def compile_and_launch(self, grid, args: tuple, kwargs: dict) -> Tuple[Any, tuple]:
         """Launches through Triton's ordinary path (compiling on first use); returns the compiled
@@ -186,24 +224,50 @@ class BoundLaunch:
         self._compiled: Dict[Tuple, Tuple[Any, tuple]] = {}
         self._kinds: Optional[HeadKinds] = None
         self._driver: Dict[Tuple, Optional[DriverLaunch]] = {}
+        self._tail_spec: Optional[tuple] = None  # _args_key(tail), computed at the first rebind
+
+    def rebind(self, grid: tuple, tail: tuple) -> None:
+        """Another grid and tail (a wrapper's next plan). Where the tail specialises as the old one
+        did (the plan's tensors are aligned: ``PlanUploader.upload``), the compiled kernels and the
+        driver launches stay and only their tail values are rewritten; otherwise they are dropped
+        and the next call finds its kernel as a new bound launch would."""
+        if self._tail_spec is None:
+            self._tail_spec = _args_key(self.tail)
+        self._tail_values, spec = _values_and_key(tail)
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.tail = tail
+        if spec != self._tail_spec:
+            self._tail_spec = spec
+            self._compiled.clear()
+            self._driver.clear()
+            self._kinds = None
+            return
+        for launch in self._driver.values():
+            if launch is not None:
+                launch.set_tail(self._tail_values, self.grid)
 
     def __call__(self, *head) -> None:
+        if self._kinds is None or not self._driver_path(head):
+            self._triton_path(head)
+
+    def _driver_path(self, head: tuple) -> bool:
+        """Launches ``head`` through its driver launch, if it has one that can take the call."""
         kinds = self._kinds
-        if kinds is not None:
-            tensors = kinds.tensors(head)
-            ptrs = [t.data_ptr() for t in tensors]
-            aligned = 0
-            for p in ptrs:
-                aligned |= p
-            if not aligned & 15:
-                ints = kinds.ints(head)
-                boxes = kinds.boxes(head)
-                key = (tuple([t.dtype for t in tensors]), ints, _box_key(boxes) if boxes else ())
-                fast = self._driver.get(key)
-                if fast is not None and _current_index() == fast.device and _no_hooks():
-                    fast(ptrs, ints, kinds.floats(head), boxes)
-                    return
-        self._triton_path(head)
+        tensors = kinds.tensors(head)
+        ptrs = [t.data_ptr() for t in tensors]
+        aligned = 0
+        for p in ptrs:
+            aligned |= p
+        if aligned & 15:
+            return False
+        ints = kinds.ints(head)
+        boxes = kinds.boxes(head)
+        key = (tuple([t.dtype for t in tensors]), ints, _box_key(boxes) if boxes else ())
+        fast = self._driver.get(key)
+        if fast is None or _current_index() != fast.device or not _no_hooks():
+            return False
+        fast(ptrs, ints, kinds.floats(head), boxes)
+        return True
 
     def _triton_path(self, head: tuple) -> None:
         if _device.is_interpreter():
@@ -215,15 +279,25 @@ class BoundLaunch:
         if hit is None:
             if len(self._compiled) >= 64:
                 self._compiled.clear()
-            hit = self._compiled[key] = self.launcher.compile_and_launch(self.grid, _gluon(head) + self.tail,
-                                                                         self.kwargs)
-        else:
-            compiled, constexprs = hit
-            args = _gluon(head)
-            values = [a.data_ptr() if type(a) is torch.Tensor else a for a in args]
-            values += self._tail_values
-            _run(compiled, self.grid, device, values, args + self.tail, constexprs)
+            # another bound launch of the same specialisation (the previous plan's) compiled it
+            shared = self.launcher.shared_key(device, self.kwargs, head, self.tail)
+            hit = self.launcher.bound_hits.get(shared)
+            if hit is None:
+                hit = self._compiled[key] = self.launcher.compile_and_launch(self.grid, _gluon(head) + self.tail,
+                                                                             self.kwargs)
+                self.launcher.keep_bound_hit(shared, hit, head)
+                self._prepare(hit, head, device)
+                return
+            self._compiled[key] = hit
+        # a known kernel with a new driver key (other ints, e.g. another cache size): built and taken
         self._prepare(hit, head, device)
+        if self._kinds is not None and self._driver_path(head):
+            return
+        compiled, constexprs = hit
+        args = _gluon(head)
+        values = [a.data_ptr() if type(a) is torch.Tensor else a for a in args]
+        values += self._tail_values
+        _run(compiled, self.grid, device, values, args + self.tail, constexprs)
 
     def _prepare(self, hit, head: tuple, device: int) -> None:
         """The driver launch for later calls like ``head`` (same kinds, dtypes, ints and boxes, aligned
@@ -314,12 +388,106 @@ _FORMATS = {"i1": "b", "i8": "b", "i16": "h", "i32": "i", "i64": "q", "u1": "B",
 _TMA_DTYPE = {**{i: i for i in range(16)}, 8: 10, 9: 8, 10: 9}
 
 
+class _ParamLayout:
+    """Where each slot of a kernel's parameter array points, for one kind of head: computed once per
+    compiled kernel and head kinds (~65 µs of Python on the dev CPU for the attention kernel's 45
+    parameters) and shared by every ``DriverLaunch`` of them, so that a plan's new bound launch
+    costs only its buffers. A slot is ``(buffer, offset)``: the head buffer, the tail buffer, the
+    null scratch pointer, or a TMA map (its address set per call)."""
+
+    HEAD, TAIL, SCRATCH, MAP = range(4)
+
+    def __init__(self, compiled, head_format: struct.Struct, tail_format: struct.Struct, tail_positions: List[int],
+                 slots: List[Tuple[int, int]], box_slots: List[int], box_meta: List[dict]) -> None:
+        self.compiled = compiled  # alive while this layout is cached under its id
+        self.head_format = head_format
+        self.tail_format = tail_format
+        self.tail_positions = tail_positions  # the tail values the tail buffer packs (not constexprs)
+        self.tail_values = _tuple_getter(tail_positions)
+        self.slots = slots
+        self.box_slots = box_slots
+        self.box_meta = box_meta
+
+
+def _packed_offsets(codes: List[str]) -> List[int]:
+    """Each item's offset in a native-aligned ``struct`` of ``codes``."""
+    return [struct.calcsize("@" + "".join(codes[:k + 1])) - struct.calcsize(code) for k, code in enumerate(codes)]
+
+
+def _param_layout(compiled, constexprs: tuple, head: tuple, tail: tuple) -> Optional[_ParamLayout]:
+    """The parameter layout of ``compiled`` for heads of ``head``'s kinds, or None where this path
+    cannot pass an argument (16-bit float scalars, TMA boxes in the tail, unknown types)."""
+    meta = compiled.metadata
+    signature = list(compiled.src.signature.values())
+    values = list(head) + list(tail) + list(constexprs)
+    if len(signature) != len(values) or not all(isinstance(ty, str) for ty in signature):
+        return None
+    kinds = HeadKinds.of(head, allow_none=True)
+    if kinds is None or any(a is None and ty != "constexpr" for a, ty in zip(head, signature)):
+        return None
+    tma_meta = list(getattr(meta, "tensordesc_meta", None) or [])
+    # the head buffer packs the call's pointers, ints, floats and TMA boxes' shapes and strides,
+    # in that order: its format, and which head position each packed item comes from
+    packed = [(p, "Q") for p in kinds.positions["t"]]
+    for p in kinds.positions["i"]:
+        packed.append((p, _FORMATS.get(signature[p], "q")))  # a constexpr int's slot goes unread
+    for p in kinds.positions["f"]:
+        if signature[p] not in ("fp32", "f32", "fp64"):
+            return None
+        packed.append((p, _FORMATS[signature[p]]))
+    box_items = {}
+    for n, p in enumerate(kinds.positions["b"]):
+        if (n >= len(tma_meta) or tma_meta[n] is None or tma_meta[n].get("fp4_padded")
+                or not signature[p].startswith("tensordesc")):
+            return None
+        ndim = len(head[p].shape)
+        box_items[p] = list(range(len(packed), len(packed) + 2 * ndim))
+        packed += [(p, "i")] * ndim + [(p, "q")] * ndim
+    offsets = _packed_offsets([code for _, code in packed])
+    first_item = {}
+    for k, (p, _) in enumerate(packed):
+        first_item.setdefault(p, k)
+    slots: List[Tuple[int, int]] = []
+    box_slots: List[int] = []
+    box_meta: List[dict] = []
+    tail_codes: List[str] = []
+    tail_positions: List[int] = []
+    for i, (ty, value) in enumerate(zip(signature, values)):
+        if ty == "constexpr":
+            continue
+        if i < len(head):
+            if i in box_items:
+                box_slots.append(len(slots))
+                box_meta.append(tma_meta[len(box_meta)])
+                slots.append((_ParamLayout.MAP, 0))
+                slots += [(_ParamLayout.HEAD, offsets[k]) for k in box_items[i]]
+            else:
+                slots.append((_ParamLayout.HEAD, offsets[first_item[i]]))
+            continue
+        if ty.startswith("tensordesc") or (ty[0] != "*" and ty not in _FORMATS):
+            return None
+        slots.append((_ParamLayout.TAIL, len(tail_codes)))  # the item's index until offsets are known
+        tail_codes.append("Q" if ty[0] == "*" else _FORMATS[ty])
+        tail_positions.append(i - len(head))
+    tail_offsets = _packed_offsets(tail_codes)
+    slots = [(b, tail_offsets[o]) if b == _ParamLayout.TAIL else (b, o) for b, o in slots]
+    slots += [(_ParamLayout.SCRATCH, 0)] * 2  # null global and profile scratch pointers
+    return _ParamLayout(compiled, struct.Struct("@" + "".join(code for _, code in packed)),
+                        struct.Struct("@" + "".join(tail_codes)), tail_positions, slots, box_slots, box_meta)
+
+
+# parameter layouts by (compiled kernel id, head value types, tail length); a layout keeps its kernel
+_LAYOUTS: Dict[Tuple, Optional[_ParamLayout]] = {}
+_UNBUILT = object()
+
+
 class DriverLaunch:
     """A compiled kernel's launch through ``cuLaunchKernel`` (``tritoninfer/_driver.py``), with the
     parameter buffer Triton's generated launcher would build: one slot per non-constexpr parameter
     in signature order (a TMA descriptor expands to the 128-byte map, its shape and its strides),
     then the global and profile scratch pointers (null: kernels that need scratch take Triton's
-    path). Head values are written into one packed buffer per call; tail values were packed once."""
+    path). Head values are written into one packed buffer per call; tail values were packed once,
+    into a buffer of their own, when the launch was built (``_ParamLayout`` says where)."""
 
     def __init__(self) -> None:
         self.device = 0
@@ -329,6 +497,8 @@ class DriverLaunch:
         self.shared = 0
         self.head_format: Optional[struct.Struct] = None
         self.head_buffer = None
+        self.layout: Optional[_ParamLayout] = None
+        self.tail_buffer = None
         self.keep: list = []  # ctypes buffers the parameter array points into
         self.params = None
         self.box_slots: List[int] = []  # parameter index of each head TMA box's map
@@ -344,74 +514,38 @@ class DriverLaunch:
         if (getattr(meta, "num_ctas", 1) != 1 or meta.launch_pdl or meta.launch_cooperative_grid
                 or meta.global_scratch_size or meta.profile_scratch_size or not _driver.available()):
             return None
-        signature = list(compiled.src.signature.values())
-        values = list(head) + list(tail) + list(constexprs)
-        if len(signature) != len(values) or not all(isinstance(ty, str) for ty in signature):
+        key = (id(compiled), tuple([len(a.shape) if type(a) is TmaBox else type(a) for a in head]), len(tail))
+        layout = _LAYOUTS.get(key, _UNBUILT)
+        if layout is _UNBUILT:
+            if len(_LAYOUTS) >= 256:
+                _LAYOUTS.clear()
+            layout = _LAYOUTS[key] = _param_layout(compiled, constexprs, head, tail)
+        if layout is None:
             return None
-        kinds = HeadKinds.of(head, allow_none=True)
-        if kinds is None or any(a is None and ty != "constexpr" for a, ty in zip(head, signature)):
-            return None
-        tma_meta = list(getattr(meta, "tensordesc_meta", None) or [])
-        # the head buffer packs the call's pointers, ints, floats and TMA boxes' shapes and strides,
-        # in that order: its format, and which head position each packed item comes from
-        packed = [(p, "Q") for p in kinds.positions["t"]]
-        for p in kinds.positions["i"]:
-            packed.append((p, _FORMATS.get(signature[p], "q")))  # a constexpr int's slot goes unread
-        for p in kinds.positions["f"]:
-            if signature[p] not in ("fp32", "f32", "fp64"):
-                return None
-            packed.append((p, _FORMATS[signature[p]]))
-        box_items = {}
-        for n, p in enumerate(kinds.positions["b"]):
-            if (n >= len(tma_meta) or tma_meta[n] is None or tma_meta[n].get("fp4_padded")
-                    or not signature[p].startswith("tensordesc")):
-                return None
-            ndim = len(head[p].shape)
-            box_items[p] = list(range(len(packed), len(packed) + 2 * ndim))
-            packed += [(p, "i")] * ndim + [(p, "q")] * ndim
-        fmt = "@" + "".join(code for _, code in packed)
-        offsets = [struct.calcsize("@" + "".join(c for _, c in packed[:k + 1])) - struct.calcsize(code)
-                   for k, (_, code) in enumerate(packed)]
-        first_item = {}
-        for k, (p, _) in enumerate(packed):
-            first_item.setdefault(p, k)
-
         self = DriverLaunch()
-        self.head_format = struct.Struct(fmt)
-        self.head_buffer = ctypes.create_string_buffer(max(1, self.head_format.size))
-        head_base = ctypes.addressof(self.head_buffer)
-        addresses: List[int] = []
-        tail_cells = []
-        for i, (ty, value) in enumerate(zip(signature, values)):
-            if ty == "constexpr":
-                continue
-            if i < len(head):
-                if i in box_items:
-                    self.box_slots.append(len(addresses))
-                    self.box_meta.append(tma_meta[len(self.box_meta)])
-                    addresses.append(0)  # the map's address, set per call
-                    addresses += [head_base + offsets[k] for k in box_items[i]]
-                else:
-                    addresses.append(head_base + offsets[first_item[i]])
-                continue
-            if ty.startswith("tensordesc") or (ty[0] != "*" and ty not in _FORMATS):
-                return None
-            code = "Q" if ty[0] == "*" else _FORMATS[ty]
-            cell = ctypes.create_string_buffer(8)
-            struct.pack_into("@" + code, cell, 0, value.data_ptr() if isinstance(value, torch.Tensor) else value)
-            tail_cells.append(cell)
-            addresses.append(ctypes.addressof(cell))
-        scratch = ctypes.create_string_buffer(8)  # null global and profile scratch pointers
-        addresses += [ctypes.addressof(scratch)] * 2
-        self.keep = tail_cells + [scratch]
-        self.params = (ctypes.c_void_p * len(addresses))(*addresses)
+        self.head_format = layout.head_format
+        self.head_buffer = ctypes.create_string_buffer(max(1, layout.head_format.size))
+        tail_buffer = ctypes.create_string_buffer(max(8, layout.tail_format.size))
+        scratch = ctypes.create_string_buffer(8)
+        bases = (ctypes.addressof(self.head_buffer), ctypes.addressof(tail_buffer), ctypes.addressof(scratch), 0)
+        self.params = (ctypes.c_void_p * len(layout.slots))(*[bases[b] + offset for b, offset in layout.slots])
+        self.keep = [scratch, layout]
+        self.layout, self.tail_buffer = layout, tail_buffer
+        self.set_tail(tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in tail), grid)
+        self.box_slots = layout.box_slots
+        self.box_meta = layout.box_meta
         self.device = device
         self.function = compiled.function
-        self.grid = grid
         self.block = 32 * meta.num_warps
         self.shared = meta.shared
         self.launch = _driver.launch_kernel()
         return self
+
+    def set_tail(self, values: tuple, grid: tuple) -> None:
+        """Packs a tail's values (tensors as addresses) into the tail buffer the parameter array points
+        into, and sets the grid of calls that pass none."""
+        self.layout.tail_format.pack_into(self.tail_buffer, 0, *self.layout.tail_values(values))
+        self.grid = grid
 
     def __call__(self, ptrs: list, ints: tuple, floats: tuple, boxes: tuple, grid: Optional[tuple] = None) -> None:
         """``grid``: this call's (3-D) grid, else the one it was built with."""
@@ -444,9 +578,6 @@ class DriverLaunch:
                                      box.strides, meta["block_size"], meta["elem_size"], meta["swizzle"], False)
                 self.maps[key] = tensor_map
             self.params[self.box_slots[n]] = tensor_map.address
-
-
-_UNBUILT = object()
 
 
 def _current_index() -> int:

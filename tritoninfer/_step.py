@@ -31,6 +31,7 @@ from ._attention import (
     PlanUploader,
     ScoreParams,
     launch_attention,
+    packed_starts,
     pad_work,
     scratch_workspace,
 )
@@ -184,15 +185,16 @@ def upload_plan(uploader: PlanUploader, graph: Optional[GraphBuffers], work: Wor
         capacity, state_capacity, always_merge = work.work.shape[0], work.num_states, False
     else:
         arrays = [pad_work(work, graph.capacity)] + head + extra
-        total = sum(int(a.size) for a in arrays)
         if graph.buf is None:
+            total = packed_starts([int(a.size) for a in arrays])[-1]
             graph.buf = torch.empty(total, dtype=torch.int32, device=graph.device)
         views = uploader.upload(arrays, non_blocking, out=graph.buf)
         capacity, state_capacity, always_merge = graph.capacity, graph.max_rows * graph.max_splits, True
     n = 3 + (qo is not None)
     qo_d = views[3] if qo is not None else None
     plan = DevicePlan(views[0].view(-1, WORK_FIELDS), views[1], views[2], qo_d, capacity, work.num_states,
-                      state_capacity, work.has_splits, always_merge, uploader.counters, reads_kv)
+                      state_capacity, work.has_splits, always_merge, uploader.counters, reads_kv,
+                      attention_launches=uploader.attention_launches)
     return plan, views[n:]
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, List, Optional, Tuple, Union
+from typing import Any, List, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -382,12 +382,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
     ) -> None:
         _device.check_launchable(self.device, "plan()")
         self._faults.raise_pending()
-        q_dtype, kv_dtype = plan_dtypes(q_data_type, kv_data_type, data_type, q_default="float16")
-        group = check_heads(num_qo_heads, num_kv_heads)
-        check_head_dim(head_dim)
-        check_positive_int(page_size, "page_size")
-        params = score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta, head_dim)
-
+        config = _decode_config(num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left,
+                                logits_soft_cap, q_data_type, kv_data_type, data_type, sm_scale, rope_scale, rope_theta)
         table = host_page_table(indptr_host, last_page_len_host, indices, page_size)
         if seq_lens is not None:
             pages = table.indptr[1:] - table.indptr[:-1]
@@ -398,9 +394,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             kv_lens = table.kv_lens
         self._step = plan_paged_decode(
             self, self._uploader, self._float_workspace_buffer.numel(), table, kv_lens, indices,
-            tiles=_decode_tiles(group, 1, head_dim, kv_dtype.itemsize, _lanes_ok(params)),
-            settings=Settings(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta),
-            params=params, q_dtype=q_dtype, kv_dtype=kv_dtype, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+            tiles=config.tiles, settings=config.settings, params=config.params, q_dtype=config.q_dtype,
+            kv_dtype=config.kv_dtype, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim, page_size=page_size, fixed_split_size=fixed_split_size,
             disable_split_kv=disable_split_kv, non_blocking=non_blocking, copy_page_table=copy_page_table)
 
@@ -668,6 +663,49 @@ def fast_decode_plan(
         sm_scale, rope_scale, rope_theta, non_blocking, None, fixed_split_size, disable_split_kv,
         copy_page_table=copy,
     )
+
+
+class _DecodeConfig(NamedTuple):
+    """What a decode plan's arguments other than the page table fix (checked once per combination:
+    plan() runs every step)."""
+
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    params: Any
+    settings: Settings
+    tiles: Any
+
+
+def _decode_config(num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left, logits_soft_cap,
+                   q_data_type, kv_data_type, data_type, sm_scale, rope_scale, rope_theta) -> _DecodeConfig:
+    """The checked configuration of a decode plan; raises ``ValueError`` naming a bad argument."""
+    args = (num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left, logits_soft_cap,
+            q_data_type, kv_data_type, data_type, sm_scale, rope_scale, rope_theta)
+    try:
+        # the types are part of the key, so that e.g. head_dim=128.0 or window_left=True is still refused
+        return _decode_config_cached(args, tuple(map(type, args)))
+    except TypeError as e:
+        if "unhashable" not in str(e):
+            raise
+        return _parse_decode_config(*args)  # e.g. a tensor scale: checked uncached
+
+
+@functools.lru_cache(maxsize=256)
+def _decode_config_cached(args: tuple, _types: tuple) -> _DecodeConfig:
+    return _parse_decode_config(*args)
+
+
+def _parse_decode_config(num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left,
+                         logits_soft_cap, q_data_type, kv_data_type, data_type, sm_scale, rope_scale,
+                         rope_theta) -> _DecodeConfig:
+    q_dtype, kv_dtype = plan_dtypes(q_data_type, kv_data_type, data_type, q_default="float16")
+    group = check_heads(num_qo_heads, num_kv_heads)
+    check_head_dim(head_dim)
+    check_positive_int(page_size, "page_size")
+    params = score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta, head_dim)
+    return _DecodeConfig(q_dtype, kv_dtype, params,
+                         Settings(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta),
+                         _decode_tiles(group, 1, head_dim, kv_dtype.itemsize, _lanes_ok(params)))
 
 
 @functools.lru_cache(maxsize=None)
