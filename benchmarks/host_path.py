@@ -7,7 +7,10 @@ Per row and provider:
   in between; the median of per-call ``perf_counter`` deltas over at most 200 calls, fewer when the
   device time would fill the launch queue);
 - ``plan``: host wall time of ``plan()`` with host (CPU) indptr tensors, median of per-call deltas;
-- ``step``: eager latency of one ``run()`` from an idle device (synchronise, call, synchronise), median.
+- ``step``: eager latency of one ``run()`` from an idle device (synchronise, call, synchronise), median;
+- ``plan+run``: host wall time of ``plan()`` followed by the first ``run()`` of that plan, median: what
+  an eager engine pays once per step on top of its other layers' ``run()``s (tritoninfer binds a new
+  plan's launch at that first run).
 
 The K/V pages are drawn from a pool of at most 4096 pages (page ids repeat across requests), so every
 row fits in memory; host time does not depend on what the pages hold. ``--old NAME=DIR`` adds an
@@ -80,6 +83,22 @@ def step_latency(fn, n=30):
     return statistics.median(times) * 1e6
 
 
+def plan_then_run(plan, run, n):
+    """Median host µs of ``plan(); run()`` pairs (after one warm-up pair)."""
+    plan()
+    run()
+    torch.cuda.synchronize()
+    deltas = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        plan()
+        run()
+        deltas.append(time.perf_counter() - t)
+    torch.cuda.synchronize()
+    return statistics.median(deltas) * 1e6
+
+
 def calls_for(fn):
     """How many back-to-back calls keep the launch queue short and the row under ~0.3 s."""
     fn()
@@ -126,6 +145,7 @@ def decode_row(providers, hq, hk, batch, kv_len, cache, ws):
         plan()
         row[f"{name} run"] = host_times(run, calls_for(run))
         row[f"{name} step"] = step_latency(run)
+        row[f"{name} plan+run"] = plan_then_run(plan, run, 50)
     return row
 
 
@@ -162,6 +182,7 @@ def prefill_row(providers, hq, hk, batch, qo_len, causal, form, cache, ws):
         plan()
         row[f"{name} run"] = host_times(run, calls_for(run))
         row[f"{name} step"] = step_latency(run, 10)
+        row[f"{name} plan+run"] = plan_then_run(plan, run, 20)
     return row
 
 
@@ -226,7 +247,7 @@ def table(rows):
 
 def summary(rows, ours, peers):
     lines = []
-    for kind in ("run", "plan", "step"):
+    for kind in ("run", "plan", "step", "plan+run"):
         for prefix in ("decode", "prefill"):
             sel = [r for r in rows if r["row"].startswith(prefix)]
             for name in ours:

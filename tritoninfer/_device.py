@@ -86,7 +86,7 @@ CPU_TENSORS_HINT = (
 def check_launchable(device: torch.device, name: str) -> None:
     """Raises ``ValueError`` (saying what to do) if kernels cannot run on ``device``: a CPU device
     without the interpreter."""
-    if torch.device(device).type != "cuda" and not is_interpreter():
+    if getattr(device, "type", None) != "cuda" and torch.device(device).type != "cuda" and not is_interpreter():
         raise ValueError(f"{name}: the tensors are on {device}. {CPU_TENSORS_HINT}")
 
 

@@ -137,7 +137,7 @@ class WorkPlan:
 
 def kv_split_chunk(
     kv_lens: np.ndarray,
-    q_tiles: np.ndarray,
+    q_tiles: Optional[np.ndarray],
     num_kv_heads: int,
     num_sms: int,
     block_n: int,
@@ -147,7 +147,8 @@ def kv_split_chunk(
     programs_per_sm: int = 2,
     merge_positions: int = 0,
 ) -> Optional[int]:
-    """KV positions per split, or None for no split.
+    """KV positions per split, or None for no split. ``q_tiles``: each request's query tiles (None:
+    one each, decode).
 
     ``fixed_split_size`` is in pages (FlashInfer's unit) and makes the split of each request
     independent of the rest of the batch. Otherwise the chunk minimises an estimate of the
@@ -170,10 +171,12 @@ def kv_split_chunk(
         chunk = int(fixed_split_size) * page_size
         return None if int(kv_lens.max()) <= chunk else chunk
     slots = programs_per_sm * num_sms
-    kv = kv_lens.astype(np.int64)
-    pairs = q_tiles.astype(np.int64) * num_kv_heads
-    total = int((kv * pairs).sum())
-    all_pairs = int(pairs.sum())
+    kv = kv_lens.astype(np.int64, copy=False)
+    if q_tiles is None:
+        total, all_pairs = int(kv.sum()) * num_kv_heads, kv.size * num_kv_heads
+    else:
+        pairs = q_tiles.astype(np.int64) * num_kv_heads
+        total, all_pairs = int((kv * pairs).sum()), int(pairs.sum())
     longest, shortest = int(kv.max()), int(kv.min())
     if total == 0:
         return None
@@ -197,14 +200,15 @@ def kv_split_chunk(
 
 
 def build_work(
-    q_lens: np.ndarray,
+    q_lens: Optional[np.ndarray],
     kv_lens: np.ndarray,
     tile_tokens: int,
     chunk: Optional[int],
     max_splits: Optional[int] = None,
     align: int = 1,
 ) -> WorkPlan:
-    """Vectorised work list: for each request, its query tiles times its KV splits.
+    """Vectorised work list: for each request, its query tiles times its KV splits (``q_lens`` None:
+    one query token per request, decode).
 
     With ``max_splits`` (CUDA-graph capacity) a request never gets more splits than that; its
     chunk grows instead, to a multiple of ``align`` positions (the Gluon MLA kernel reads a split
@@ -212,14 +216,14 @@ def build_work(
     """
     kv_lens = kv_lens.astype(np.int64, copy=False)
     if chunk is None:
-        num_splits = np.ones(kv_lens.size, np.int64)
+        num_splits = None
     else:
         req_chunk = np.full(kv_lens.size, chunk, np.int64)
         if max_splits is not None:
             grown = -(-(-(-kv_lens // max_splits)) // align) * align
             req_chunk = np.where(-(-kv_lens // chunk) > max_splits, np.maximum(req_chunk, grown), req_chunk)
         num_splits = np.maximum(1, -(-kv_lens // req_chunk))
-    layout = _work_layout(q_lens, num_splits, tile_tokens)
+    layout = _work_layout(q_lens, num_splits, tile_tokens, kv_lens.size)
     work = layout.work.copy()
     if chunk is None:
         work[:, 3] = kv_lens[layout.req]
@@ -245,15 +249,19 @@ class _WorkLayout:
 _LAYOUTS: "dict[tuple, _WorkLayout]" = {}
 
 
-def _work_layout(q_lens: np.ndarray, num_splits: np.ndarray, tile_tokens: int) -> _WorkLayout:
-    """The layout for per-request query lengths and splits, remembered: consecutive decode plans keep
-    their splits while the lengths grow, and plan() runs every step (host time matters)."""
-    q_lens = q_lens.astype(np.int64, copy=False)
-    key = (q_lens.tobytes(), num_splits.tobytes(), tile_tokens)
+def _work_layout(q_lens: Optional[np.ndarray], num_splits: Optional[np.ndarray], tile_tokens: int,
+                 batch: int) -> _WorkLayout:
+    """The layout for per-request query lengths (None: one token each) and splits (None: one each),
+    remembered: consecutive decode plans keep their splits while the lengths grow, and plan() runs
+    every step (host time matters)."""
+    key = (None if q_lens is None else q_lens.astype(np.int64, copy=False).tobytes(),
+           None if num_splits is None else num_splits.tobytes(), tile_tokens, batch)
     layout = _LAYOUTS.get(key)
     if layout is not None:
         return layout
-    batch = q_lens.size
+    q_lens = np.ones(batch, np.int64) if q_lens is None else q_lens.astype(np.int64, copy=False)
+    if num_splits is None:
+        num_splits = np.ones(batch, np.int64)
     q_tiles = -(-q_lens // tile_tokens)
     counts = q_tiles * num_splits
     total = int(counts.sum())
@@ -284,7 +292,7 @@ def state_bytes(num_states: int, num_qo_heads: int, head_dim_vo: int) -> int:
 
 
 def fit_work(
-    q_lens: np.ndarray,
+    q_lens: Optional[np.ndarray],
     kv_lens: np.ndarray,
     tile_tokens: int,
     chunk: Optional[int],

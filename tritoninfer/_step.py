@@ -147,15 +147,16 @@ def init_planned_wrapper(wrapper, float_workspace_buffer: torch.Tensor, use_cuda
     wrapper._handle = _ops.register_wrapper(wrapper)
 
 
-def plan_work(*, qo_lens: np.ndarray, kv_lens: np.ndarray, tiles: Tiles, num_qo_heads: int, num_kv_heads: int,
+def plan_work(*, qo_lens: Optional[np.ndarray], kv_lens: np.ndarray, tiles: Tiles, num_qo_heads: int, num_kv_heads: int,
               head_dim_vo: int, page_size: int, fixed_split_size: Optional[int], disable_split_kv: bool,
               workspace_bytes: int, num_sms: int, graph: Optional[GraphBuffers],
               heaviest_first: Optional[bool] = None, merge_positions: int = 0) -> WorkPlan:
-    """The work list of a plan: each request's query tiles times its KV splits (the split chosen by
+    """The work list of a plan (``qo_lens`` None: one query token per request, decode): each request's
+    query tiles times its KV splits (the split chosen by
     ``kv_split_chunk``; in CUDA-graph mode at most ``graph.max_splits`` per request). With
     ``heaviest_first`` (the causal flag; None: keep the request order) the items that read the most
     KV come first (``_plan.heaviest_first``). ``merge_positions``: ``kv_split_chunk``'s merge cost."""
-    q_tiles = -(-qo_lens.astype(np.int64) // tiles.tile_tokens)
+    q_tiles = None if qo_lens is None else -(-qo_lens.astype(np.int64) // tiles.tile_tokens)
     chunk = kv_split_chunk(kv_lens, q_tiles, num_kv_heads, num_sms, tiles.block_n, max(page_size, 1),
                            fixed_split_size, disable_split_kv, tiles.programs_per_sm, merge_positions)
     max_splits = graph.max_splits if graph is not None else None

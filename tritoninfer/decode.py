@@ -187,14 +187,14 @@ def plan_paged_decode(wrapper, uploader: PlanUploader, workspace_bytes: int, tab
     one token per request, read by position) and ``heaviest_first`` (``plan_work``)."""
     batch = int(kv_lens.size)
     graph = wrapper._graph
-    num_sms = _device.num_sms(wrapper.device)
+    num_sms = wrapper._num_sms
     if graph is not None:
         check_graph_plan(batch, wrapper._fixed_batch_size, table.num_pages_used, wrapper._paged_kv_indices_buf)
         if not graph.sized:
             # depends on the batch only, so the buffers (and captured graphs) survive any re-plan
             graph.size(rows=batch, q_tiles=batch, batch=batch, tiles=tiles, num_sms=num_sms, workspace_bytes=workspace_bytes,
                        num_qo_heads=num_qo_heads, head_dim_vo=head_dim)
-    work = plan_work(qo_lens=np.ones(batch, np.int64), kv_lens=kv_lens, tiles=tiles, num_qo_heads=num_qo_heads,
+    work = plan_work(qo_lens=None, kv_lens=kv_lens, tiles=tiles, num_qo_heads=num_qo_heads,
                      num_kv_heads=num_kv_heads, head_dim_vo=head_dim, page_size=page_size,
                      fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
                      workspace_bytes=workspace_bytes, num_sms=num_sms, graph=graph,

@@ -118,6 +118,7 @@ class _PODBase:
         self._set_workspace(float_workspace_buffer)
         self._uploader_p = PlanUploader(self.device)
         self._uploader_d = PlanUploader(self.device)
+        self._num_sms = _device.num_sms(self.device)
         self._faults = _errors.FaultWatch(self.device)
         self._launches: dict = {}
         self._step_d: Optional[PlannedStep] = None
