@@ -1,7 +1,6 @@
 """The launch cache (``tritoninfer._launch``): its key must separate every pair of arguments that
 Triton specialises differently, or a cached kernel would run with the wrong assumptions."""
 import ctypes
-import inspect
 import itertools
 
 import pytest
@@ -273,66 +272,34 @@ def test_driver_path_runs_and_matches_reference(kind, monkeypatch):
         assert not triton_calls
 
 
-def _fake_compiled_for(kernel, args: tuple, kwargs: dict):
-    """A compiled kernel as ``CachedLauncher.compile_and_launch`` returns it, with the signature Triton
-    would give ``args`` (``None``: a constexpr) and the kernel's remaining parameters as constexprs."""
-    signature = {}
-    for i, a in enumerate(args):
-        signature[f"arg{i}"] = ("constexpr" if a is None else "*bf16" if isinstance(a, torch.Tensor) else
-                                "i1" if isinstance(a, bool) else "fp32" if isinstance(a, float) else "i32")
-    rest = list(inspect.signature(kernel.fn).parameters.values())[len(args):]
-    signature.update({p.name: "constexpr" for p in rest})
-    constexprs = tuple(kwargs[p.name] if p.name in kwargs else p.default for p in rest)
-    return _FakeCompiled(signature), constexprs
+def test_a_new_plan_rebinds_the_driver_launch():
+    """The GPU launch path on the CPU (``testing.fake_driver_launches``): a decode wrapper's first run
+    compiles, the next takes the driver path; after a new plan with other lengths (another grid, a
+    split where there was none) the first run compiles nothing and its parameters point at the new
+    plan's work list, lengths and page table, with its grid."""
+    from tritoninfer import BatchDecodeWithPagedKVCacheWrapper, testing
 
-
-def test_a_new_plan_rebinds_the_driver_launch(monkeypatch, request):
-    """The GPU launch path on the CPU (a fake ``cuLaunchKernel``, fake compiled kernels): a decode
-    wrapper's first run compiles, the next takes the driver path; after a new plan with other lengths
-    (another grid, a split where there was none) the first run compiles nothing and its parameters
-    point at the new plan's work list, lengths and page table, with its grid."""
-    from tritoninfer import BatchDecodeWithPagedKVCacheWrapper, _device, _driver, _launch, decode, testing
-
-    seen, compiled = [], []
-
-    def fake_launch(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
-        seen.append(((gx, gy, gz), [ctypes.c_uint64.from_address(params[k]).value for k in range(40)]))
-        return 0
-
-    monkeypatch.setattr(_device, "is_interpreter", lambda: False)
-    monkeypatch.setattr(_device, "check_launchable", lambda *a: None)
-    monkeypatch.setattr(_launch, "_current_device", lambda: -1)
-    monkeypatch.setattr(_launch, "_current_index", lambda: -1)
-    monkeypatch.setattr(_launch, "_run", lambda *args: None)
-    monkeypatch.setattr(_driver, "available", lambda: True)
-    monkeypatch.setattr(_driver, "launch_kernel", lambda: fake_launch)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
-    monkeypatch.setattr(_launch.CachedLauncher, "compile_and_launch",
-                        lambda self, grid, args, kwargs: compiled.append(grid) or _fake_compiled_for(self.kernel, args,
-                                                                                                      kwargs))
-    # the plans below choose GPU tiles: cached choices must not outlive the test (interpreter tests follow)
-    request.addfinalizer(decode._decode_config_cached.cache_clear)
-    request.addfinalizer(decode._decode_tiles.cache_clear)
     g = torch.Generator().manual_seed(0)
-    w = BatchDecodeWithPagedKVCacheWrapper(testing.make_workspace(8 << 20, "cpu"), use_tensor_cores=True)
     q = torch.randn(3, 8, 64, generator=g).to(torch.bfloat16)
-    capacities = []
     cache = torch.zeros(2600, 2, 16, 2, 64, dtype=torch.bfloat16)  # an engine's cache: one size
-    for step, lens in enumerate(([70, 5, 300], [71, 6, 301], [40000, 1, 2])):
-        kv = testing.make_paged_kv(lens, 16, 2, 64, dtype=torch.bfloat16, device="cpu", generator=g)
-        w.plan(kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 8, 2, 64, 16, q_data_type=torch.bfloat16,
-               fixed_split_size=64 if step == 2 else None)
-        seen.clear()
-        for _ in range(2):
-            w.run(q, cache)
-        plan = w._step.device_plan
-        assert len(compiled) == 1, compiled  # the first plan's first run only
-        assert len(seen) == (1 if step == 0 else 2)  # the first plan's first run compiled
-        grid, params = seen[-1]
-        assert grid == (plan.capacity, 2, 1)
-        capacities.append(plan.capacity)
-        for t in (plan.work, plan.kv_len, plan.state_offset, w._step.kv_indptr, w._step.kv_indices):
-            assert t.data_ptr() in params
+    capacities = []
+    with testing.fake_driver_launches(params_read=40) as record:
+        w = BatchDecodeWithPagedKVCacheWrapper(testing.make_workspace(8 << 20, "cpu"), use_tensor_cores=True)
+        for step, lens in enumerate(([70, 5, 300], [71, 6, 301], [40000, 1, 2])):
+            kv = testing.make_paged_kv(lens, 16, 2, 64, dtype=torch.bfloat16, device="cpu", generator=g)
+            w.plan(kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 8, 2, 64, 16, q_data_type=torch.bfloat16,
+                   fixed_split_size=64 if step == 2 else None)
+            record.launches.clear()
+            for _ in range(2):
+                w.run(q, cache)
+            plan = w._step.device_plan
+            assert len(record.compiles) == 1, record.compiles  # the first plan's first run only
+            assert len(record.launches) == (1 if step == 0 else 2)  # the first plan's first run compiled
+            grid, params = record.launches[-1]
+            assert grid == (plan.capacity, 2, 1)
+            capacities.append(plan.capacity)
+            for t in (plan.work, plan.kv_len, plan.state_offset, w._step.kv_indptr, w._step.kv_indices):
+                assert t.data_ptr() in params
     assert capacities[2] != capacities[1] and w._step.device_plan.has_splits
 
 

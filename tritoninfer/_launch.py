@@ -22,6 +22,12 @@ launcher would build is built once, a call writes its values into it and makes o
 ``cuLaunchKernel`` (``_driver.py``, ctypes); ~10 µs per launch on the H200 host, of which the
 driver call is most (``benchmarks/host_primitives.py``).
 
+A wrapper plans every step and binds a launch per plan, so what a new bound launch costs is paid at
+every step's first ``run()``: the compiled kernel of a specialisation is shared by the launcher's
+bound launches (``CachedLauncher.bound_hits``: no ``kernel[grid]`` path after the first plan), the
+parameter layout by every driver launch of a kernel and head kinds (``_param_layout``), and a bound
+launch moved to a new plan of the same kind only rewrites its tail values (``BoundLaunch.rebind``).
+
 Launch hooks registered with Triton (profilers) are called as Triton's own launch calls them (such
 calls take Triton's path); under the interpreter every call takes the ordinary path.
 """
@@ -452,7 +458,7 @@ def _param_layout(compiled, constexprs: tuple, head: tuple, tail: tuple) -> Opti
     box_meta: List[dict] = []
     tail_codes: List[str] = []
     tail_positions: List[int] = []
-    for i, (ty, value) in enumerate(zip(signature, values)):
+    for i, ty in enumerate(signature):
         if ty == "constexpr":
             continue
         if i < len(head):

@@ -1,7 +1,7 @@
 """Helpers shared by the tests and the benchmarks: tolerances, input builders, byte/FLOP counts.
 
-Imports no kernel and no wrapper (only :mod:`tritoninfer.reference` and :mod:`tritoninfer._options`),
-so that it can judge them.
+Imports no kernel and no wrapper at import time (only :mod:`tritoninfer.reference` and
+:mod:`tritoninfer._options`), so that it can judge them.
 
 - Tolerances: :data:`TOLERANCES`, :data:`FP8_VS_UNQUANTIZED`, :data:`LSE_TOLERANCES`,
   :func:`rel_error`, :func:`assert_close`, :func:`assert_lse_close`.
@@ -10,12 +10,17 @@ so that it can judge them.
   :func:`make_workspace`, :func:`nan_like`, :func:`quantize_fp8`.
 - Accounting: :func:`decode_bytes`, :func:`prefill_flops`, :func:`tb_per_s`, :func:`tflop_per_s`.
   Units: bytes and FLOPs are plain counts; ``TB = 1e12`` bytes and ``TFLOP = 1e12`` FLOPs (decimal).
+- Host path without a GPU: :func:`fake_driver_launches` runs the GPU launch path (bound launches,
+  driver launches) on CPU tensors with the compiler and ``cuLaunchKernel`` faked.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import inspect
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -38,6 +43,7 @@ __all__ = [
     "nan_like",
     "quantize_fp8",
     "fp8_max",
+    "fake_driver_launches",
     "decode_bytes",
     "prefill_flops",
     "tb_per_s",
@@ -617,3 +623,73 @@ def tb_per_s(nbytes: float, seconds: float) -> float:
 def tflop_per_s(flops: float, seconds: float) -> float:
     """Throughput in TFLOP/s (1 TFLOP = 1e12 FLOPs)."""
     return flops / seconds / 1e12
+
+
+@dataclass
+class DriverRecord:
+    """What :func:`fake_driver_launches` saw: the grids compiled (each a ``kernel[grid]`` call through
+    Triton's path) and, per driver launch, its grid and the first ``params_read`` parameter slots
+    read as 64-bit values (pointers are there as addresses)."""
+
+    compiles: list = field(default_factory=list)
+    launches: list = field(default_factory=list)
+
+
+def _fake_compiled(kernel, args: tuple, kwargs: dict):
+    """A compiled kernel as ``CachedLauncher.compile_and_launch`` returns it, with the signature Triton
+    would give ``args`` (``None``: a constexpr) and the kernel's remaining parameters as constexprs."""
+    from types import SimpleNamespace
+
+    signature = {}
+    for i, a in enumerate(args):
+        signature[f"arg{i}"] = ("constexpr" if a is None else "*bf16" if isinstance(a, torch.Tensor) else
+                                "i1" if isinstance(a, bool) else "fp32" if isinstance(a, float) else "i32")
+    fn = getattr(kernel, "fn", kernel)
+    rest = list(inspect.signature(fn).parameters.values())[len(args):]
+    signature.update({p.name: "constexpr" for p in rest})
+    constexprs = tuple(kwargs[p.name] if p.name in kwargs else p.default for p in rest)
+    meta = SimpleNamespace(num_ctas=1, launch_pdl=False, launch_cooperative_grid=False, global_scratch_size=0,
+                           profile_scratch_size=0, num_warps=4, shared=1024, tensordesc_meta=[])
+    return SimpleNamespace(src=SimpleNamespace(signature=signature), metadata=meta, function=0xF00), constexprs
+
+
+@contextlib.contextmanager
+def fake_driver_launches(params_read: int = 0) -> Iterator[DriverRecord]:
+    """Within the block, kernels launch as on a GPU, but on CPU tensors and without running: the
+    interpreter is off for tritoninfer, ``kernel[grid]`` returns a fake compiled kernel (signature
+    from the call's arguments), Triton's launcher does nothing and ``cuLaunchKernel`` records its
+    grid and parameters. For the host cost and the launch bookkeeping of ``plan()``/``run()`` on a
+    machine without a GPU (the CPU tensors' device, -1, plays the current CUDA device). The
+    planner's cached choices made inside (GPU tiles) are dropped at exit."""
+    from . import _device, _driver, _launch, decode
+
+    record = DriverRecord()
+
+    def launch_kernel(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        record.launches.append(((gx, gy, gz), [ctypes.c_uint64.from_address(params[k]).value
+                                               for k in range(params_read)]))
+        return 0
+
+    def compile_and_launch(self, grid, args, kwargs):
+        record.compiles.append(grid)
+        return _fake_compiled(self.kernel, args, kwargs)
+
+    patches = [(_device, "is_interpreter", lambda: False), (_device, "check_launchable", lambda *a: None),
+               (_launch, "_current_device", lambda: -1), (_launch, "_current_index", lambda: -1),
+               (_launch, "_run", lambda *a: None), (_driver, "available", lambda: True),
+               (_driver, "launch_kernel", lambda: launch_kernel),
+               (torch._C, "_cuda_getCurrentRawStream", lambda device: 77),
+               (_launch.CachedLauncher, "compile_and_launch", compile_and_launch)]
+    saved = [(owner, name, owner.__dict__.get(name, None), name in owner.__dict__) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
+    try:
+        yield record
+    finally:
+        for owner, name, value, present in saved:
+            if present:
+                setattr(owner, name, value)
+            else:
+                delattr(owner, name)
+        decode._decode_config_cached.cache_clear()
+        decode._decode_tiles.cache_clear()
