@@ -303,6 +303,35 @@ def test_a_new_plan_rebinds_the_driver_launch():
     assert capacities[2] != capacities[1] and w._step.device_plan.has_splits
 
 
+def test_rebind_keeps_the_kernel_only_while_the_tail_specialises_alike():
+    """``BoundLaunch.rebind``: a new tail whose only change Triton does not specialise on (a
+    ``do_not_specialize`` int crossing a multiple of 16) keeps the compiled kernel and the driver
+    launch, repacked with the new values and grid; a change it does specialise on (a pointer's
+    16-byte alignment) drops them, and the next call compiles that specialisation."""
+    from tritoninfer import _launch, testing
+
+    signature = {"x": "*fp32", "n": "i32", "count": "i32", "work": "*i32"}
+    x = torch.empty(64)
+    work, work2 = torch.empty(8, dtype=torch.int32), torch.empty(8, dtype=torch.int32)
+    with testing.fake_driver_launches(params_read=4) as record:
+        launcher = _launch.CachedLauncher(None)
+        launcher.unspecialized = frozenset({2})  # "count"
+        launcher.compile_and_launch = lambda grid, args, kwargs: record.compiles.append(grid) or (
+            _FakeCompiled(signature), ())
+        bound = launcher.bind((3,), (17, work), {})
+        bound(x, 4096)
+        bound(x, 4096)
+        bound.rebind((5,), (32, work2))
+        bound(x, 4096)
+        assert record.compiles == [(3, 1, 1)]
+        grid, values = record.launches[-1]
+        assert grid == (5, 1, 1) and values[0] == x.data_ptr() and values[1] & 0xFFFFFFFF == 4096
+        assert values[2] & 0xFFFFFFFF == 32 and values[3] == work2.data_ptr()
+        bound.rebind((6,), (32, work2[1:]))
+        bound(x, 4096)
+        assert record.compiles == [(3, 1, 1), (6, 1, 1)]
+
+
 def test_cached_launcher_takes_the_driver_path_from_a_keys_second_call(monkeypatch):
     """``CachedLauncher`` (the ops' launcher: sampling, norm, rope, ...): a specialisation's first call
     compiles through Triton, its later calls go through ``cuLaunchKernel`` with that call's grid and

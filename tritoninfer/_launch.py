@@ -110,6 +110,8 @@ class CachedLauncher:
         # previous plan's compiled instead of taking Triton's ``kernel[grid]`` path (~90 µs)
         self.bound_hits: Dict[Tuple, Tuple[Any, tuple]] = {}
         self._bound_keep: Dict[Tuple, tuple] = {}
+        # parameters Triton does not specialise (``do_not_specialize``), by position
+        self.unspecialized = frozenset(i for i, p in enumerate(getattr(kernel, "params", ())) if p.do_not_specialize)
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
@@ -231,6 +233,7 @@ class BoundLaunch:
         self._kinds: Optional[HeadKinds] = None
         self._driver: Dict[Tuple, Optional[DriverLaunch]] = {}
         self._tail_spec: Optional[tuple] = None  # _args_key(tail), computed at the first rebind
+        self._head_len: Optional[int] = None  # the arguments a call passes, once one has
 
     def rebind(self, grid: tuple, tail: tuple) -> None:
         """Another grid and tail (a wrapper's next plan). Where the tail specialises as the old one
@@ -238,8 +241,9 @@ class BoundLaunch:
         driver launches stay and only their tail values are rewritten; otherwise they are dropped
         and the next call finds its kernel as a new bound launch would."""
         if self._tail_spec is None:
-            self._tail_spec = _args_key(self.tail)
+            self._tail_spec = self._specialised(_args_key(self.tail))
         self._tail_values, spec = _values_and_key(tail)
+        spec = self._specialised(spec)
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.tail = tail
         if spec != self._tail_spec:
@@ -251,6 +255,21 @@ class BoundLaunch:
         for launch in self._driver.values():
             if launch is not None:
                 launch.set_tail(self._tail_values, self.grid)
+
+    def _specialised(self, tail_key: tuple) -> tuple:
+        """``tail_key`` without the parameters Triton does not specialise (an int such as the cache's
+        page count changes at every plan and must not drop the compiled kernels). Their positions are
+        known once a call has given the head's length."""
+        if self._head_len is None:
+            return tail_key
+        unspecialized = [i - self._head_len for i in self.launcher.unspecialized if i >= self._head_len]
+        if not unspecialized:
+            return tail_key
+        key = list(tail_key)
+        for i in unspecialized:
+            if i < len(key):
+                key[i] = None
+        return tuple(key)
 
     def __call__(self, *head) -> None:
         if self._kinds is None or not self._driver_path(head):
@@ -276,6 +295,7 @@ class BoundLaunch:
         return True
 
     def _triton_path(self, head: tuple) -> None:
+        self._head_len = len(head)
         if _device.is_interpreter():
             self.launcher.kernel[self.grid](*_gluon(head), *self.tail, **self.kwargs)
             return
