@@ -264,6 +264,10 @@ def check_same_dtype_as_plan(t: torch.Tensor, planned: torch.dtype, name: str, p
 def check_out(out: Optional[torch.Tensor], shape, dtype, device, name: str) -> torch.Tensor:
     if out is None:
         return torch.empty(shape, dtype=dtype, device=device)
+    # the common case in one comparison chain (every run() passes here)
+    if type(out) is torch.Tensor and out.shape == shape and out.dtype == dtype and out.device == device \
+            and out.stride(-1) == 1:
+        return out
     check_tensor(out, name)
     if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device:
         raise ValueError(
