@@ -282,6 +282,28 @@ def test_bound_launches_are_kept_per_run_variant_and_rebound_by_a_new_plan():
         assert len(launches) == 4 and plain.plan is wrapper._step.device_plan
 
 
+def test_plans_of_the_same_sizes_keep_the_device_plan():
+    """A wrapper's plans go to one device buffer: a plan of the same sizes as the last (new lengths,
+    the same batch and work items) keeps its ``DevicePlan`` (views, bound launches) with the new
+    values and its page-id check reset; other sizes get a new one. Every run reads the plan it
+    follows."""
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(testing.make_workspace(1 << 20, DEVICE))
+    first = None
+    for lens in ((9, 30), (12, 29), (40, 2), (7, 8, 9)):
+        case = Case(lens, split="disable")
+        kv, q = _make(case, gen_seed=sum(lens))
+        _plan(wrapper, case, kv)
+        plan = wrapper._step.device_plan
+        if first is None:
+            first = plan
+            plan.pages_checked = 5  # as a Gluon run leaves it
+        elif len(lens) == 2:
+            assert plan is first and plan.pages_checked == -1
+        else:
+            assert plan is not first
+        testing.assert_close(wrapper.run(q, kv.cache), _reference(case, kv, q)[0], torch.float16)
+
+
 def test_fp8_close_to_unquantized_data():
     case = Case((40, 23), heads=(4, 1), kv_dtype=torch.float8_e4m3fn, page_size=8)
     g = torch.Generator().manual_seed(0)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -180,10 +180,21 @@ class PlanUploader:
     a replay uploads.
     """
 
-    def __init__(self, device: torch.device, slots: int = 1, reserve_capture: bool = False) -> None:
+    def __init__(self, device: torch.device, slots: int = 1, reserve_capture: bool = False,
+                 reuse: bool = False) -> None:
         """``reserve_capture``: the first capture arena now (a pinned allocation inside a capture is
-        best avoided; the single-request functions are the ones called inside captured steps)."""
+        best avoided; the single-request functions are the ones called inside captured steps).
+        ``reuse``: every plan goes to one device buffer (a wrapper's: its next plan replaces the last,
+        as FlashInfer's plan rewrites its int workspace), so plans of the same sizes get the same
+        views and the same ``DevicePlan`` (``keep_plan``), whose bound launches need no rebinding.
+        The copy is ordered after the work queued on the stream before it, as FlashInfer's is."""
         self.device = torch.device(device)
+        self._reuse = reuse
+        self._dev: Optional[torch.Tensor] = None  # the reused device buffer
+        self._views: Optional[list] = None  # the views last cut from a persistent buffer,
+        self._views_of: tuple = (None, ())  # ... of this (buffer, sizes)
+        self._plan: Optional["DevicePlan"] = None  # the last plan kept, with its views and facts
+        self._plan_of: tuple = (None, None)
         self._host: List[Optional[torch.Tensor]] = [None] * slots
         self._done: List[Optional[torch.cuda.Event]] = [None] * slots
         self._next = 0
@@ -213,13 +224,11 @@ class PlanUploader:
         if out is not None and out.numel() < total:
             raise ValueError(f"plan buffer too small: {out.numel()} < {total}")
         if self.device.type != "cuda":
-            flat = torch.zeros(total, dtype=torch.int32)
-            flat_np = flat.numpy()
+            dev = out if out is not None else self._buffer(total) if self._reuse else \
+                torch.empty(total, dtype=torch.int32)
+            dev_np = dev.numpy()
             for a, n, pos in zip(arrays, sizes, starts):
-                flat_np[pos:pos + n] = a.reshape(-1)
-            dev = flat if out is None else out
-            if out is not None:
-                out[:total].copy_(flat)
+                dev_np[pos:pos + n] = a.reshape(-1)
         else:
             capturing = torch.cuda.is_current_stream_capturing()
             if capturing:
@@ -239,11 +248,35 @@ class PlanUploader:
             host_np = host.numpy()
             for a, n, pos in zip(arrays, sizes, starts):
                 host_np[pos:pos + n] = a.reshape(-1)
-            dev = torch.empty(total, dtype=torch.int32, device=self.device) if out is None else out
+            # a graph captured around this copy keeps writing its buffer at every replay: a fresh one
+            dev = out if out is not None else self._buffer(total) if self._reuse and not capturing else \
+                torch.empty(total, dtype=torch.int32, device=self.device)
             dev[:total].copy_(host[:total], non_blocking=non_blocking or capturing)
             if done is not None:
                 done.record(_current_stream(self.device))
-        return [dev[pos:pos + n] for n, pos in zip(sizes, starts)]
+        if dev is self._views_of[0] and sizes == self._views_of[1]:
+            return self._views
+        views = [dev[pos:pos + n] for n, pos in zip(sizes, starts)]
+        if dev is out or dev is self._dev:  # persistent: the next plan of these sizes gets these views
+            self._views, self._views_of = views, (dev, sizes)
+        return views
+
+    def _buffer(self, total: int) -> torch.Tensor:
+        """The reused device buffer, grown to ``total`` entries (a new one: graphs may hold the old)."""
+        if self._dev is None or self._dev.numel() < total:
+            self._dev = torch.empty(max(total, 1024), dtype=torch.int32, device=self.device)
+        return self._dev
+
+    def keep_plan(self, views: list, facts: tuple, make: Callable[[], "DevicePlan"]) -> "DevicePlan":
+        """The plan of ``views`` (as ``upload`` returned them) and ``facts`` (its scalars): the last one
+        when both are the same (its page-id check reset), else ``make()``, kept for the next."""
+        plan = self._plan
+        if plan is not None and views is self._plan_of[0] and facts == self._plan_of[1]:
+            plan.pages_checked = -1
+            return plan
+        plan = make()
+        self._plan, self._plan_of = plan, (views, facts)
+        return plan
 
 
 def packed_starts(sizes: List[int]) -> List[int]:

@@ -140,7 +140,7 @@ def init_planned_wrapper(wrapper, float_workspace_buffer: torch.Tensor, use_cuda
     wrapper.device = device = float_workspace_buffer.device
     wrapper._use_cuda_graph = bool(use_cuda_graph)
     wrapper._graph = GraphBuffers(device) if use_cuda_graph else None
-    wrapper._uploader = PlanUploader(device)
+    wrapper._uploader = PlanUploader(device, reuse=True)
     wrapper._num_sms = _device.num_sms(device)
     wrapper._step = None  # what the last plan() fixed; all run() reads
     wrapper._faults = _errors.FaultWatch(device)
@@ -193,9 +193,10 @@ def upload_plan(uploader: PlanUploader, graph: Optional[GraphBuffers], work: Wor
         capacity, state_capacity, always_merge = graph.capacity, graph.max_rows * graph.max_splits, True
     n = 3 + (qo is not None)
     qo_d = views[3] if qo is not None else None
-    plan = DevicePlan(views[0].view(-1, WORK_FIELDS), views[1], views[2], qo_d, capacity, work.num_states,
-                      state_capacity, work.has_splits, always_merge, uploader.counters, reads_kv,
-                      attention_launches=uploader.attention_launches)
+    facts = (capacity, work.num_states, state_capacity, work.has_splits, always_merge, reads_kv)
+    plan = uploader.keep_plan(views, facts, lambda: DevicePlan(
+        views[0].view(-1, WORK_FIELDS), views[1], views[2], qo_d, capacity, work.num_states, state_capacity,
+        work.has_splits, always_merge, uploader.counters, reads_kv, attention_launches=uploader.attention_launches))
     return plan, views[n:]
 
 

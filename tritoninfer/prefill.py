@@ -254,7 +254,7 @@ class _BatchPrefillBase:
         self._qo_indptr_buf = qo_indptr_buf
         self._custom_mask_buf = custom_mask_buf
         self._mask_indptr_buf = mask_indptr_buf
-        self._uploader = PlanUploader(self.device)
+        self._uploader = PlanUploader(self.device, reuse=True)
         self._graph = GraphBuffers(self.device) if use_cuda_graph else None
         self._step: Optional[PlannedStep] = None  # what the last plan() fixed; all run() reads
         self._faults = _errors.FaultWatch(self.device)

@@ -123,7 +123,7 @@ class _SparseBase:
         self._backend = backend
         self.device = float_workspace_buffer.device
         self._set_workspace(float_workspace_buffer)
-        self._uploader = PlanUploader(self.device)
+        self._uploader = PlanUploader(self.device, reuse=True)
         self._faults = _errors.FaultWatch(self.device)
         self._plan: Optional[_SparsePlan] = None  # what the last plan() fixed; all run() reads
         self._handle = _ops.register_wrapper(self)  # for run() under torch.compile (_sparse_run_op)
