@@ -604,9 +604,11 @@ def run_full_cuda_graph(fi, cfg: VConfig, steps, real_graph: bool):
         model.fill_history(reqs, seq_lens)
         cm = common_metadata(model, reqs, [1] * n, seq_lens, pad_to=bs)
         wrapper = builder._decode_wrappers_cudagraph[bs]
-        plan_before = wrapper._plan_info
+        step_before = wrapper._step
         md = builder.build(0, cm)
-        assert md.decode_wrapper is wrapper and wrapper._plan_info is not plan_before  # _cached_module.plan ran
+        # _cached_module.plan ran (a new step; its device plan may be the last one's, rewritten)
+        assert md.decode_wrapper is wrapper and wrapper._step is not step_before
+        assert wrapper._plan_info is wrapper._step.device_plan
         q = model.rand(n, cfg.num_qo_heads, cfg.head_dim)
         q_static.zero_()
         q_static[:n] = q
