@@ -177,20 +177,22 @@ def kv_split_chunk(
     else:
         pairs = q_tiles.astype(np.int64) * num_kv_heads
         total, all_pairs = int((kv * pairs).sum()), int(pairs.sum())
-    longest, shortest = int(kv.max()), int(kv.min())
+    longest = int(kv.max())
     if total == 0:
         return None
+    # every request that has programs is as long as the longest (no third reduction for it)
+    equal = total == longest * all_pairs
     best, best_time = None, max(longest, -(-all_pairs // slots) * total / all_pairs)
-    chunks = [max(2 * block_n, math.ceil(total / (waves * slots))) for waves in range(1, 9)]
+    chunks = [max(2 * block_n, -(-total // (waves * slots))) for waves in range(1, 9)]
     if merge_positions:
         chunks += [-(-longest // pieces) for pieces in (2, 4, 8, 16, 32, 64)]
     for chunk in chunks:
-        chunk = math.ceil(chunk / block_n) * block_n
+        chunk = -(-chunk // block_n) * block_n
         if chunk >= longest:
             continue
         # programs after the cut: exact for equal lengths, an upper bound otherwise (host time
         # matters here: plan() runs every step)
-        items = all_pairs * -(-longest // chunk) if shortest == longest else -(-total // chunk) + all_pairs
+        items = all_pairs * -(-longest // chunk) if equal else -(-total // chunk) + all_pairs
         # + a merge: about one tile, or the merging program's reads of every split's state
         merge = -(-longest // chunk) * merge_positions if merge_positions else block_n
         t = max(chunk, -(-items // slots) * total / items) + merge
