@@ -490,6 +490,37 @@ def test_gpu_hopper_paged_prefill_gather(case, monkeypatch):
     assert calls
 
 
+# e4m3 K/V with bf16 queries on the Gluon kernel's fp8 mode (_route.HOPPER_FP8): paged (pages 16 and 64,
+# causal, with the fp8 scales make_paged_kv draws) and ragged
+HOPPER_FP8_PAGED_CASES = [
+    Case((1500, 1024), (1700, 1024), page_size=16, heads=(32, 8), head_dim=128, q_dtype=torch.bfloat16,
+         kv_dtype=torch.float8_e4m3fn, causal=True),
+    Case((2048, 700), (2048, 3000), page_size=64, heads=(16, 2), head_dim=128, q_dtype=torch.bfloat16,
+         kv_dtype=torch.float8_e4m3fn),
+]
+HOPPER_FP8_RAGGED_CASES = [
+    Case((1100, 1500), (1100, 1600), heads=(16, 4), head_dim=128, q_dtype=torch.bfloat16,
+         kv_dtype=torch.float8_e4m3fn),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", HOPPER_FP8_PAGED_CASES + HOPPER_FP8_RAGGED_CASES, ids=lambda c: c.id())
+def test_gpu_hopper_fp8_prefill(case, monkeypatch):
+    """With ``_route.HOPPER_FP8`` on, e4m3 K/V run on the Gluon kernel's fp8 mode (the producer
+    warpgroup converting each tile to fp16) and match the reference, scales included."""
+    from tritoninfer import _route
+
+    _needs_hopper()
+    monkeypatch.setattr(_route, "HOPPER_FP8", True)
+    calls = _count_hopper_launches(monkeypatch)
+    if case in HOPPER_FP8_RAGGED_CASES:
+        test_ragged_prefill_matches_reference(case, device="cuda", hopper=True)
+    else:
+        test_paged_prefill_matches_reference(case, device="cuda")
+    assert calls
+
+
 @pytest.mark.gpu
 def test_gpu_hopper_paged_fallbacks(monkeypatch):
     """A paged plan in the Gluon kernel's range still takes the core for a run with fp8 scales or sinks

@@ -56,7 +56,7 @@ def test_route_takes_the_gluon_kernel_only_where_measured(hopper_gpu):
     for change, reason in (
             ({"causal": True}, "below 4096"), ({"mean": 1000}, "below 1024"), ({"causal": True, "mean": 4000}, "below"),
             ({"page_size": 16, "mean": 500}, "below 512"), ({"page_size": 16, "causal": True, "mean": 1000}, "below"),
-            ({"q_dtype": torch.float16, "kv_dtype": torch.float16}, "bf16"), ({"kv_dtype": torch.float8_e4m3fn}, "bf16"),
+            ({"q_dtype": torch.float16, "kv_dtype": torch.float16}, "bf16"), ({"kv_dtype": torch.float8_e4m3fn}, "HOPPER_FP8 is off"),
             ({"head_dim_qk": 64, "head_dim_vo": 64}, "head_dim"), ({"head_dim_vo": 64}, "head_dim"),
             ({"layout": TensorLayout.HND}, "HND"), ({"use_cuda_graph": True}, "CUDA-graph"),
             ({"has_mask": True}, "mask"), ({"device": torch.device("cpu")}, "sm_90"),
@@ -77,6 +77,26 @@ def test_route_gathers_pages_tma_cannot_box_when_switched_on(hopper_gpu, monkeyp
     for page in (1, 4, 48):
         assert _route.PREFILL.at_plan(_facts(page_size=page, mean=512)).kernel == "hopper"
     assert "below 512" in _route.PREFILL.at_plan(_facts(page_size=1, mean=500)).reason
+
+
+def test_route_takes_e4m3_kv_when_switched_on(hopper_gpu, monkeypatch):
+    """``_route.HOPPER_FP8``: e4m3 K/V with bf16 queries take the kernel's fp8 mode (contiguous or pages
+    TMA boxes); other query dtypes, e5m2 and gathered pages stay on the core. At run, the fp8 mode
+    takes the call's scales, the 16-bit one does not."""
+    monkeypatch.setattr(_route, "HOPPER_FP8", True)
+    monkeypatch.setattr(_route, "HOPPER_GATHER", True)
+    fp8 = torch.float8_e4m3fn
+    assert _route.PREFILL.at_plan(_facts(kv_dtype=fp8)).kernel == "hopper"
+    assert _route.PREFILL.at_plan(_facts(kv_dtype=fp8, page_size=16, mean=512)).kernel == "hopper"
+    for change, reason in (({"page_size": 1, "mean": 512}, "no gather"), ({"q_dtype": torch.float16}, "bf16"),
+                           ({"kv_dtype": torch.float8_e5m2}, "bf16")):
+        route = _route.PREFILL.at_plan(_facts(**{"kv_dtype": fp8, **change}))
+        assert route.is_core and reason in route.reason, (change, route)
+    route = _route.Route("hopper", "forced")
+    q = torch.randn(256, 4, 128).to(torch.bfloat16)
+    k8 = torch.randn(256, 2, 128).to(fp8)
+    assert _route.PREFILL.at_run(route, q, (k8, k8), scaled=True) is not None
+    assert _route.PREFILL.at_run(route, q, (k8, k8), sinks=torch.zeros(4)) is None
 
 
 def test_route_off_hopper_or_other_triton(hopper_gpu, monkeypatch):

@@ -2,10 +2,11 @@
 its work list, its TMA descriptors and its launch. Whether a plan takes it is decided in
 ``_route.py``, nowhere else.
 
-The kernel runs plain 16-bit attention (no mask, window, soft cap, RoPE, ALiBi, sinks or scales)
-over contiguous NHD K/V or over an NHD paged cache (one TMA box per page), FlashAttention-3's
-schedule: a producer warp loading K/V tiles into a ring of shared-memory stages and two consumer
-warpgroups, each a 64-row half of a 128-token query tile.
+The kernel runs plain attention (no mask, window, soft cap, RoPE, ALiBi, sinks or per-head scales)
+of bf16 queries over bf16 K/V, or e4m3 K/V with their scales (its fp8 mode), contiguous NHD or an NHD
+paged cache (one TMA box per page), FlashAttention-3's schedule: a producer loading K/V tiles into a
+ring of shared-memory stages (in the fp8 mode a warpgroup converting fp8 tiles into it) and two
+consumer warpgroups, each a 64-row half of a 128-token query tile.
 """
 
 from __future__ import annotations
@@ -25,6 +26,15 @@ from ._launch import BoundLaunch, CachedLauncher, TmaBox
 TILE = 128  # query tokens per work item: two consumer warpgroups of 64
 STAGES = 3  # K/V ring depth: 3 x 64 KB at head_dim 128, with Q 224 KB of the H200's 227
 CONSUMER_REGS = 240  # per consumer thread; the producer warpgroup keeps 24
+PRODUCER_REGS = 24
+# e4m3 K/V (the kernel's FP8 mode): two 16-bit stages the consumers read (FP8_STAGES) and two fp8
+# stages the producer warpgroup converts from (FP8_RING), 2 x 64 + 2 x 32 KB, with Q 224 KB; the
+# consumers keep 240 registers a thread and the converting warpgroup 32 (2 x 240 + 32 = 512: the
+# register file's 64K over 384 threads; 232 spilled in the consumers, 8 bytes, sm_90 compile)
+FP8_STAGES = 2
+FP8_RING = 2
+FP8_CONSUMER_REGS = 240
+FP8_PRODUCER_REGS = 32
 PERSISTENT = True  # one program per SM running work items in turn (False: one item per program)
 # smallest page the Gluon kernels read by TMA: a box per page lands in an 8-row slice of a 128-byte
 # swizzled stage; Triton 3.6 cannot slice one below its 8-row swizzle pattern
@@ -49,10 +59,19 @@ def row_stride(t: torch.Tensor) -> int:
     return t.stride(0) if t.shape[1] == 1 else t.stride(1)
 
 
-def maxnreg(consumer_regs: int, producer_regs: int = 24) -> int:
+def maxnreg(consumer_regs: int, producer_regs: int = PRODUCER_REGS) -> int:
     """The kernel-wide register limit that leaves ``consumer_regs`` to each consumer thread:
     registers are handed out per warpgroup, two consumers and the producer's, 12 warps in all."""
     return (2 * 4 * consumer_regs + 4 * producer_regs) // 12 // 8 * 8
+
+
+def kernel_config(fp8: bool) -> dict:
+    """The kernel's ring and register constants (and ``maxnreg``) for 16-bit or e4m3 K/V."""
+    if fp8:
+        return dict(STAGES=FP8_STAGES, FP8=True, FP8_STAGES=FP8_RING, CONSUMER_REGS=FP8_CONSUMER_REGS,
+                    PRODUCER_REGS=FP8_PRODUCER_REGS, maxnreg=maxnreg(FP8_CONSUMER_REGS, FP8_PRODUCER_REGS))
+    return dict(STAGES=STAGES, FP8=False, FP8_STAGES=1, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+                maxnreg=maxnreg(CONSUMER_REGS, PRODUCER_REGS))
 
 
 @functools.lru_cache(maxsize=None)
@@ -90,7 +109,8 @@ def smem_layout(rows: int, head_dim: int, dtype: torch.dtype):
     from triton.experimental.gluon import language as gl
 
     return gl.NVMMASharedLayout.get_default_for([rows, head_dim], {torch.float16: gl.float16,
-                                                                   torch.bfloat16: gl.bfloat16}[dtype])
+                                                                   torch.bfloat16: gl.bfloat16,
+                                                                   torch.float8_e4m3fn: gl.float8e4nv}[dtype])
 
 
 class KVBoxes(NamedTuple):
@@ -155,20 +175,22 @@ def check_page_ids(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, batch: int
 
 
 def launch(q, kv_descriptors, out, lse, qo_indptr, kv_indptr, kv_len, tiles: torch.Tensor, num_kv_heads: int,
-           sm_scale: float, causal: bool, kv_indices=None, launches: Optional[dict] = None) -> None:
+           sm_scale: float, causal: bool, kv_indices=None, launches: Optional[dict] = None, k_mult: float = 1.0,
+           v_mult: float = 1.0) -> None:
     """The kernel over ``kv_descriptors`` (from ``ragged_descriptors`` with token offsets ``kv_indptr``,
     or ``paged_descriptors`` with the page table ``kv_indptr`` / ``kv_indices``); ``kv_len`` int32
     [batch]; ``tiles`` the uploaded ``work_tiles`` (int32 [2, tiles]). ``launches``: where a plan keeps
     its bound launches (``DevicePlan.launches``), so a later run with the same plan only passes the
-    call's tensors."""
+    call's tensors. e4m3 K/V take the kernel's ``FP8`` mode, ``k_mult`` (q_scale * k_scale) multiplying
+    the scores and ``v_mult`` (v_scale) the output."""
     (k_box, v_box), rows_per_page, page, num_pages = kv_descriptors
     tokens, hq, d = q.shape
     key = ("hopper", id(qo_indptr), id(kv_indptr), id(kv_indices), id(kv_len), id(tiles), tokens, hq, num_kv_heads,
-           d, q.dtype, sm_scale, causal, page, rows_per_page)
+           d, q.dtype, k_box.tensor.dtype, sm_scale, causal, page, rows_per_page)
     bound = launches.get(key) if launches is not None else None
     if bound is None:
         bound = _bind(q, qo_indptr, kv_indptr, kv_len, tiles, num_kv_heads, sm_scale, causal, kv_indices, page,
-                      rows_per_page)
+                      rows_per_page, k_box.tensor.dtype == torch.float8_e4m3fn)
         if launches is not None:
             if len(launches) >= 16:
                 launches.clear()
@@ -178,7 +200,7 @@ def launch(q, kv_descriptors, out, lse, qo_indptr, kv_indptr, kv_len, tiles: tor
     q_box = TmaBox(q, (tokens, hq * d), (q.stride(0), 1), (64, d), smem_layout(64, d, q.dtype))
     # (the gather's reads: the caches' bases, row stride and pages; unread by the TMA modes)
     bound.launch(q_box, k_box, v_box, out, out.stride(0), out.stride(1), lse, lse.stride(0), k_box.tensor,
-                 v_box.tensor, k_box.strides[0], num_pages)
+                 v_box.tensor, k_box.strides[0], num_pages, float(k_mult), float(v_mult))
 
 
 class _HopperLaunch:
@@ -191,7 +213,7 @@ class _HopperLaunch:
 
 
 def _bind(q, qo_indptr, kv_indptr, kv_len, tiles, num_kv_heads, sm_scale, causal, kv_indices, page,
-          rows_per_page) -> _HopperLaunch:
+          rows_per_page, fp8: bool) -> _HopperLaunch:
     from .kernels.prefill_hopper import prefill_hopper_kernel
 
     tokens, hq, _ = q.shape
@@ -200,8 +222,8 @@ def _bind(q, qo_indptr, kv_indptr, kv_len, tiles, num_kv_heads, sm_scale, causal
     launcher = _device.per_device("prefill_hopper", q.device, lambda: CachedLauncher(prefill_hopper_kernel))
     tail = (qo_indptr, kv_indptr, kv_len, tiles[0], tiles[1], hq, num_items, sm_scale * math.log2(math.e),
             kv_indices if kv_indices is not None else kv_indptr, rows_per_page)
-    kwargs = dict(GROUP=hq // num_kv_heads, STAGES=STAGES, IS_CAUSAL=causal, CONSUMER_REGS=CONSUMER_REGS,
-                  PAGE_SIZE=page, GATHER=gather_pages(page), num_warps=4, maxnreg=maxnreg(CONSUMER_REGS))
+    kwargs = dict(GROUP=hq // num_kv_heads, IS_CAUSAL=causal, PAGE_SIZE=page, GATHER=gather_pages(page), num_warps=4,
+                  **kernel_config(fp8))
     bound = BoundLaunch(launcher, (grid,), tail, kwargs)
     lse = torch.empty((tokens, hq), dtype=torch.float32, device=q.device)
     return _HopperLaunch(bound, lse, (qo_indptr, kv_indptr, kv_len, tiles, kv_indices))

@@ -46,6 +46,11 @@ POD_PREFILL_ON_HOPPER = True
 # (kernels/prefill_hopper.py's GATHER; False: the core). Written and compiled for sm_90 on the CPU in
 # session 17, not yet run on a GPU: off until its GPU tests pass and the bench measures it.
 HOPPER_GATHER = False
+# e4m3 K/V with bf16 queries on the Gluon kernel (its FP8 mode: a producer warpgroup converts each
+# fp8 tile into the consumers' fp16 ring; issue "Speed, part 3", target 4; False: the core). Written
+# and compiled for sm_90 on the CPU in session 18, not yet run on a GPU: off until its GPU tests pass
+# and the bench measures it.
+HOPPER_FP8 = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,17 +120,20 @@ class PrefillRoute:
             return core("custom mask")
         if f.layout != TensorLayout.NHD:
             return core("HND layout")
-        if not (f.q_dtype == torch.bfloat16 and f.kv_dtype == f.q_dtype):
-            return core("not bf16 q and KV")
+        fp8 = f.q_dtype == torch.bfloat16 and f.kv_dtype == torch.float8_e4m3fn
+        if fp8 and not HOPPER_FP8:
+            return core("e4m3 K/V (HOPPER_FP8 is off)")
+        if not (f.q_dtype == torch.bfloat16 and (f.kv_dtype == f.q_dtype or fp8)):
+            return core("not bf16 q and bf16 or e4m3 K/V")
         if not f.head_dim_qk == f.head_dim_vo == 128:
             return core("head_dim is not 128 (at 64 the kernel measured 7-12 % slower)")
         reason = self.scores_unsupported(f.params)
         if reason:
             return core(reason)
         paged = f.page_size > 0
-        if paged and _hopper.gather_pages(f.page_size) and not HOPPER_GATHER:
+        if paged and _hopper.gather_pages(f.page_size) and (fp8 or not HOPPER_GATHER):
             return core(f"page size {f.page_size} (TMA boxes take {_hopper.TMA_MIN_PAGE}-{_hopper.TILE}, dividing "
-                        f"{_hopper.TILE}; HOPPER_GATHER is off)")
+                        f"{_hopper.TILE}; {'the fp8 mode has no gather' if fp8 else 'HOPPER_GATHER is off'})")
         if not paged and int(f.kv_lens.sum()) < _hopper.TILE:
             return core("K/V shorter than one TMA box")
         causal = bool(f.params.causal)
@@ -171,11 +179,13 @@ class PrefillRoute:
 
     def at_run(self, route: Route, q: torch.Tensor, kv, *, sinks=None, head_scales=None, scaled: bool = False):
         """The Gluon kernel's K/V descriptors for this call, or None: the core runs it. ``kv`` is a
-        ``PagedKV`` (paged) or a ``(k, v)`` pair (ragged); ``scaled``: fp8 scales were passed."""
+        ``PagedKV`` (paged) or a ``(k, v)`` pair (ragged); ``scaled``: q/k/v scales were passed (the fp8
+        mode takes them, the 16-bit one has none)."""
         if route.is_core:
             return None
-        if sinks is not None or head_scales is not None or scaled:
-            why = "sinks, per-head or fp8 scales"
+        fp8 = (kv[0] if isinstance(kv, tuple) else kv.k).dtype == torch.float8_e4m3fn
+        if sinks is not None or head_scales is not None or (scaled and not fp8):
+            why = "sinks, per-head scales or scales of 16-bit K/V"
         elif not _hopper.tma_ready(q):
             why = "q's strides do not fit a TMA view"
         else:

@@ -214,10 +214,12 @@ def run_step(step: PlannedStep, *, q: torch.Tensor, kv: KVSource, out: torch.Ten
             paged = kv.page_size > 0
             if paged:
                 check_page_ids(step, kv)
+            k_mult = (1.0 if q_scale is None else float(q_scale)) * (1.0 if k_scale is None else float(k_scale))
             _hopper.launch(q, descriptors, out, lse, step.device_plan.qo_indptr, kv.kv_indptr,
                            step.device_plan.kv_len, step.route_work, step.num_kv_heads, step.params.sm_scale,
                            step.params.causal, kv_indices=kv.kv_indices if paged else None,
-                           launches=step.device_plan.launches)
+                           launches=step.device_plan.launches, k_mult=k_mult,
+                           v_mult=1.0 if v_scale is None else float(v_scale))
             return
     launch_attention(
         q=q, out=out, lse=lse, kv=kv, plan=step.device_plan, tiles=tiles or step.tiles, num_kv_heads=step.num_kv_heads,

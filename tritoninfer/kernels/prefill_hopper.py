@@ -17,6 +17,14 @@ turn, as three partitions (``gl.warp_specialize``):
   by the ring, so one's softmax overlaps the other's wgmma.
 Scores stay raw; the softmax scale (log2 units) is applied inside exp2's argument.
 
+``FP8`` (e4m3 K/V, bf16 Q): the producer is a warpgroup that brings each tile by TMA into a second,
+fp8 ring and converts it into the fp16 ring the consumers read (one ``cvt.rn.f16x2.e4m3x2`` per two
+elements, exact; the attention core computes fp8 K/V in fp16 too); the fp8 ring's stages are the
+producer's alone (a stage is reused only once this warpgroup has converted its tile). Each consumer
+converts its Q tile to fp16 in place once it lands. The call's scales act on the scores
+(``k_mult`` = q_scale * k_scale, with the softmax scale) and the output (``v_mult`` = v_scale); both
+are 1 for 16-bit K/V.
+
 Gluon code does not run in the Triton interpreter: the CPU test suite covers the selection logic and
 the fallback, the ``gpu`` tests this kernel (tests/test_prefill.py).
 """
@@ -24,7 +32,13 @@ the fallback, the ``gpu`` tests this kernel (tests/test_prefill.py).
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from .gather import publish_stage
 
@@ -68,9 +82,33 @@ def _item(item, num_qo_heads, group, tile_req_ptr, tile_start_ptr, qo_indptr_ptr
 
 
 @gluon.jit
+def _issue_kv_tile(k_desc, v_desc, k_stage, v_stage, bar, kv_start, kv_len, j, kv_col, kv_indices_ptr, rows_per_page,
+                   PAGED: gl.constexpr):
+    """Tile j of an item's K/V by TMA into one stage (``k_stage`` / ``v_stage`` [BLOCK_N, D]), completing
+    on ``bar``, whose byte count the caller set. Contiguous: rows kv_start + j *
+    BLOCK_N ... of the descriptors. Paged: BLOCK_N / PAGE pages, one box [PAGE, D] each into its rows
+    of the stage; ``kv_start`` is the request's first entry in ``kv_indices``, page p's rows start at
+    row p * rows_per_page of the descriptors. Boxes of pages past the request's end read page 0 (their
+    positions are masked by the consumers), so every stage gets the bytes its barrier expects."""
+    BLOCK_N: gl.constexpr = k_stage.type.shape[0]
+    if PAGED:
+        PAGE: gl.constexpr = k_desc.block_type.shape[0]
+        n_pages = gl.cdiv(kv_len, PAGE)
+        for i in gl.static_range(BLOCK_N // PAGE):
+            idx = j * (BLOCK_N // PAGE) + i
+            page = gl.load(kv_indices_ptr + kv_start + idx, mask=idx < n_pages, other=0)
+            row = page * rows_per_page
+            tma.async_copy_global_to_shared(k_desc, [row, kv_col], bar, k_stage.slice(i * PAGE, PAGE))
+            tma.async_copy_global_to_shared(v_desc, [row, kv_col], bar, v_stage.slice(i * PAGE, PAGE))
+    else:
+        tma.async_copy_global_to_shared(k_desc, [kv_start + j * BLOCK_N, kv_col], bar, k_stage)
+        tma.async_copy_global_to_shared(v_desc, [kv_start + j * BLOCK_N, kv_col], bar, v_stage)
+
+
+@gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
                     stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages, sm_scale_log2,
-                    is_causal, qo_indptr_ptr, kv_indptr_ptr,
+                    k_mult, v_mult, is_causal, qo_indptr_ptr, kv_indptr_ptr,
                     kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
                     num_items, page_size):
     """Producer warp, contiguous K/V: the program's items in turn, tile j of an item (rows kv_start +
@@ -78,10 +116,20 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready
     runs on across items, so the next item's first tiles load under this one's last. (Constants come
     from the shared-memory and descriptor types: a constexpr passed through ``warp_specialize``'s
     argument tuple arrives as a value.)"""
+    _load_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, is_causal, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
+                kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group, num_items, False)
+
+
+@gluon.jit
+def _load_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, is_causal, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
+                kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group, num_items,
+                PAGED: gl.constexpr):
+    """The TMA producer warp's loop (contiguous or paged K/V, ``_issue_kv_tile``)."""
     stages: gl.constexpr = k_smem.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
-    kv_bytes: gl.constexpr = 2 * k_desc.block_type.nbytes
+    # K and V, BLOCK_N rows of boxes (a page's or the tile's rows)
+    kv_bytes: gl.constexpr = 2 * BLOCK_N * k_desc.block_type.nbytes // k_desc.block_type.shape[0]
     t = 0
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
         q_start, m0, q_len, kv_start, kv_len, n_tiles, head, kv_col = _item(
@@ -92,55 +140,28 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready
             # empty barriers start "released": the first pass over the ring waits on the other phase
             mbarrier.wait(empty.index(stage), ((t // stages) & 1) ^ 1)
             mbarrier.expect(ready.index(stage), kv_bytes)
-            tma.async_copy_global_to_shared(k_desc, [kv_start + j * BLOCK_N, kv_col], ready.index(stage),
-                                            k_smem.index(stage))
-            tma.async_copy_global_to_shared(v_desc, [kv_start + j * BLOCK_N, kv_col], ready.index(stage),
-                                            v_smem.index(stage))
+            _issue_kv_tile(k_desc, v_desc, k_smem.index(stage), v_smem.index(stage), ready.index(stage), kv_start,
+                           kv_len, j, kv_col, kv_indices_ptr, rows_per_page, PAGED)
             t += 1
 
 
 @gluon.jit
 def _load_paged_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
                           stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages,
-                          sm_scale_log2, is_causal, qo_indptr_ptr,
+                          sm_scale_log2, k_mult, v_mult, is_causal, qo_indptr_ptr,
                           kv_indptr_ptr, kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr,
                           num_qo_heads, group, num_items, page_size):
-    """Producer warp, paged K/V: tile j is BLOCK_N / PAGE pages, one TMA box [PAGE, D] each into its
-    rows of the stage. ``kv_start`` is the request's first entry in ``kv_indices``; page p's rows
-    start at row p * rows_per_page of the K and V descriptors. Boxes of pages past the request's
-    end read page 0 (their positions are masked by the consumers), so every stage gets the bytes
-    its barrier expects."""
-    stages: gl.constexpr = k_smem.type.shape[0]
-    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
-    HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
-    PAGE: gl.constexpr = k_desc.block_type.shape[0]
-    kv_bytes: gl.constexpr = 2 * BLOCK_N * k_desc.block_type.nbytes // PAGE
-    t = 0
-    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
-        q_start, m0, q_len, kv_start, kv_len, n_tiles, head, kv_col = _item(
-            item, num_qo_heads, group, tile_req_ptr, tile_start_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
-            is_causal, BLOCK_N, HEAD_DIM)
-        n_pages = gl.cdiv(kv_len, PAGE)
-        for j in range(n_tiles):
-            stage = t % stages
-            mbarrier.wait(empty.index(stage), ((t // stages) & 1) ^ 1)
-            mbarrier.expect(ready.index(stage), kv_bytes)
-            for i in gl.static_range(BLOCK_N // PAGE):
-                idx = j * (BLOCK_N // PAGE) + i
-                page = gl.load(kv_indices_ptr + kv_start + idx, mask=idx < n_pages, other=0)
-                row = page * rows_per_page
-                tma.async_copy_global_to_shared(k_desc, [row, kv_col], ready.index(stage),
-                                                k_smem.index(stage).slice(i * PAGE, PAGE))
-                tma.async_copy_global_to_shared(v_desc, [row, kv_col], ready.index(stage),
-                                                v_smem.index(stage).slice(i * PAGE, PAGE))
-            t += 1
+    """Producer warp, paged K/V: tile j is BLOCK_N / PAGE pages, one TMA box each (``_issue_kv_tile``)."""
+    _load_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, is_causal, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
+                kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group, num_items, True)
 
 
 @gluon.jit
 def _gather_paged_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
                             stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages,
-                            sm_scale_log2, is_causal, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr, kv_indices_ptr,
-                            rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group, num_items, page_size):
+                            sm_scale_log2, k_mult, v_mult, is_causal, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
+                            kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group, num_items,
+                            page_size):
     """Producer warpgroup, paged K/V whose pages TMA cannot box (``GATHER``; page 1: SGLang's cache):
     tile j's rows gathered by cp.async, 16 bytes a thread and copy, in sub-tiles of 32 rows (few
     addresses live at once: the warpgroup keeps 24 registers a thread), into the same ring. A tile's
@@ -188,6 +209,85 @@ def _gather_paged_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ba
 
 
 @gluon.jit
+def _convert_stage(src, dst):
+    """One fp8 stage [BLOCK_N, D] into a 16-bit stage, in chunks of rows a warpgroup
+    covers with 8 elements a thread (8 bytes of fp8 in, 16 bytes out): few registers live at once (the
+    producer has 32 a thread)."""
+    BLOCK_N: gl.constexpr = src.type.shape[0]
+    HEAD_DIM: gl.constexpr = src.type.shape[1]
+    cols_t: gl.constexpr = HEAD_DIM // 8
+    CH: gl.constexpr = 4 * (32 // cols_t)
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // cols_t, cols_t], [4, 1], [1, 0])
+    for r in gl.static_range(0, BLOCK_N, CH):
+        x = src.slice(r, CH).load(layout)
+        dst.slice(r, CH).store(x.to(dst.dtype))
+
+
+@gluon.jit
+def _convert_tile(c, k8_smem, v8_smem, ready8, k_smem, v_smem, ready, empty):
+    """Ring tile c: once its fp8 boxes have landed and both consumers released its 16-bit stage, K and
+    V converted into that stage and published to the consumers (``publish_stage``)."""
+    stages8: gl.constexpr = k8_smem.type.shape[0]
+    stages: gl.constexpr = k_smem.type.shape[0]
+    s8 = c % stages8
+    s = c % stages
+    mbarrier.wait(ready8.index(s8), (c // stages8) & 1)
+    mbarrier.wait(empty.index(s), ((c // stages) & 1) ^ 1)
+    _convert_stage(k8_smem.index(s8), k_smem.index(s))
+    _convert_stage(v8_smem.index(s8), v_smem.index(s))
+    publish_stage(ready, c, stages)
+
+
+@gluon.jit
+def _fp8_tiles(k_desc, v_desc, k8_smem, v8_smem, ready8, k_smem, v_smem, ready, empty, is_causal,
+               qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr,
+               num_qo_heads, group, num_items, PAGED: gl.constexpr):
+    """The fp8 producer warpgroup's loop (``FP8``): tile t by TMA into fp8 stage t % S8 (one elected
+    thread issues it), and whenever S8 tiles are in flight the oldest converted into the 16-bit ring
+    (``_convert_tile``), so a fp8 stage is refilled only after this warpgroup read it; the tiles
+    still in flight at the end are converted last."""
+    stages8: gl.constexpr = k8_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = k8_smem.type.shape[1]
+    HEAD_DIM: gl.constexpr = k8_smem.type.shape[2]
+    kv_bytes: gl.constexpr = 2 * BLOCK_N * k_desc.block_type.nbytes // k_desc.block_type.shape[0]
+    t = 0  # tiles issued
+    c = 0  # tiles converted
+    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        q_start, m0, q_len, kv_start, kv_len, n_tiles, head, kv_col = _item(
+            item, num_qo_heads, group, tile_req_ptr, tile_start_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
+            is_causal, BLOCK_N, HEAD_DIM)
+        for j in range(n_tiles):
+            s8 = t % stages8
+            mbarrier.expect(ready8.index(s8), kv_bytes)
+            _issue_kv_tile(k_desc, v_desc, k8_smem.index(s8), v8_smem.index(s8), ready8.index(s8), kv_start, kv_len,
+                           j, kv_col, kv_indices_ptr, rows_per_page, PAGED)
+            t += 1
+            if t - c == stages8:
+                _convert_tile(c, k8_smem, v8_smem, ready8, k_smem, v_smem, ready, empty)
+                c += 1
+    for r in range(c, t):
+        _convert_tile(r, k8_smem, v8_smem, ready8, k_smem, v_smem, ready, empty)
+
+
+@gluon.jit
+def _fp8_partition(k_desc, v_desc, k8_smem, v8_smem, ready8, k_smem, v_smem, ready, empty, is_causal,
+                   qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr,
+                   tile_start_ptr, num_qo_heads, group, num_items):
+    _fp8_tiles(k_desc, v_desc, k8_smem, v8_smem, ready8, k_smem, v_smem, ready, empty, is_causal,
+               qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr,
+               num_qo_heads, group, num_items, False)
+
+
+@gluon.jit
+def _fp8_paged_partition(k_desc, v_desc, k8_smem, v8_smem, ready8, k_smem, v_smem, ready, empty,
+                         is_causal, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr, kv_indices_ptr, rows_per_page,
+                         tile_req_ptr, tile_start_ptr, num_qo_heads, group, num_items):
+    _fp8_tiles(k_desc, v_desc, k8_smem, v8_smem, ready8, k_smem, v_smem, ready, empty, is_causal,
+               qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr,
+               num_qo_heads, group, num_items, True)
+
+
+@gluon.jit
 def _q_origin(item, num_items, num_qo_heads, tile_req_ptr, tile_start_ptr, qo_indptr_ptr, WG: gl.constexpr,
               HEAD_DIM: gl.constexpr):
     """Where a consumer's 64 query rows of ``item`` start in q_desc: (row, column); any valid item's
@@ -205,18 +305,35 @@ def _load_q(q_desc, my_q, my_bar, row, col, valid):
 
 
 @gluon.jit
+def _convert_q(src, dst, layout):
+    """A consumer's Q tile into the ring's dtype, in place (``dst`` reinterprets ``src``'s bytes): every
+    thread's part read, then written, then made visible to the warpgroup's wgmma."""
+    ROWS_Q: gl.constexpr = src.type.shape[0]
+    CH: gl.constexpr = 4 * (32 // (src.type.shape[1] // 8))
+    for r in gl.static_range(0, ROWS_Q, CH):
+        x = src.slice(r, CH).load(layout)
+        gl.thread_barrier()
+        dst.slice(r, CH).store(x.to(dst.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
 def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
              stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages, sm_scale_log2,
-             is_causal, qo_indptr_ptr, kv_indptr_ptr,
+             k_mult, v_mult, is_causal, qo_indptr_ptr, kv_indptr_ptr,
              kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
              num_items, page_size, WG: gl.constexpr):
     """Consumer warpgroup ``WG``: for each of the program's items, query rows m0 + 64 WG ... + 63
     against every KV tile of the item. The next item's Q loads once this item's last S is done,
-    under the last PV and the epilogue."""
+    under the last PV and the epilogue. Where the ring's dtype is not Q's (``FP8``: fp16), the Q tile
+    is converted in place once it lands, and the wgmmas read it as the ring's dtype."""
     stages: gl.constexpr = k_smem.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
-    dtype: gl.constexpr = q_desc.dtype
+    dtype: gl.constexpr = k_smem.dtype  # the wgmmas' operands (P too)
+    convert_q: gl.constexpr = dtype != q_desc.dtype
+    q_load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -229,7 +346,9 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
 
     my_q = q_smem.index(WG)
+    my_q_mma = my_q._reinterpret(dtype, [ROWS, HEAD_DIM], q_desc.layout) if convert_q else my_q
     my_bar = q_bar.index(WG)
+    scale = sm_scale_log2 * k_mult
     first = gl.program_id(0)
     step = gl.num_programs(0)
     q_row, q_col = _q_origin(first, num_items, num_qo_heads, tile_req_ptr, tile_start_ptr, qo_indptr_ptr, WG,
@@ -252,19 +371,21 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
         first_masked = kv_hi // BLOCK_N
         if is_causal:
             first_masked = gl.minimum(first_masked, gl.maximum(r0 + kv_len - q_len + 1, 0) // BLOCK_N)
+        mbarrier.wait(my_bar, q_phase)
+        q_phase ^= 1
+        if convert_q:
+            _convert_q(my_q, my_q_mma, q_load_layout)
         rows_diag = r0 + gl.arange(0, ROWS, layout=row_s) + kv_len - q_len
         m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)
         l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-        mbarrier.wait(my_bar, q_phase)
-        q_phase ^= 1
 
         if n_tiles > 0:
             stage = t % stages
             mbarrier.wait(ready.index(stage), (t // stages) & 1)
-            s_tok = warpgroup_mma(my_q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s_tok = warpgroup_mma(my_q_mma, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, sm_scale_log2, cols0, kv_hi, rows_diag,
+            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, scale, cols0, kv_hi, rows_diag,
                                                0 >= first_masked, is_causal)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             for j in range(1, n_tiles):
@@ -272,11 +393,11 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
                 prev = (t + j - 1) % stages
                 mbarrier.wait(ready.index(stage), ((t + j) // stages) & 1)
                 # S_j first, then O += P_{j-1} V_{j-1}; the softmax of S_j runs under the second
-                s_tok = warpgroup_mma(my_q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False,
+                s_tok = warpgroup_mma(my_q_mma, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False,
                                       is_async=True)
                 o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
-                p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, sm_scale_log2, cols0 + j * BLOCK_N, kv_hi,
+                p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, scale, cols0 + j * BLOCK_N, kv_hi,
                                                    rows_diag, j >= first_masked, is_causal)
                 acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_op))
                 mbarrier.arrive(empty.index(prev), count=1)
@@ -294,7 +415,7 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
 
         # rows that saw no key: output 0, LSE -inf (as the attention core)
         l_o = gl.convert_layout(l_i, row_o)
-        o = acc / gl.where(l_o > 0, l_o, 1.0)[:, None]
+        o = acc / gl.where(l_o > 0, l_o, 1.0)[:, None] * v_mult
         rows_o = r0 + gl.arange(0, ROWS, layout=row_o)
         ptrs = (o_ptr + (q_start + rows_o).to(gl.int64)[:, None] * stride_o_tok + head * stride_o_head
                 + offs_d[None, :])
@@ -309,12 +430,12 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
 @gluon.jit
 def _consume0(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
               stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages, sm_scale_log2,
-              is_causal, qo_indptr_ptr, kv_indptr_ptr,
+              k_mult, v_mult, is_causal, qo_indptr_ptr, kv_indptr_ptr,
               kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
               num_items, page_size):
     _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
              stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages, sm_scale_log2,
-             is_causal, qo_indptr_ptr, kv_indptr_ptr,
+             k_mult, v_mult, is_causal, qo_indptr_ptr, kv_indptr_ptr,
              kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
              num_items, page_size, 0)
 
@@ -322,12 +443,12 @@ def _consume0(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empt
 @gluon.jit
 def _consume1(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
               stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages, sm_scale_log2,
-              is_causal, qo_indptr_ptr, kv_indptr_ptr,
+              k_mult, v_mult, is_causal, qo_indptr_ptr, kv_indptr_ptr,
               kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
               num_items, page_size):
     _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
              stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages, sm_scale_log2,
-             is_causal, qo_indptr_ptr, kv_indptr_ptr,
+             k_mult, v_mult, is_causal, qo_indptr_ptr, kv_indptr_ptr,
              kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
              num_items, page_size, 1)
 
@@ -335,10 +456,11 @@ def _consume1(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empt
 @gluon.jit
 def prefill_hopper_kernel(
     q_desc, k_desc, v_desc, o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr,
-    stride_kv_row, num_pages, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr, tile_req_ptr, tile_start_ptr, num_qo_heads,
-    num_items, sm_scale_log2, kv_indices_ptr, rows_per_page,
+    stride_kv_row, num_pages, k_mult, v_mult, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr, tile_req_ptr, tile_start_ptr,
+    num_qo_heads, num_items, sm_scale_log2, kv_indices_ptr, rows_per_page,
     GROUP: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    PAGE_SIZE: gl.constexpr, GATHER: gl.constexpr, num_warps: gl.constexpr,
+    PAGE_SIZE: gl.constexpr, GATHER: gl.constexpr, FP8: gl.constexpr, FP8_STAGES: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """q_desc: [tokens, H_qo * D] box [64, D]; o: [tokens, H_qo, D] (any row and head strides); lse:
     [tokens, H_qo] float32 base 2. ``tile_req`` / ``tile_start`` int32 [tiles]: the request and first
@@ -355,13 +477,23 @@ def prefill_hopper_kernel(
     ``kv_indices`` the page table. With ``GATHER`` (any ``PAGE_SIZE``: page 1, SGLang's), the same
     rows are read by cp.async through ``k_ptr`` / ``v_ptr`` (``stride_kv_row`` elements a row,
     ``num_pages`` pages) and the descriptors only give the stages' layout (box [128, D]).
-    ``k_ptr`` ... ``num_pages`` are unread otherwise."""
+    ``k_ptr`` ... ``num_pages`` are unread otherwise.
+
+    ``FP8``: k_desc / v_desc read e4m3 K/V (either mode above, not ``GATHER``) into ``FP8_STAGES``
+    stages, which the producer warpgroup (``PRODUCER_REGS`` registers a thread) converts into the
+    consumers' ``STAGES`` fp16 stages; Q (bf16) is converted to fp16 by the consumers. ``k_mult``
+    multiplies the scores (with ``sm_scale_log2``), ``v_mult`` the output (1 and 1 without fp8 scales)."""
     BLOCK_N: gl.constexpr = 128
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    if FP8:
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float16)
+        k_smem = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+        v_smem = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    else:
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -372,10 +504,25 @@ def prefill_hopper_kernel(
         mbarrier.init(empty.index(i), count=2)
 
     args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok, stride_o_head,
-            lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages, sm_scale_log2, IS_CAUSAL, qo_indptr_ptr,
-            kv_indptr_ptr, kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads,
-            GROUP, num_items, PAGE_SIZE)
-    if GATHER:
+            lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages, sm_scale_log2, k_mult, v_mult, IS_CAUSAL,
+            qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr,
+            num_qo_heads, GROUP, num_items, PAGE_SIZE)
+    if FP8:
+        k8_smem = gl.allocate_shared_memory(k_desc.dtype, [FP8_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v8_smem = gl.allocate_shared_memory(v_desc.dtype, [FP8_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        ready8 = gl.allocate_shared_memory(gl.int64, [FP8_STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(FP8_STAGES):
+            mbarrier.init(ready8.index(i), count=1)
+        args8 = (k_desc, v_desc, k8_smem, v8_smem, ready8, k_smem, v_smem, ready, empty, IS_CAUSAL,
+                 qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr,
+                 num_qo_heads, GROUP, num_items)
+        if PAGE_SIZE > 0:
+            gl.warp_specialize([(_consume0, args), (_consume1, args), (_fp8_paged_partition, args8)], [4, 4],
+                               [CONSUMER_REGS, PRODUCER_REGS])
+        else:
+            gl.warp_specialize([(_consume0, args), (_consume1, args), (_fp8_partition, args8)], [4, 4],
+                               [CONSUMER_REGS, PRODUCER_REGS])
+    elif GATHER:
         # the producer a warpgroup (registers are handed out per warpgroup: the same 24 a thread)
         gl.warp_specialize([(_consume0, args), (_consume1, args), (_gather_paged_partition, args)], [4, 4],
                            [CONSUMER_REGS, 24])
