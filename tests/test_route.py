@@ -95,7 +95,8 @@ def test_route_takes_e4m3_kv_when_switched_on(hopper_gpu, monkeypatch):
     route = _route.Route("hopper", "forced")
     q = torch.randn(256, 4, 128).to(torch.bfloat16)
     k8 = torch.randn(256, 2, 128).to(fp8)
-    assert _route.PREFILL.at_run(route, q, (k8, k8), scaled=True) is not None
+    assert _route.PREFILL.at_run(route, q, (k8, k8), scaled=True, k_mult=0.5) is not None
+    assert _route.PREFILL.at_run(route, q, (k8, k8), scaled=True, k_mult=-0.5) is None
     assert _route.PREFILL.at_run(route, q, (k8, k8), sinks=torch.zeros(4)) is None
 
 

@@ -177,15 +177,19 @@ class PrefillRoute:
         reason = self.scores_unsupported(params)
         return core(f"forward() settings: {reason}") if reason else route
 
-    def at_run(self, route: Route, q: torch.Tensor, kv, *, sinks=None, head_scales=None, scaled: bool = False):
+    def at_run(self, route: Route, q: torch.Tensor, kv, *, sinks=None, head_scales=None, scaled: bool = False,
+               k_mult: float = 1.0):
         """The Gluon kernel's K/V descriptors for this call, or None: the core runs it. ``kv`` is a
         ``PagedKV`` (paged) or a ``(k, v)`` pair (ragged); ``scaled``: q/k/v scales were passed (the fp8
-        mode takes them, the 16-bit one has none)."""
+        mode takes them, the 16-bit one has none), ``k_mult`` their product on the scores (the kernel
+        folds the softmax scale into exp2: it must stay positive)."""
         if route.is_core:
             return None
         fp8 = (kv[0] if isinstance(kv, tuple) else kv.k).dtype == torch.float8_e4m3fn
         if sinks is not None or head_scales is not None or (scaled and not fp8):
             why = "sinks, per-head scales or scales of 16-bit K/V"
+        elif not k_mult > 0:
+            why = "q_scale * k_scale is not positive"
         elif not _hopper.tma_ready(q):
             why = "q's strides do not fit a TMA view"
         else:

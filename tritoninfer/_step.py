@@ -209,12 +209,13 @@ def run_step(step: PlannedStep, *, q: torch.Tensor, kv: KVSource, out: torch.Ten
     and ``tiles`` default to the step's (decode's speculative runs pass causal ones)."""
     if not step.route.is_core:
         scaled = q_scale is not None or k_scale is not None or v_scale is not None
-        descriptors = PREFILL.at_run(step.route, q, route_kv, sinks=sinks, head_scales=head_scales, scaled=scaled)
+        k_mult = (1.0 if q_scale is None else float(q_scale)) * (1.0 if k_scale is None else float(k_scale))
+        descriptors = PREFILL.at_run(step.route, q, route_kv, sinks=sinks, head_scales=head_scales, scaled=scaled,
+                                     k_mult=k_mult)
         if descriptors is not None:
             paged = kv.page_size > 0
             if paged:
                 check_page_ids(step, kv)
-            k_mult = (1.0 if q_scale is None else float(q_scale)) * (1.0 if k_scale is None else float(k_scale))
             _hopper.launch(q, descriptors, out, lse, step.device_plan.qo_indptr, kv.kv_indptr,
                            step.device_plan.kv_len, step.route_work, step.num_kv_heads, step.params.sm_scale,
                            step.params.causal, kv_indices=kv.kv_indices if paged else None,
