@@ -1,4 +1,4 @@
-"""Host cost of a decode step's ``plan()``, the first ``run()`` of that plan and a later ``run()``, on a
+"""Host cost of a decode (or paged prefill) step's ``plan()``, the first ``run()`` of that plan and a later ``run()``, on a
 machine without a GPU: the GPU launch path runs on CPU tensors with the compiler and
 ``cuLaunchKernel`` faked (``tritoninfer.testing.fake_driver_launches``), so the numbers hold the
 Python of planning, binding and launching, not Triton's compiled launcher, the driver call or CUDA
@@ -6,7 +6,7 @@ copies (on the H200 host those add ~10 µs a launch and the plan's upload; its P
 than this 2-core dev machine's). Indices are on the host, so ``plan()`` also checks every page id
 (a GPU run with device indices skips that).
 
-    python benchmarks/host_fake_driver.py [--batches 1 16 256] [--kv-len 4096] [--rounds 2000]
+    python benchmarks/host_fake_driver.py [--batches 1 16 256] [--kv-len 4096] [--rounds 2000] [--prefill QO_LEN]
 """
 
 import argparse
@@ -21,20 +21,32 @@ from tritoninfer import testing
 PAGE, HQ, HK, D = 16, 32, 8, 128
 
 
-def measure(batch: int, kv_len: int, rounds: int) -> dict:
+def measure(batch: int, kv_len: int, rounds: int, qo_len: int = 0) -> dict:
+    """Decode (``qo_len`` 0) or causal paged prefill of ``qo_len`` new tokens a request."""
     pages_per = -(-kv_len // PAGE)
     indptr = torch.arange(batch + 1, dtype=torch.int32) * pages_per
     indices = torch.arange(batch * pages_per, dtype=torch.int32) % 64
     last = torch.full((batch,), kv_len - (pages_per - 1) * PAGE, dtype=torch.int32)
     cache = torch.zeros(64, 2, PAGE, HK, D, dtype=torch.bfloat16)
-    q = torch.zeros(batch, HQ, D, dtype=torch.bfloat16)
+    q = torch.zeros(batch * max(qo_len, 1), HQ, D, dtype=torch.bfloat16)
     out = torch.empty_like(q)
-    w = tritoninfer.BatchDecodeWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8))
+    ws = torch.empty(128 << 20, dtype=torch.uint8)
+    if qo_len:
+        w = tritoninfer.BatchPrefillWithPagedKVCacheWrapper(ws)
+        qo_indptr = torch.arange(batch + 1, dtype=torch.int32) * qo_len
+
+        def plan():
+            w.plan(qo_indptr, indptr, indices, last, HQ, HK, D, PAGE, causal=True, q_data_type=torch.bfloat16)
+    else:
+        w = tritoninfer.BatchDecodeWithPagedKVCacheWrapper(ws)
+
+        def plan():
+            w.plan(indptr, indices, last, HQ, HK, D, PAGE, q_data_type=torch.bfloat16)
     plan_s, first_s, later_s = [], [], []
     for i in range(rounds):
         last[0] = 1 + i % PAGE  # each step's lengths differ, as a decode loop's do
         t0 = time.perf_counter()
-        w.plan(indptr, indices, last, HQ, HK, D, PAGE, q_data_type=torch.bfloat16)
+        plan()
         t1 = time.perf_counter()
         w.run(q, cache, out=out)
         t2 = time.perf_counter()
@@ -53,11 +65,14 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 256])
     ap.add_argument("--kv-len", type=int, default=4096)
     ap.add_argument("--rounds", type=int, default=2000)
+    ap.add_argument("--prefill", type=int, default=0, metavar="QO_LEN",
+                    help="causal paged prefill of QO_LEN new tokens a request instead of decode")
     args = ap.parse_args(argv)
-    print(f"decode {HQ}/{HK} heads, head_dim {D}, page {PAGE}, kv_len {args.kv_len}; median host µs")
+    kind = f"paged prefill of {args.prefill} tokens a request, causal" if args.prefill else "decode"
+    print(f"{kind}, {HQ}/{HK} heads, head_dim {D}, page {PAGE}, kv_len {args.kv_len}; median host µs")
     with testing.fake_driver_launches() as record:
         for batch in args.batches:
-            row = measure(batch, args.kv_len, args.rounds)
+            row = measure(batch, args.kv_len, args.rounds, args.prefill)
             print(f"batch {batch:4d}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items())
                   + f" (compiles so far {len(record.compiles)}, driver launches {len(record.launches)})")
 

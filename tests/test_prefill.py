@@ -113,6 +113,25 @@ def test_paged_prefill_matches_reference(case, device=DEVICE):
     testing.assert_lse_close(lse, ref_lse, dtype=case.q_dtype)
 
 
+def test_a_new_plan_keeps_the_bound_launch():
+    """A paged prefill wrapper's plans of other lengths (and another shape) reuse the launch bound by
+    the first run (its tiles are one object per choice, ``_plan.canonical``) with the new plan's
+    tensors; every run matches the reference."""
+    wrapper = BatchPrefillWithPagedKVCacheWrapper(testing.make_workspace(4 << 20, DEVICE))
+    for seed, (qo_lens, kv_lens) in enumerate((((6, 3), (9, 20)), ((5, 4), (12, 18)), ((2, 7, 1), (3, 30, 8)))):
+        case = Case(qo_lens, kv_lens, causal=True)
+        g, q, qo_indptr, _, _ = _inputs(case, seed=seed)
+        kv = testing.make_paged_kv(case.kv_lens, case.page_size, 2, 32, device=DEVICE, generator=g)
+        wrapper.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 4, 2, 32, case.page_size,
+                     causal=True, q_data_type=case.q_dtype)
+        o = wrapper.run(q, kv.cache)
+        ref = reference.batch_prefill_with_paged_kv_cache(
+            q, qo_indptr.to(DEVICE), kv.cache, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, "NHD", causal=True)[0]
+        testing.assert_close(o, ref, case.q_dtype)
+        launches = wrapper._step.device_plan.attention_launches
+        assert len(launches) == 1 and next(iter(launches.values())).plan is wrapper._step.device_plan
+
+
 @pytest.mark.parametrize("sm_scale,k_scale", [(0.3, None), (-0.3, None), (0.25, -2.0), (0.0, None)])
 def test_folded_softmax_scale_of_any_sign(sm_scale, k_scale):
     """Prefill tiles apply the softmax scale inside exp2 (``FOLD_SCALE``), with the row max taken on

@@ -100,8 +100,23 @@ def decode_tiles(group: int, q_len_per_req: int, head_dim: int, kv_elem_bytes: i
     return Tiles(block_m, 64, 4, 3, q_len_per_req, row_tiles, prefetch_pages=True, kv_as_m=True)
 
 
+_TILES: "dict[Tiles, Tiles]" = {}
+
+
+def canonical(tiles: Tiles) -> Tiles:
+    """One object per distinct tile choice: bound launches are kept by the identity of their tiles
+    (``_attention.launch_attention``), so a plan's equal tiles must be the same object for its first
+    run to find the previous plan's launch."""
+    return _TILES.setdefault(tiles, tiles)
+
+
 def prefill_tiles(group: int, head_dim: int, avg_packed_rows: Optional[float] = None,
                   kv_elem_bytes: int = 2) -> Tiles:
+    return canonical(_prefill_tiles(group, head_dim, avg_packed_rows, kv_elem_bytes))
+
+
+def _prefill_tiles(group: int, head_dim: int, avg_packed_rows: Optional[float] = None,
+                   kv_elem_bytes: int = 2) -> Tiles:
     """Tiles for prefill: each work item covers ``block_m // group`` query tokens.
 
     ``avg_packed_rows`` is the batch's query rows per request times the group (FlashInfer's
