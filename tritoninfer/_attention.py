@@ -8,7 +8,6 @@ host, so it can be captured in a CUDA graph.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Callable, List, Optional, Tuple
 
@@ -21,6 +20,7 @@ from ._errors import fault_record
 from ._launch import CachedLauncher
 from ._options import (
     PosEncodingMode,
+    cached_by_value,
     check_soft_cap,
     check_window_left,
     parse_pos_encoding_mode,
@@ -55,19 +55,8 @@ class ScoreParams:
 def score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
                   head_dim, causal=False) -> ScoreParams:
     """Parses the plan arguments that define the attention function (cached: plan() runs every step)."""
-    args = (pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta, head_dim, causal)
-    try:
-        # the types are part of the key so that e.g. window_left=True is still rejected
-        return _score_params_cached(args, tuple(type(a) for a in args))
-    except TypeError as e:
-        if "unhashable" not in str(e):
-            raise
-        return _parse_score_params(*args)  # e.g. a tensor scale: parse it uncached
-
-
-@functools.lru_cache(maxsize=256)
-def _score_params_cached(args: tuple, _types: tuple) -> ScoreParams:
-    return _parse_score_params(*args)
+    return _score_params_cached(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
+                                head_dim, causal)
 
 
 def _parse_score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
@@ -85,6 +74,9 @@ def _parse_score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scal
         rope_theta=rope_theta,
         alibi=mode == PosEncodingMode.ALIBI,
     )
+
+
+_score_params_cached = cached_by_value(_parse_score_params)
 
 
 @dataclasses.dataclass

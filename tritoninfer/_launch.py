@@ -70,23 +70,6 @@ def _args_key(args: tuple) -> tuple:
                   if type(a) is int else _arg_key(a) for a in args])
 
 
-def _values_and_key(args: tuple) -> Tuple[tuple, tuple]:
-    """The values a launcher passes for ``args`` (tensors as addresses) and ``_args_key(args)``, in one
-    pass (a bound launch's tail at each new plan)."""
-    values, key = [], []
-    for a in args:
-        t = type(a)
-        if t is torch.Tensor:
-            p = a.data_ptr()
-            values.append(p)
-            key.append((a.dtype, (p & 15) == 0))
-        else:
-            values.append(a)
-            key.append((1 if a == 1 else ((a & 15) == 0, -2147483648 <= a < 2147483648, a < 9223372036854775808))
-                       if t is int else _arg_key(a))
-    return tuple(values), tuple(key)
-
-
 # False: ``CachedLauncher`` calls Triton's compiled launcher on every hit (the driver path off, for
 # comparisons; ``BoundLaunch`` keeps its own)
 CACHED_DRIVER_PATH = True
@@ -242,8 +225,8 @@ class BoundLaunch:
         and the next call finds its kernel as a new bound launch would."""
         if self._tail_spec is None:
             self._tail_spec = self._specialised(_args_key(self.tail))
-        self._tail_values, spec = _values_and_key(tail)
-        spec = self._specialised(spec)
+        self._tail_values = tuple([a.data_ptr() if isinstance(a, torch.Tensor) else a for a in tail])
+        spec = self._specialised(_args_key(tail))
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.tail = tail
         if spec != self._tail_spec:

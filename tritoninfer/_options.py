@@ -8,8 +8,9 @@ data is already on the host (``plan()`` receives host copies of the page table).
 from __future__ import annotations
 
 import enum
+import functools
 import math
-from typing import Optional, Sequence, Tuple, Union
+from typing import Callable, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -297,3 +298,23 @@ def host_index(t: torch.Tensor, name: str) -> torch.Tensor:
 def copy_into(buf: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
     if src.data_ptr() != buf.data_ptr() or src.device != buf.device:
         buf.copy_(src, non_blocking=non_blocking)
+
+
+def cached_by_value(parse: Callable) -> Callable:
+    """``parse`` (positional arguments only) remembered by its arguments' values and types: plan() runs
+    every step, and the types keep e.g. ``window_left=True`` refused where ``parse`` refuses it.
+    Arguments that cannot be hashed (a tensor scale) are parsed at every call. Errors are not
+    remembered: a bad argument raises each time."""
+    cached = functools.lru_cache(maxsize=256)(lambda args, _types: parse(*args))
+
+    @functools.wraps(parse)
+    def call(*args):
+        try:
+            return cached(args, tuple(map(type, args)))
+        except TypeError as e:
+            if "unhashable" not in str(e):
+                raise
+            return parse(*args)
+
+    call.cache_clear = cached.cache_clear
+    return call

@@ -30,6 +30,7 @@ from ._kvcache import (
 )
 from ._options import (
     KV_DTYPES,
+    cached_by_value,
     Q_DTYPES,
     TensorLayout,
     check_head_dim,
@@ -676,25 +677,6 @@ class _DecodeConfig(NamedTuple):
     tiles: Any
 
 
-def _decode_config(num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left, logits_soft_cap,
-                   q_data_type, kv_data_type, data_type, sm_scale, rope_scale, rope_theta) -> _DecodeConfig:
-    """The checked configuration of a decode plan; raises ``ValueError`` naming a bad argument."""
-    args = (num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left, logits_soft_cap,
-            q_data_type, kv_data_type, data_type, sm_scale, rope_scale, rope_theta)
-    try:
-        # the types are part of the key, so that e.g. head_dim=128.0 or window_left=True is still refused
-        return _decode_config_cached(args, tuple(map(type, args)))
-    except TypeError as e:
-        if "unhashable" not in str(e):
-            raise
-        return _parse_decode_config(*args)  # e.g. a tensor scale: checked uncached
-
-
-@functools.lru_cache(maxsize=256)
-def _decode_config_cached(args: tuple, _types: tuple) -> _DecodeConfig:
-    return _parse_decode_config(*args)
-
-
 def _parse_decode_config(num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left,
                          logits_soft_cap, q_data_type, kv_data_type, data_type, sm_scale, rope_scale,
                          rope_theta) -> _DecodeConfig:
@@ -706,6 +688,11 @@ def _parse_decode_config(num_qo_heads, num_kv_heads, head_dim, page_size, pos_en
     return _DecodeConfig(q_dtype, kv_dtype, params,
                          Settings(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta),
                          _decode_tiles(group, 1, head_dim, kv_dtype.itemsize, _lanes_ok(params)))
+
+
+# the checked configuration of a decode plan, once per combination of arguments (plan() runs every step);
+# raises ``ValueError`` naming a bad argument
+_decode_config = cached_by_value(_parse_decode_config)
 
 
 @functools.lru_cache(maxsize=None)

@@ -691,5 +691,5 @@ def fake_driver_launches(params_read: int = 0) -> Iterator[DriverRecord]:
                 setattr(owner, name, value)
             else:
                 delattr(owner, name)
-        decode._decode_config_cached.cache_clear()
+        decode._decode_config.cache_clear()
         decode._decode_tiles.cache_clear()
