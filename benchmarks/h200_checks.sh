@@ -36,6 +36,8 @@
 #                its launches, its heaviest Python functions (FlashInfer's host time beside)
 #   ncu-sampling Nsight Compute on the renorm and sampling kernels (benchmarks/ncu_sampling.py, NCU_BATCH
 #                rows, default 256): throughput, occupancy, warp stalls, memory; needs the Firecracker runtime
+#   ncu-mla      Nsight Compute on the MLA decode kernels (benchmarks/ncu_mla.py; NCU_MLA_SHAPES as bench mla
+#                --shapes, default 128 and 16 heads 64 x 8K at page 64): stalls, occupancy, memory
 #   fit-sink-mla FlashInfer's own tests for attention sinks and DeepSeek MLA (2 workers)
 #   fit-pod-ba   FlashInfer's own tests for POD and BatchAttention (2 workers)
 #   tests-new-a1 tests-new-a in one process (beside FlashInfer's tests)
@@ -265,6 +267,14 @@ case "$part" in
       --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
       --section MemoryWorkloadAnalysis python3 benchmarks/ncu_sampling.py "${NCU_BATCH:-256}" \
       > "$out/ncu-sampling.txt" 2>&1 || true ;;
+  ncu-mla)
+    # where the Gluon MLA kernel's warps wait (NCU_MLA_SHAPES as bench mla --shapes; default 128 and 16 heads,
+    # page 64, 64 x 8K): stall reasons, occupancy, memory
+    ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    PYTHONPATH=/tmp/site:$PWD timeout "$limit" "$ncu_bin" --clock-control none --profile-from-start off \
+      --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+      --section MemoryWorkloadAnalysis --section SchedulerStats --section SourceCounters python3 benchmarks/ncu_mla.py ${NCU_MLA_SHAPES:-} \
+      > "$out/ncu-mla.txt" 2>&1 || true ;;
   fit-sink-mla)
     fit_run fit-sink-mla 2 tests/attention/test_attention_sink.py tests/attention/test_deepseek_mla.py ;;
   fit-pod-ba)
