@@ -199,9 +199,10 @@ case "$part" in
     PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=10 \
       tests/test_mla.py > "$out/$part.log" 2>&1 || true ;;
   tests-gluon)
-    # both Gluon kernels after a change to their signatures: prefill (ragged, paged, gathered pages) and MLA
+    # the Gluon kernels after a change to their signatures: prefill (ragged, paged, gathered pages), MLA, fp8 decode
     PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=10 \
-      --maxfail=8 --timeout 90 tests/test_prefill.py tests/test_mla.py -k "hopper or gluon or graph or without_kv or gather" \
+      --maxfail=8 --timeout 90 tests/test_prefill.py tests/test_mla.py tests/test_decode.py \
+      -k "hopper or gluon or graph or without_kv or gather" \
       > "$out/$part.log" 2>&1 || true ;;
   tests-mla-modes)
     PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=10 -x \

@@ -440,6 +440,122 @@ def test_gpu_batch_decode(case):
     test_batch_decode_matches_reference(case)
 
 
+def test_merge_split_states_merges_only_split_rows():
+    """``merge_split_states_kernel`` (the Gluon fp8 decode's merge): each row's states, 0 to 5 of them, as
+    ``reference.merge_states`` merges them (an LSE of -inf included); rows without states keep what
+    the decode wrote there."""
+    from tritoninfer.kernels.merge import merge_split_states_kernel
+
+    g = torch.Generator().manual_seed(3)
+    counts, heads, dim = [3, 0, 1, 5, 0, 2], 6, 24
+    offsets = torch.tensor([0] + list(torch.tensor(counts).cumsum(0)[:-1]), dtype=torch.int32)
+    total = sum(counts)
+    part_o = torch.randn(total, heads, dim, generator=g)
+    part_lse = torch.randn(total, heads, generator=g) * 4
+    part_lse[0, 1] = float("-inf")
+    out = torch.randn(len(counts), heads, dim, generator=g).to(torch.bfloat16)
+    lse = torch.randn(len(counts), heads, generator=g)
+    kept_o, kept_lse = out.clone(), lse.clone()
+    dev = DEVICE
+    out_d, lse_d = out.to(dev), lse.to(dev)
+    merge_split_states_kernel[(len(counts), 2)](
+        out_d, out_d.stride(0), out_d.stride(1), lse_d, lse_d.stride(0), part_o.to(dev), part_lse.to(dev),
+        offsets.to(dev), len(counts), total, heads, HEAD_DIM=dim, BLOCK_H=4, BLOCK_D=32)
+    out_d, lse_d = out_d.cpu(), lse_d.cpu()
+    for row, (first, n) in enumerate(zip(offsets.tolist(), counts)):
+        if n == 0:
+            assert torch.equal(out_d[row], kept_o[row]) and torch.equal(lse_d[row], kept_lse[row])
+            continue
+        ref_o, ref_lse = reference.merge_states(part_o[first:first + n][None],
+                                                part_lse[first:first + n][None])
+        testing.assert_close(out_d[row], ref_o[0].to(torch.bfloat16), torch.bfloat16)
+        testing.assert_lse_close(lse_d[row], ref_lse[0], dtype=torch.bfloat16)
+
+
+def test_hopper_fp8_decode_launches_with_the_merge_only_when_split(monkeypatch):
+    """The Gluon fp8 decode's host side, with the launch path faked on the CPU (the kernel runs only on
+    an H200): a plan the route takes launches it on min(items, SMs) programs, then the split merge over
+    the batch only when the plan splits; a run with sinks takes the core."""
+    from tritoninfer import _device, _hopper, _route
+
+    monkeypatch.setattr(_route, "is_sm90", lambda device: True)
+    monkeypatch.setattr(_hopper, "gluon_available", lambda: True)
+    monkeypatch.setattr(_route, "DECODE_HOPPER_FP8", True)
+    grids = []
+    launch = _hopper.decode_launch
+    monkeypatch.setattr(_hopper, "decode_launch", lambda *a, **kw: grids.append(1) or launch(*a, **kw))
+    with testing.fake_driver_launches() as record:
+        sms = _device.num_sms(torch.device("cpu"))
+        for lens, splits in (((9000, 40, 0), True), ((40, 30, 20), False)):
+            kv = testing.make_paged_kv(lens, 16, 2, 128, device="cpu", generator=torch.Generator().manual_seed(0))
+            cache = kv.cache.to(torch.float8_e4m3fn)
+            w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8))
+            w.plan(kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 8, 2, 128, 16, q_data_type=torch.bfloat16,
+                   kv_data_type=torch.float8_e4m3fn)
+            plan = w._step.device_plan
+            assert w._step.route.kernel == "decode_hopper" and plan.has_splits == splits
+            record.compiles.clear()
+            w.run(torch.randn(3, 8, 128).to(torch.bfloat16), cache, k_scale=0.5)
+            kernels = [grid for grid in record.compiles if grid != (3,)]  # (3,): the page-id check
+            assert kernels[0] == (min(plan.capacity * 2, sms), 1, 1)
+            assert kernels[1:] == ([(3, 1, 1)] if splits else [])
+        grids.clear()
+        w.run(torch.randn(3, 8, 128).to(torch.bfloat16), cache, sinks=torch.zeros(8))
+        assert not grids
+
+
+# the Gluon fp8 decode (kernels/decode_hopper.py, _route.DECODE_HOPPER_FP8): e4m3 pages TMA boxes, GQA,
+# head_dim 128; splits (a long request beside short ones), empty requests, a 5-D and a tuple cache
+HOPPER_FP8_CASES = [
+    Case((4096, 1000, 0, 8191, 17), page_size=16, heads=(32, 8), head_dim=128, q_dtype=torch.bfloat16,
+         kv_dtype=torch.float8_e4m3fn),
+    Case((300, 129, 128, 1), page_size=64, heads=(64, 8), head_dim=128, q_dtype=torch.float16,
+         kv_dtype=torch.float8_e4m3fn, form="tuple"),
+    Case((20000,), page_size=8, heads=(28, 4), head_dim=128, q_dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn),
+    Case((700, 3000), page_size=128, heads=(16, 2), head_dim=128, q_dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn,
+         split="disable"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", HOPPER_FP8_CASES, ids=Case.id)
+def test_gpu_hopper_fp8_decode(case, monkeypatch):
+    """With ``_route.DECODE_HOPPER_FP8`` on, e4m3 decode under GQA runs on the Gluon fp8 decode (split
+    requests merged after it) and matches the reference, with scales, with and without an LSE, and
+    again after a re-plan with other lengths; sinks take the core."""
+    from tritoninfer import _hopper, _route
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon fp8 decode is for sm_90")
+    monkeypatch.setattr(_route, "DECODE_HOPPER_FP8", True)
+    calls = []
+    launch = _hopper.decode_launch
+    monkeypatch.setattr(_hopper, "decode_launch", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
+    for seed, lens in ((0, case.kv_lens), (1, tuple(n + 17 for n in case.kv_lens))):
+        run_case = dataclasses.replace(case, kv_lens=lens)
+        kv, q = _make(run_case, device="cuda", gen_seed=seed)
+        _plan(wrapper, run_case, kv)
+        assert wrapper._step.route.kernel == "decode_hopper", wrapper._step.route
+        if run_case.split != "disable" and max(lens) >= 8000:
+            assert wrapper._step.device_plan.has_splits
+        out = testing.nan_like(torch.empty_like(q))
+        lse = torch.full(q.shape[:2], float("nan"), device="cuda")
+        calls.clear()
+        wrapper.run(q, kv.cache, out=out, lse=lse, k_scale=kv.k_scale, v_scale=kv.v_scale, q_scale=1.25)
+        ref_o, ref_lse = _reference(run_case, kv, q, q_scale=1.25)
+        testing.assert_close(out, ref_o, case.q_dtype)
+        testing.assert_lse_close(lse, ref_lse, dtype=q.dtype)
+        testing.assert_close(wrapper.run(q, kv.cache, k_scale=kv.k_scale, v_scale=kv.v_scale, q_scale=1.25), ref_o,
+                             case.q_dtype)
+        assert len(calls) == 2
+    sinks = torch.randn(case.heads[0], device="cuda")
+    calls.clear()
+    o = wrapper.run(q, kv.cache, k_scale=kv.k_scale, v_scale=kv.v_scale, sinks=sinks)
+    testing.assert_close(o, _reference(run_case, kv, q, sinks=sinks)[0], case.q_dtype)
+    assert not calls
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("q_len", [1, 4])
 def test_gpu_cuda_graph_capture_then_replan(q_len):

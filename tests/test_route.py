@@ -9,6 +9,7 @@ import torch
 from conftest import DEVICE
 
 from tritoninfer import _attention, _hopper, _route, testing
+from tritoninfer._kvcache import unpack_paged_kv_cache
 from tritoninfer._options import TensorLayout
 from tritoninfer.prefill import BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper
 
@@ -390,3 +391,80 @@ def test_batch_pod_prefill_half_route(hopper_plans, monkeypatch):
     assert "below 1024" in plan(600)._step_p.route.reason
     monkeypatch.setattr(_route, "POD_PREFILL_ON_HOPPER", False)
     assert plan(1024)._step_p.route.is_core
+
+
+def _decode_at_plan(**change):
+    params = _attention.score_params("NONE", -1, None, None, None, None, 128)
+    score_change = change.pop("scores", None)
+    if score_change:
+        params = dataclasses.replace(params, **score_change)
+    args = dict(device=torch.device("cuda", 0), q_dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn, num_qo_heads=32,
+                num_kv_heads=8, head_dim=128, page_size=16, params=params, use_cuda_graph=False, fixed_split_size=None,
+                split_align=128)
+    return _route.DECODE.at_plan(**{**args, **change})
+
+
+def test_decode_route_gates(hopper_gpu, monkeypatch):
+    """``_route.DECODE_HOPPER_FP8``: e4m3 paged decode with bf16/fp16 queries, head_dim 128, GQA groups of
+    2 to 64, pages TMA boxes (8 to 128 dividing 128), eager plans with tile-aligned splits and plain
+    scores take the Gluon fp8 decode; off, and everything else, the core."""
+    assert "DECODE_HOPPER_FP8 is off" in _decode_at_plan().reason
+    monkeypatch.setattr(_route, "DECODE_HOPPER_FP8", True)
+    assert _decode_at_plan().kernel == "decode_hopper"
+    for change in ({"q_dtype": torch.float16}, {"num_qo_heads": 16}, {"num_qo_heads": 512}, {"page_size": 8},
+                   {"page_size": 128}):
+        assert _decode_at_plan(**change).kernel == "decode_hopper", change
+    for change, reason in (
+            ({"kv_dtype": torch.bfloat16}, "e4m3"), ({"kv_dtype": torch.float8_e5m2}, "e4m3"),
+            ({"q_dtype": torch.float8_e4m3fn}, "16-bit"), ({"device": torch.device("cpu")}, "sm_90"),
+            ({"head_dim": 64}, "head_dim 64"), ({"num_qo_heads": 8}, "group of 1"), ({"num_qo_heads": 1024}, "group of 128"),
+            ({"page_size": 1}, "page size 1"), ({"page_size": 4}, "page size 4"), ({"page_size": 48}, "page size 48"),
+            ({"page_size": 256}, "page size 256"), ({"use_cuda_graph": True}, "CUDA-graph"),
+            ({"fixed_split_size": 8}, "fixed_split_size"), ({"split_align": 8}, "start on a page"),
+            ({"scores": {"logits_soft_cap": 5.0}}, "soft cap"), ({"scores": {"window_left": 3}}, "window"),
+            ({"scores": {"rope": True}}, "RoPE"), ({"scores": {"alibi": True}}, "ALiBi"),
+            ({"scores": {"sm_scale": -0.1}}, "not positive")):
+        route = _decode_at_plan(**change)
+        assert route.is_core and reason in route.reason, (change, route)
+    monkeypatch.setattr(_hopper, "gluon_available", lambda: False)
+    assert "Triton 3.6" in _decode_at_plan().reason
+
+
+def test_decode_route_at_run(hopper_gpu):
+    """At run: several query tokens a request, sinks, a scale product that is not positive, a q that is not
+    contiguous, or a cache TMA cannot view take the core."""
+    route = _route.Route("decode_hopper", "forced")
+    kv = testing.make_paged_kv((40, 17), 16, 2, 128, device="cpu", generator=torch.Generator().manual_seed(0))
+    cache = kv.cache.to(torch.float8_e4m3fn)
+    pkv = unpack_paged_kv_cache(cache, TensorLayout.NHD)
+    q = torch.randn(2, 8, 128).to(torch.bfloat16)
+    assert _route.DECODE.at_run(route, q, pkv) is not None
+    assert _route.DECODE.at_run(route, q, pkv, q_len_per_req=2) is None
+    assert _route.DECODE.at_run(route, q, pkv, sinks=torch.zeros(8)) is None
+    assert _route.DECODE.at_run(route, q, pkv, k_mult=0.0) is None
+    assert _route.DECODE.at_run(route, torch.randn(2, 8, 136).to(torch.bfloat16)[..., :128], pkv) is None
+    hnd = unpack_paged_kv_cache(cache.transpose(2, 3).contiguous(), TensorLayout.HND)
+    assert _route.DECODE.at_run(route, q, hnd) is None
+    assert _route.DECODE.at_run(_route.core("x"), q, pkv) is None
+
+
+def test_decode_plans_store_the_route(hopper_plans, monkeypatch):
+    """A decode plan the route takes keeps its route (the run asks it again with the call's tensors); a
+    CUDA-graph wrapper, a bf16 cache or forward()'s soft cap take the core."""
+    from tritoninfer.decode import BatchDecodeWithPagedKVCacheWrapper
+
+    monkeypatch.setattr(_route, "DECODE_HOPPER_FP8", True)
+    kv = testing.make_paged_kv((40, 300), 16, 2, 128, device=DEVICE, generator=torch.Generator().manual_seed(0))
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(testing.make_workspace(4 << 20, DEVICE))
+
+    def plan(kv_dtype):
+        wrapper.plan(kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 8, 2, 128, 16, q_data_type=torch.bfloat16,
+                     kv_data_type=kv_dtype)
+        return wrapper._step.route
+
+    route = plan(torch.float8_e4m3fn)
+    assert route.kernel == "decode_hopper", route
+    assert plan(torch.bfloat16).is_core
+    plan(torch.float8_e4m3fn)
+    wrapper._override("NONE", -1, 30.0, None, None, None)
+    assert wrapper._step.route.is_core and "soft cap" in wrapper._step.route.reason

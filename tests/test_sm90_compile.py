@@ -335,6 +335,51 @@ def test_hopper_prefill_kernel_compiles_for_sm90():
     _check_resources(report, lambda case: 32 if "gather" in case else 8 if "fp8" in case else 0)
 
 
+# the Gluon fp8 decode (kernels/decode_hopper.py) as _hopper.decode_launch launches it: (page size, GQA group)
+DECODE_HOPPER_CASES = {"p16-g4": (16, 4), "p64-g8": (64, 8), "p8-g16": (8, 16)}
+
+
+def compile_decode_hopper_case(name: str):
+    """One variant of the Gluon fp8 decode for sm_90: e4m3 pages as ``_hopper.paged_descriptors`` boxes
+    them, bf16 queries, head_dim 128."""
+    import torch
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    from tritoninfer import _hopper
+    from tritoninfer.kernels.decode_hopper import decode_hopper_kernel
+
+    page, group = DECODE_HOPPER_CASES[name]
+    d = 128
+
+    def desc(box_rows, dtype):
+        rows = torch.empty(1024, 8 * d, dtype=dtype)
+        return mangle_type(TensorDescriptor(rows, [1024, 8 * d], [8 * d, 1], [box_rows, d],
+                                            _hopper.smem_layout(box_rows, d, dtype)))
+
+    config = _hopper.decode_config()
+    constexprs = dict(GROUP=group, num_warps=4, **{k: v for k, v in config.items() if k != "maxnreg"})
+    sig = {}
+    for p in decode_hopper_kernel.params:
+        n = p.name
+        sig[n] = ("constexpr" if n in constexprs else desc(64, torch.bfloat16) if n == "q_desc" else
+                  desc(page, torch.float8_e4m3fn) if n in ("k_desc", "v_desc") else
+                  "*bf16" if n == "o_ptr" else "*fp32" if n in ("lse_ptr", "part_o_ptr", "part_lse_ptr") else
+                  "*i32" if n.endswith("_ptr") else "fp32" if n in ("sm_scale_log2", "k_mult", "v_mult") else "i32")
+    return triton.compile(GluonASTSource(decode_hopper_kernel, sig, constexprs, {}), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, maxnreg=config["maxnreg"]))
+
+
+def test_decode_hopper_kernel_compiles_for_sm90():
+    """The Gluon fp8 decode (which the interpreter cannot run) compiles for sm_90 on the CPU, without spills
+    and within an H200 SM's shared memory."""
+    done = _compile_in_subprocess("decode-hopper")
+    report = _report(done)
+    assert set(report) == {f"case-{n}" for n in DECODE_HOPPER_CASES}, done.stdout
+    _check_resources(report)
+
+
 # the Gluon MLA kernel (kernels/mla_hopper.py) as mla.py launches it: (page size, causal, heads, how the
 # consumers split a tile's work: mla._HOPPER_MODE)
 MLA_HOPPER_CASES = {"p64-128h-both": (64, False, 128, "both"), "p64-128h-share-p": (64, False, 128, "share-p"),
@@ -551,6 +596,11 @@ if __name__ == "__main__" and sys.argv[1:] == ["sampling"]:
 elif __name__ == "__main__" and sys.argv[1:] == ["mla-hopper"]:
     for case in MLA_HOPPER_CASES:
         kernel = compile_mla_hopper_case(case)
+        use = resource_usage(kernel)
+        print(f"case-{case} regs={use['reg']} stack={use['stack']} shared={kernel.metadata.shared}", flush=True)
+elif __name__ == "__main__" and sys.argv[1:] == ["decode-hopper"]:
+    for case in DECODE_HOPPER_CASES:
+        kernel = compile_decode_hopper_case(case)
         use = resource_usage(kernel)
         print(f"case-{case} regs={use['reg']} stack={use['stack']} shared={kernel.metadata.shared}", flush=True)
 elif __name__ == "__main__" and sys.argv[1:] == ["hopper"]:

@@ -35,6 +35,14 @@ FP8_STAGES = 2
 FP8_RING = 2
 FP8_CONSUMER_REGS = 240
 FP8_PRODUCER_REGS = 32
+# the Gluon fp8 decode (kernels/decode_hopper.py): one consumer warpgroup and one converting producer;
+# BLOCK_N-position tiles, DECODE_STAGES fp16 and DECODE_FP8_STAGES e4m3 stages (2 x 64 + 2 x 32 KB at
+# BLOCK_N 128, with Q 208 KB); registers per consumer thread and per producer thread
+DECODE_BLOCK_N = 128
+DECODE_STAGES = 2
+DECODE_FP8_STAGES = 2
+DECODE_CONSUMER_REGS = 232
+DECODE_PRODUCER_REGS = 40
 PERSISTENT = True  # one program per SM running work items in turn (False: one item per program)
 # smallest page the Gluon kernels read by TMA: a box per page lands in an 8-row slice of a 128-byte
 # swizzled stage; Triton 3.6 cannot slice one below its 8-row swizzle pattern
@@ -63,6 +71,14 @@ def maxnreg(consumer_regs: int, producer_regs: int = PRODUCER_REGS) -> int:
     """The kernel-wide register limit that leaves ``consumer_regs`` to each consumer thread:
     registers are handed out per warpgroup, two consumers and the producer's, 12 warps in all."""
     return (2 * 4 * consumer_regs + 4 * producer_regs) // 12 // 8 * 8
+
+
+def decode_config() -> dict:
+    """The Gluon fp8 decode's compile-time constants and ``maxnreg`` (two warpgroups: the launch's limit
+    is the mean of the consumer's and the producer's, which ``warp_specialize`` then redistributes)."""
+    return dict(BLOCK_N=DECODE_BLOCK_N, STAGES=DECODE_STAGES, FP8_STAGES=DECODE_FP8_STAGES,
+                PRODUCER_REGS=DECODE_PRODUCER_REGS,
+                maxnreg=(DECODE_CONSUMER_REGS + DECODE_PRODUCER_REGS) // 2 // 8 * 8)
 
 
 def kernel_config(fp8: bool) -> dict:
@@ -227,3 +243,66 @@ def _bind(q, qo_indptr, kv_indptr, kv_len, tiles, num_kv_heads, sm_scale, causal
     bound = BoundLaunch(launcher, (grid,), tail, kwargs)
     lse = torch.empty((tokens, hq), dtype=torch.float32, device=q.device)
     return _HopperLaunch(bound, lse, (qo_indptr, kv_indptr, kv_len, tiles, kv_indices))
+
+
+def decode_launch(q: torch.Tensor, kv_descriptors: KVBoxes, out: torch.Tensor, lse: Optional[torch.Tensor], plan,
+                  kv_indptr: torch.Tensor, kv_indices: torch.Tensor, num_kv_heads: int, sm_scale: float,
+                  workspace: torch.Tensor, k_mult: float, v_mult: float) -> None:
+    """The Gluon fp8 decode (``kernels/decode_hopper.py``) over ``plan`` (a decode ``DevicePlan``: its
+    work list, one entry per request split) and the e4m3 pages of ``kv_descriptors``
+    (``paged_descriptors``), then, where the plan splits, the merge of the split states
+    (``merge_split_states_kernel``). ``q`` [batch, H_qo, D] contiguous; the launches are kept in
+    ``plan.launches``, so a later run of the plan only passes the call's tensors."""
+    (k_box, v_box), rows_per_page, page, _ = kv_descriptors
+    batch, hq, d = q.shape
+    key = ("decode_hopper", id(kv_indptr), id(kv_indices), id(workspace), batch, hq, num_kv_heads, d, q.dtype,
+           sm_scale, page, rows_per_page)
+    launches = plan.launches
+    bound = launches.get(key)
+    if bound is None:
+        if len(launches) >= 16:
+            launches.clear()
+        bound = launches[key] = _DecodeLaunch(q, plan, kv_indptr, kv_indices, num_kv_heads, sm_scale, workspace, page,
+                                              rows_per_page)
+    lse_out = bound.lse_scratch if lse is None else lse
+    q_box = TmaBox(q, (batch * hq, d), (d, 1), (64, d), smem_layout(64, d, q.dtype))
+    bound.decode(q_box, k_box, v_box, out, out.stride(0), out.stride(1), lse_out, lse_out.stride(0), float(k_mult),
+                 float(v_mult))
+    if bound.merge is not None:
+        bound.merge(out, out.stride(0), out.stride(1), lse_out, lse_out.stride(0))
+
+
+class _DecodeLaunch:
+    """The Gluon fp8 decode's launch for one plan (and the split merge's where it splits): the plan's
+    tensors and the partial states' views of the workspace bound, a scratch LSE for runs without one."""
+
+    def __init__(self, q, plan, kv_indptr, kv_indices, num_kv_heads, sm_scale, workspace, page, rows_per_page) -> None:
+        from .kernels.decode_hopper import decode_hopper_kernel
+        from .kernels.merge import merge_split_states_kernel
+
+        batch, hq, d = q.shape
+        num_items = plan.capacity * num_kv_heads
+        states = plan.num_states
+        if states * hq * (d + 1) * 4 > workspace.numel():
+            raise ValueError(f"float_workspace_buffer: the plan needs {states * hq * (d + 1) * 4} bytes for split-KV "
+                             f"states, the buffer has {workspace.numel()}")
+        ws = workspace[: (workspace.numel() // 4) * 4].view(torch.float32)
+        part_o, part_lse = ws[: states * hq * d], ws[states * hq * d: states * hq * (d + 1)]
+        if not plan.has_splits:  # never written: a 16-byte-aligned view of anything
+            part_o = part_lse = plan.kv_len
+        launcher = _device.per_device("decode_hopper", q.device, lambda: CachedLauncher(decode_hopper_kernel))
+        tail = (part_o, part_lse, plan.work, kv_indptr, kv_indices, plan.state_offset, hq, num_kv_heads, num_items,
+                sm_scale * math.log2(math.e), rows_per_page)
+        grid = min(num_items, _device.num_sms(q.device))
+        self.decode = BoundLaunch(launcher, (max(grid, 1),), tail,
+                                  dict(GROUP=hq // num_kv_heads, num_warps=4, **decode_config()))
+        self.merge = None
+        if plan.has_splits:
+            merger = _device.per_device("merge_split_states", q.device,
+                                        lambda: CachedLauncher(merge_split_states_kernel))
+            block_h = min(16, 1 << (hq - 1).bit_length())
+            self.merge = BoundLaunch(merger, (batch, -(-hq // block_h)),
+                                     (part_o, part_lse, plan.state_offset, batch, states, hq),
+                                     dict(HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=1 << (d - 1).bit_length(), num_warps=4))
+        self.lse_scratch = torch.empty((batch, hq), dtype=torch.float32, device=q.device)
+        self.keep = (plan, kv_indptr, kv_indices, workspace)  # identities in the launch's key

@@ -51,13 +51,18 @@ HOPPER_GATHER = False
 # and compiled for sm_90 on the CPU in session 18, not yet run on a GPU: off until its GPU tests pass
 # and the bench measures it.
 HOPPER_FP8 = False
+# e4m3 paged decode with grouped-query attention on the Gluon fp8 decode (kernels/decode_hopper.py: a
+# producer warpgroup converts each fp8 tile for a wgmma consumer; issue "Speed, part 3", target 2; False:
+# the core). Written and compiled for sm_90 on the CPU in session 19, not yet run on a GPU: off until its
+# GPU tests pass and the bench measures it.
+DECODE_HOPPER_FP8 = False
 
 
 @dataclasses.dataclass(frozen=True)
 class Route:
     """A route's decision: the kernel, why, and (Gluon) the host work list the plan uploads."""
 
-    kernel: str  # "core" or "hopper"
+    kernel: str  # "core", "hopper" (the Gluon prefill), "decode_hopper" (the Gluon fp8 decode), "mla_hopper"
     reason: str
     work: Optional[np.ndarray] = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -202,6 +207,72 @@ class PrefillRoute:
 
 
 PREFILL = PrefillRoute()
+
+
+class DecodeRoute:
+    """Paged decode (one query token per request): the Gluon fp8 decode for e4m3 caches under GQA on sm_90
+    (``DECODE_HOPPER_FP8``), the attention core elsewhere."""
+
+    def at_plan(self, device: torch.device, q_dtype: torch.dtype, kv_dtype: torch.dtype, num_qo_heads: int,
+                num_kv_heads: int, head_dim: int, page_size: int, params, use_cuda_graph: bool,
+                fixed_split_size: Optional[int], split_align: int) -> Route:
+        """``split_align``: the plan's KV splits start on multiples of it (its tiles' ``block_n``); the kernel
+        reads a split from its first page on."""
+        route = self._at_plan(device, q_dtype, kv_dtype, num_qo_heads, num_kv_heads, head_dim, page_size, params,
+                              use_cuda_graph, fixed_split_size, split_align)
+        log.debug("decode plan: %r", route)
+        return route
+
+    @staticmethod
+    def _at_plan(device, q_dtype, kv_dtype, num_qo_heads, num_kv_heads, head_dim, page_size, params, use_cuda_graph,
+                 fixed_split_size, split_align) -> Route:
+        group = num_qo_heads // num_kv_heads
+        if not DECODE_HOPPER_FP8:
+            return core("DECODE_HOPPER_FP8 is off")
+        if kv_dtype != torch.float8_e4m3fn or q_dtype not in (torch.float16, torch.bfloat16):
+            return core("not an e4m3 cache with 16-bit queries")
+        if not is_sm90(device):
+            return core("not an sm_90 GPU")
+        if not _hopper.gluon_available():
+            return core("the Gluon kernel needs Triton 3.6")
+        if head_dim != 128:
+            return core(f"head_dim {head_dim} (the kernel takes 128)")
+        if not 2 <= group <= 64:
+            return core(f"a GQA group of {group} (the kernel takes 2 to 64 query heads a KV head)")
+        if page_size < _hopper.TMA_MIN_PAGE or _hopper.DECODE_BLOCK_N % page_size:
+            return core(f"page size {page_size} (TMA boxes of {_hopper.TMA_MIN_PAGE} to {_hopper.DECODE_BLOCK_N} "
+                        f"positions dividing {_hopper.DECODE_BLOCK_N})")
+        if use_cuda_graph:
+            return core("CUDA-graph mode (the kernel merges only the splits a plan has)")
+        if fixed_split_size is not None or split_align % page_size:
+            return core("fixed_split_size or splits that need not start on a page")
+        reason = PrefillRoute.scores_unsupported(params)  # the two Gluon kernels' scores are the same
+        if reason:
+            return core(reason)
+        return Route("decode_hopper", "e4m3 paged decode under GQA on sm_90")
+
+    @staticmethod
+    def at_run(route: Route, q: torch.Tensor, kv, *, sinks=None, k_mult: float = 1.0, q_len_per_req: int = 1):
+        """The Gluon fp8 decode's K/V descriptors for this call (``kv`` the ``PagedKV``), or None: the core
+        runs it."""
+        if route.is_core:
+            return None
+        if q_len_per_req != 1 or sinks is not None:
+            why = "several query tokens per request or sinks"
+        elif not k_mult > 0:
+            why = "q_scale * k_scale is not positive"
+        elif not q.is_contiguous() or q.data_ptr() % 16:
+            why = "q is not contiguous and 16-byte aligned"
+        else:
+            descriptors = _hopper.paged_descriptors(kv)
+            if descriptors is not None:
+                return descriptors
+            why = "the cache's strides do not fit a TMA view"
+        log.debug("decode run: core (%s)", why)
+        return None
+
+
+DECODE = DecodeRoute()
 
 
 # The Gluon MLA kernel (kernels/mla_hopper.py; False: every MLA plan on kernels/mla.py). Session 17,

@@ -38,7 +38,7 @@ from ._attention import (
 from ._kvcache import HostPageTable
 from ._options import check_tensor
 from ._plan import WORK_FIELDS, Tiles, WorkPlan, cdiv, kv_split_chunk
-from ._route import PREFILL, Route, core
+from ._route import DECODE, PREFILL, Route, core
 
 NO_ROUTE = core("decode (the attention core only)")
 
@@ -204,10 +204,20 @@ def run_step(step: PlannedStep, *, q: torch.Tensor, kv: KVSource, out: torch.Ten
              workspace: Optional[torch.Tensor], route_kv=None, params: Optional[ScoreParams] = None,
              tiles: Optional[Tiles] = None, q_len_per_req: int = 0, state_mult: int = 1, q_scale=None, k_scale=None,
              v_scale=None, sinks=None, head_scales=None) -> None:
-    """Runs a step's attention into ``out`` (and ``lse``): the Gluon kernel when the step's route takes it
-    and ``route_kv`` (a ``PagedKV`` or a ``(k, v)`` pair) fits it, else the attention core. ``params``
+    """Runs a step's attention into ``out`` (and ``lse``): a Gluon kernel (the prefill, or the fp8 decode)
+    when the step's route takes it and ``route_kv`` (a ``PagedKV`` or a ``(k, v)`` pair) fits it, else the
+    attention core. ``params``
     and ``tiles`` default to the step's (decode's speculative runs pass causal ones)."""
-    if not step.route.is_core:
+    if step.route.kernel == "decode_hopper":
+        k_mult = (1.0 if q_scale is None else float(q_scale)) * (1.0 if k_scale is None else float(k_scale))
+        descriptors = DECODE.at_run(step.route, q, route_kv, sinks=sinks, k_mult=k_mult, q_len_per_req=q_len_per_req)
+        if descriptors is not None:
+            check_page_ids(step, kv)
+            _hopper.decode_launch(q, descriptors, out, lse, step.device_plan, kv.kv_indptr, kv.kv_indices,
+                                  step.num_kv_heads, step.params.sm_scale, workspace, k_mult,
+                                  1.0 if v_scale is None else float(v_scale))
+            return
+    elif not step.route.is_core:
         scaled = q_scale is not None or k_scale is not None or v_scale is not None
         k_mult = (1.0 if q_scale is None else float(q_scale)) * (1.0 if k_scale is None else float(k_scale))
         descriptors = PREFILL.at_run(step.route, q, route_kv, sinks=sinks, head_scales=head_scales, scaled=scaled,

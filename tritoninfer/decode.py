@@ -16,7 +16,7 @@ from typing import Any, List, NamedTuple, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from . import _device, _ops
+from . import _device, _ops, _route
 from ._attention import KVSource, PlanUploader, score_params, scratch_workspace
 from ._kvcache import (
     CacheViews,
@@ -45,7 +45,8 @@ from ._options import (
     plan_dtypes,
 )
 from . import _plan
-from ._step import PlannedStep, Settings, init_planned_wrapper, plan_single, plan_work, run_step, upload_plan
+from ._route import Route
+from ._step import NO_ROUTE, PlannedStep, Settings, init_planned_wrapper, plan_single, plan_work, run_step, upload_plan
 
 __all__ = [
     "single_decode_with_kv_cache",
@@ -180,12 +181,13 @@ def plan_paged_decode(wrapper, uploader: PlanUploader, workspace_bytes: int, tab
                       kv_dtype, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                       fixed_split_size: Optional[int] = None, disable_split_kv: bool = False,
                       qo: Optional[np.ndarray] = None, heaviest_first: Optional[bool] = None, non_blocking: bool = True,
-                      copy_page_table: bool = True) -> PlannedStep:
+                      copy_page_table: bool = True, route: Route = NO_ROUTE) -> PlannedStep:
     """The step of a paged decode batch (one query token per request) from its checked host page
     table: the work list, one upload and, in CUDA-graph mode (``wrapper._graph``), the checks against
     and copies into the wrapper's fixed page-table buffers. The decode wrapper's ``plan()`` and POD's
     decode half both plan here; they differ in ``tiles``, ``qo`` (the query indptr to upload; None:
-    one token per request, read by position) and ``heaviest_first`` (``plan_work``)."""
+    one token per request, read by position) and ``heaviest_first`` (``plan_work``); ``route``: the kernel
+    the decode wrapper's runs take (``_route.DECODE``; POD runs its decode half itself)."""
     batch = int(kv_lens.size)
     graph = wrapper._graph
     num_sms = wrapper._num_sms
@@ -214,7 +216,7 @@ def plan_paged_decode(wrapper, uploader: PlanUploader, workspace_bytes: int, tab
         settings=settings, params=params, q_dtype=q_dtype, kv_dtype=kv_dtype, num_qo_heads=num_qo_heads,
         num_kv_heads=num_kv_heads, head_dim_qk=head_dim, head_dim_vo=head_dim, page_size=page_size, batch=batch,
         total_rows=batch, total_kv=0, min_kv_len=int(kv_lens.min()) if batch else 0, tiles=tiles, device_plan=plan,
-        kv_indptr=kv_indptr_d, kv_indices=kv_indices_d, page_table=table)
+        kv_indptr=kv_indptr_d, kv_indices=kv_indices_d, page_table=table, route=route)
 
 
 class BatchDecodeWithPagedKVCacheWrapper:
@@ -398,7 +400,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
             tiles=config.tiles, settings=config.settings, params=config.params, q_dtype=config.q_dtype,
             kv_dtype=config.kv_dtype, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim, page_size=page_size, fixed_split_size=fixed_split_size,
-            disable_split_kv=disable_split_kv, non_blocking=non_blocking, copy_page_table=copy_page_table)
+            disable_split_kv=disable_split_kv, non_blocking=non_blocking, copy_page_table=copy_page_table,
+            route=_decode_route(_route.DECODE_HOPPER_FP8, self.device, config.q_dtype, config.kv_dtype, num_qo_heads,
+                                num_kv_heads, head_dim, page_size, config.params, config.tiles.block_n,
+                                self._graph is not None, fixed_split_size))
 
     def run(
         self,
@@ -494,7 +499,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         run_step(
             step, q=q, out=out, lse=lse, workspace=self._float_workspace_buffer, kv=source, params=params, tiles=step.tiles if L == 1 else _decode_tiles(
                 step.group, L, step.head_dim_qk, step.kv_dtype.itemsize, _lanes_ok(params)),
-            q_len_per_req=L, state_mult=L, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
+            q_len_per_req=L, state_mult=L, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks, route_kv=kv,
         )
         return (out, lse) if return_lse else out
 
@@ -693,6 +698,15 @@ def _parse_decode_config(num_qo_heads, num_kv_heads, head_dim, page_size, pos_en
 # the checked configuration of a decode plan, once per combination of arguments (plan() runs every step);
 # raises ``ValueError`` naming a bad argument
 _decode_config = cached_by_value(_parse_decode_config)
+
+
+@functools.lru_cache(maxsize=256)
+def _decode_route(enabled: bool, device, q_dtype, kv_dtype, num_qo_heads, num_kv_heads, head_dim, page_size, params,
+                  split_align, use_cuda_graph, fixed_split_size) -> Route:
+    """``_route.DECODE``'s choice for a decode plan (once per combination: plan() runs every step;
+    ``enabled`` is ``_route.DECODE_HOPPER_FP8``, in the key so that setting it takes effect)."""
+    return _route.DECODE.at_plan(device, q_dtype, kv_dtype, num_qo_heads, num_kv_heads, head_dim, page_size, params,
+                                 use_cuda_graph, fixed_split_size, split_align)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,236 @@
+"""Decode over an e4m3 paged KV cache for Hopper (sm_90) in Gluon, with grouped-query attention: the
+structure the Gluon prefill's ``FP8`` mode proved, applied to one query token per request (issue
+"Speed, part 3", target 2: fp8 KV decode at ~2x the bf16 time). The attention core's fp8 decode
+stalls on a chain of dependent steps per tile (shared-memory fragments, convert, mma, row
+reductions, V convert; benchmarks/NOTES.md, session 2): here a producer warpgroup converts whole
+tiles while the consumer runs wgmma from shared memory.
+
+A work item: one entry of the decode plan's work list (a request's KV split) for one KV head; the
+GROUP query heads of that KV head are the rows of one consumer warpgroup's 64-row wgmma (the rows
+past GROUP are other heads' or TMA's zero fill: computed, never stored). A program (one per SM,
+persistent) runs items in turn, as two partitions (``gl.warp_specialize``):
+- a producer warpgroup that brings each tile's pages by TMA into a ring of ``FP8_STAGES`` e4m3
+  stages and converts each into the consumer's ring of ``STAGES`` fp16 stages (the prefill kernel's
+  ``_issue_kv_tile`` and ``_convert_tile``), running on across items;
+- the consumer warpgroup: Q (bf16/fp16, one TMA box of 64 (token, head) rows) converted to fp16 in
+  place, then per tile S_j = Q K_j^T issued before O += P_{j-1} V_{j-1}, the softmax of S_j under the
+  second wgmma, as the prefill consumers.
+An unsplit item writes its rows of the output (and LSE); a split item writes its normalised partial
+state, which ``merge_decode_splits_kernel`` (kernels/merge.py) merges afterwards.
+
+Gluon code does not run in the Triton interpreter: the CPU suite covers the route's gates and
+compiles this kernel for sm_90 (tests/test_sm90_compile.py); tests/test_decode.py's ``gpu`` tests run it.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+
+from .prefill_hopper import ROWS, _convert_q, _convert_tile, _issue_kv_tile, _load_q, _softmax_step
+
+WORK_FIELDS = gl.constexpr(7)  # _plan.WORK_FIELDS: request, q tile, kv start, kv end, split, splits, group
+
+
+@gluon.jit
+def _decode_item(item, num_kv_heads, work_ptr, kv_indptr_ptr, PAGE: gl.constexpr):
+    """Work item ``item`` (heads fastest): its request (-1: a padding entry), KV head, split, splits, the
+    split's first KV position and length, and its first entry in the page table (splits start on
+    page boundaries: ``_route.DECODE``)."""
+    kv_head = item % num_kv_heads
+    entry = work_ptr + (item // num_kv_heads) * WORK_FIELDS
+    req = gl.load(entry)
+    kv_lo = gl.load(entry + 2)
+    n_kv = gl.maximum(gl.load(entry + 3) - kv_lo, 0)
+    split = gl.load(entry + 4)
+    num_splits = gl.load(entry + 5)
+    first_page = gl.load(kv_indptr_ptr + gl.maximum(req, 0)) + gl.maximum(kv_lo, 0) // PAGE
+    return req, kv_head, split, num_splits, n_kv, first_page
+
+
+@gluon.jit
+def _fp8_decode_partition(k_desc, v_desc, k8_smem, v8_smem, ready8, k_smem, v_smem, ready, empty, work_ptr,
+                          kv_indptr_ptr, kv_indices_ptr, rows_per_page, num_kv_heads, num_items):
+    """The producer warpgroup: tile t of the program's items by TMA into fp8 stage t % FP8_STAGES and,
+    whenever that ring is full, the oldest tile converted into the fp16 ring (as the prefill kernel's
+    ``_fp8_tiles``); the tiles still in flight at the end are converted last."""
+    stages8: gl.constexpr = k8_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = k8_smem.type.shape[1]
+    HEAD_DIM: gl.constexpr = k8_smem.type.shape[2]
+    PAGE: gl.constexpr = k_desc.block_type.shape[0]
+    kv_bytes: gl.constexpr = 2 * BLOCK_N * k_desc.block_type.nbytes // PAGE
+    t = 0  # tiles issued
+    c = 0  # tiles converted
+    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        req, kv_head, split, num_splits, n_kv, first_page = _decode_item(item, num_kv_heads, work_ptr,
+                                                                         kv_indptr_ptr, PAGE)
+        for j in range(gl.cdiv(n_kv, BLOCK_N)):
+            s8 = t % stages8
+            mbarrier.expect(ready8.index(s8), kv_bytes)
+            _issue_kv_tile(k_desc, v_desc, k8_smem.index(s8), v8_smem.index(s8), ready8.index(s8), first_page, n_kv,
+                           j, kv_head * HEAD_DIM, kv_indices_ptr, rows_per_page, True)
+            t += 1
+            if t - c == stages8:
+                _convert_tile(c, k8_smem, v8_smem, ready8, k_smem, v_smem, ready, empty)
+                c += 1
+    for r in range(c, t):
+        _convert_tile(r, k8_smem, v8_smem, ready8, k_smem, v_smem, ready, empty)
+
+
+@gluon.jit
+def _q_row(item, num_items, num_qo_heads, num_kv_heads, work_ptr, group):
+    """The first of ``item``'s Q rows in q_desc ([batch * H_qo, D]); any valid item's for an ``item`` past
+    the last (whose Q is not loaded)."""
+    last = gl.minimum(item, num_items - 1)
+    req = gl.maximum(gl.load(work_ptr + (last // num_kv_heads) * WORK_FIELDS), 0)
+    return req * num_qo_heads + (last % num_kv_heads) * group
+
+
+@gluon.jit
+def _decode_consume(q_desc, q_smem, q_bar, k_smem, v_smem, ready, empty, o_ptr, stride_o_tok, stride_o_head,
+                    lse_ptr, stride_lse_tok, part_o_ptr, part_lse_ptr, k_mult, v_mult, work_ptr, kv_indptr_ptr,
+                    state_offset_ptr, num_qo_heads, num_kv_heads, num_items, sm_scale_log2, group):
+    """The consumer warpgroup: every item of the program against its split's KV tiles; the next item's Q
+    loads once this item's last S is done. Rows past ``group`` are computed and dropped. (``group``
+    arrives as a value: a constexpr passed through ``warp_specialize``'s argument tuple does.)"""
+    stages: gl.constexpr = k_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
+    dtype: gl.constexpr = k_smem.dtype
+    PAGE: gl.constexpr = 1  # unused by the consumer (_decode_item's page-table entry)
+    q_load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    rows_o = gl.arange(0, ROWS, layout=row_o)
+    rows_s = gl.arange(0, ROWS, layout=row_s)
+
+    my_q = q_smem.index(0)
+    convert_q: gl.constexpr = dtype != q_desc.dtype
+    my_q_mma = my_q._reinterpret(dtype, [ROWS, HEAD_DIM], q_desc.layout) if convert_q else my_q
+    my_bar = q_bar.index(0)
+    scale = sm_scale_log2 * k_mult
+    first = gl.program_id(0)
+    step = gl.num_programs(0)
+    _load_q(q_desc, my_q, my_bar, _q_row(first, num_items, num_qo_heads, num_kv_heads, work_ptr, group), 0,
+            first < num_items)
+    t = 0  # KV tiles of the ring consumed before this item
+    q_phase = 0
+    for item in range(first, num_items, step):
+        req, kv_head, split, num_splits, n_kv, first_page = _decode_item(item, num_kv_heads, work_ptr,
+                                                                         kv_indptr_ptr, PAGE)
+        n_tiles = gl.cdiv(n_kv, BLOCK_N)
+        next_row = _q_row(item + step, num_items, num_qo_heads, num_kv_heads, work_ptr, group)
+        first_masked = n_kv // BLOCK_N  # the tile that holds the split's end
+        mbarrier.wait(my_bar, q_phase)
+        q_phase ^= 1
+        if convert_q:
+            _convert_q(my_q, my_q_mma, q_load_layout)
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)
+        l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
+        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+
+        if n_tiles > 0:
+            stage = t % stages
+            mbarrier.wait(ready.index(stage), (t // stages) & 1)
+            s_tok = warpgroup_mma(my_q_mma, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, scale, cols0, n_kv, rows_s, 0 >= first_masked, 0)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            for j in range(1, n_tiles):
+                stage = (t + j) % stages
+                prev = (t + j - 1) % stages
+                mbarrier.wait(ready.index(stage), ((t + j) // stages) & 1)
+                s_tok = warpgroup_mma(my_q_mma, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False,
+                                      is_async=True)
+                o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+                s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+                p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, scale, cols0 + j * BLOCK_N, n_kv, rows_s,
+                                                   j >= first_masked, 0)
+                acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_op))
+                mbarrier.arrive(empty.index(prev), count=1)
+                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+            last = (t + n_tiles - 1) % stages
+            o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+            # every S of this item is done: the next item's Q may overwrite this one
+            _load_q(q_desc, my_q, my_bar, next_row, 0, item + step < num_items)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
+            mbarrier.arrive(empty.index(last), count=1)
+            t += n_tiles
+        else:
+            _load_q(q_desc, my_q, my_bar, next_row, 0, item + step < num_items)
+
+        # a split that saw no key: output 0, LSE -inf (as the attention core); split items write their
+        # normalised state, unsplit ones the output (both stores always issued, masked: Triton 3.6 fails
+        # to lower a warp-specialised store under a constant-false condition)
+        l_o = gl.convert_layout(l_i, row_o)
+        o = acc / gl.where(l_o > 0, l_o, 1.0)[:, None] * v_mult
+        lse = gl.where(l_i > 0, m_i + gl.log2(gl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        head_o = kv_head * group + rows_o
+        head_s = kv_head * group + rows_s
+        live = req >= 0
+        split_rows = live & (num_splits > 1)
+        whole_rows = live & (num_splits <= 1)
+        state = gl.load(state_offset_ptr + gl.maximum(req, 0)) + split
+        row_ok_o = rows_o < group
+        row_ok_s = rows_s < group
+        gl.store(o_ptr + req.to(gl.int64) * stride_o_tok + head_o[:, None] * stride_o_head + offs_d[None, :],
+                 o.to(o_ptr.dtype.element_ty), mask=(row_ok_o & whole_rows)[:, None])
+        gl.store(lse_ptr + req.to(gl.int64) * stride_lse_tok + head_s, lse, mask=row_ok_s & whole_rows)
+        state_row = state.to(gl.int64) * num_qo_heads
+        gl.store(part_o_ptr + ((state_row + head_o) * HEAD_DIM)[:, None] + offs_d[None, :], o,
+                 mask=(row_ok_o & split_rows)[:, None])
+        gl.store(part_lse_ptr + state_row + head_s, lse, mask=row_ok_s & split_rows)
+
+
+@gluon.jit
+def decode_hopper_kernel(
+    q_desc, k_desc, v_desc, o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, k_mult, v_mult,
+    part_o_ptr, part_lse_ptr, work_ptr, kv_indptr_ptr, kv_indices_ptr, state_offset_ptr, num_qo_heads,
+    num_kv_heads, num_items, sm_scale_log2, rows_per_page,
+    GROUP: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FP8_STAGES: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+):
+    """q_desc: q [batch, H_qo, D] (contiguous) as a 2-D view [batch * H_qo, D], box [64, D]; k_desc /
+    v_desc: 2-D views [rows, H_kv * D] of the e4m3 K and V pages, box [PAGE, D] (8 to 128 positions,
+    dividing BLOCK_N), page p starting at row p * rows_per_page; o: [batch, H_qo, D] (any row and head
+    strides); lse: [batch, H_qo] float32 base 2 (always written: scratch when the caller wants none).
+    ``work``: the decode plan's int32 [items, 7] list (``_plan.build_work``: request, 0, KV start and
+    end, split, splits, group), one item per entry and KV head (``num_items`` = entries x H_kv);
+    ``kv_indptr`` / ``kv_indices`` the page table; ``state_offset`` int32 [batch] each request's first
+    partial state; ``part_o`` float32 [states, H_qo, D] and ``part_lse`` [states, H_qo]: the split
+    items' states. ``k_mult`` multiplies the scores (q_scale * k_scale; with ``sm_scale_log2``, log2
+    units: positive), ``v_mult`` the output. ``num_warps`` is 4: the consumer is the default partition,
+    the producer a warpgroup of ``PRODUCER_REGS`` registers a thread."""
+    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [1, ROWS, HEAD_DIM], q_desc.layout)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float16)
+    k_smem = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    k8_smem = gl.allocate_shared_memory(k_desc.dtype, [FP8_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v8_smem = gl.allocate_shared_memory(v_desc.dtype, [FP8_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready8 = gl.allocate_shared_memory(gl.int64, [FP8_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar.index(0), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(FP8_STAGES):
+        mbarrier.init(ready8.index(i), count=1)
+
+    consumer_args = (q_desc, q_smem, q_bar, k_smem, v_smem, ready, empty, o_ptr, stride_o_tok, stride_o_head,
+                     lse_ptr, stride_lse_tok, part_o_ptr, part_lse_ptr, k_mult, v_mult, work_ptr, kv_indptr_ptr,
+                     state_offset_ptr, num_qo_heads, num_kv_heads, num_items, sm_scale_log2, GROUP)
+    producer_args = (k_desc, v_desc, k8_smem, v8_smem, ready8, k_smem, v_smem, ready, empty, work_ptr, kv_indptr_ptr,
+                     kv_indices_ptr, rows_per_page, num_kv_heads, num_items)
+    gl.warp_specialize([(_decode_consume, consumer_args), (_fp8_decode_partition, producer_args)], [4],
+                       [PRODUCER_REGS])
