@@ -287,9 +287,8 @@ class _DecodeLaunch:
             raise ValueError(f"float_workspace_buffer: the plan needs {states * hq * (d + 1) * 4} bytes for split-KV "
                              f"states, the buffer has {workspace.numel()}")
         ws = workspace[: (workspace.numel() // 4) * 4].view(torch.float32)
-        part_o, part_lse = ws[: states * hq * d], ws[states * hq * d: states * hq * (d + 1)]
-        if not plan.has_splits:  # never written: a 16-byte-aligned view of anything
-            part_o = part_lse = plan.kv_len
+        # (float32 views even when the plan has no split, never written then: one specialisation either way)
+        part_o, part_lse = ws[: max(states * hq * d, 4)], ws[states * hq * d: max(states * hq * (d + 1), 4)]
         launcher = _device.per_device("decode_hopper", q.device, lambda: CachedLauncher(decode_hopper_kernel))
         tail = (part_o, part_lse, plan.work, kv_indptr, kv_indices, plan.state_offset, hq, num_kv_heads, num_items,
                 sm_scale * math.log2(math.e), rows_per_page)
