@@ -13,8 +13,9 @@ persistent) runs items in turn, as two partitions (``gl.warp_specialize``):
   stages and converts each into the consumer's ring of ``STAGES`` fp16 stages (the prefill kernel's
   ``_issue_kv_tile`` and ``_convert_tile``), running on across items;
 - the consumer warpgroup: Q (bf16/fp16, one TMA box of 64 (token, head) rows) converted to fp16 in
-  place, then per tile S_j = Q K_j^T issued before O += P_{j-1} V_{j-1}, the softmax of S_j under the
-  second wgmma, as the prefill consumers.
+  place and held in registers (the next item's Q lands meanwhile; shared memory's bandwidth serves the
+  tiles), then per tile S_j = Q K_j^T issued before O += P_{j-1} V_{j-1}, the softmax of S_j under
+  the second wgmma, as the prefill consumers.
 An unsplit item writes its rows of the output (and LSE); a split item writes its normalised partial
 state, which ``merge_decode_splits_kernel`` (kernels/merge.py) merges afterwards.
 
@@ -89,8 +90,8 @@ def _q_row(item, num_items, num_qo_heads, num_kv_heads, work_ptr, group):
 def _decode_consume(q_desc, q_smem, q_bar, k_smem, v_smem, ready, empty, o_ptr, stride_o_tok, stride_o_head,
                     lse_ptr, stride_lse_tok, part_o_ptr, part_lse_ptr, k_mult, v_mult, work_ptr, kv_indptr_ptr,
                     state_offset_ptr, num_qo_heads, num_kv_heads, num_items, sm_scale_log2, group):
-    """The consumer warpgroup: every item of the program against its split's KV tiles; the next item's Q
-    loads once this item's last S is done. Rows past ``group`` are computed and dropped. (``group``
+    """The consumer warpgroup: every item of the program against its split's KV tiles, Q from registers;
+    the next item's Q loads as soon as this one is in registers. Rows past ``group`` are computed and dropped. (``group``
     arrives as a value: a constexpr passed through ``warp_specialize``'s argument tuple does.)"""
     stages: gl.constexpr = k_smem.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
@@ -103,6 +104,7 @@ def _decode_consume(q_desc, q_smem, q_bar, k_smem, v_smem, ready, empty, o_ptr, 
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -132,6 +134,11 @@ def _decode_consume(q_desc, q_smem, q_bar, k_smem, v_smem, ready, empty, o_ptr, 
         q_phase ^= 1
         if convert_q:
             _convert_q(my_q, my_q_mma, q_load_layout)
+        # Q in registers for every S of the item (shared memory serves the K/V tiles), and the next
+        # item's Q on its way once every thread has read this one
+        q_op = my_q_mma.load(q_layout)
+        gl.thread_barrier()
+        _load_q(q_desc, my_q, my_bar, next_row, 0, item + step < num_items)
         m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)
         l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
@@ -139,7 +146,7 @@ def _decode_consume(q_desc, q_smem, q_bar, k_smem, v_smem, ready, empty, o_ptr, 
         if n_tiles > 0:
             stage = t % stages
             mbarrier.wait(ready.index(stage), (t // stages) & 1)
-            s_tok = warpgroup_mma(my_q_mma, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s_tok = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
             p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, scale, cols0, n_kv, rows_s, 0 >= first_masked, 0)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
@@ -147,7 +154,7 @@ def _decode_consume(q_desc, q_smem, q_bar, k_smem, v_smem, ready, empty, o_ptr, 
                 stage = (t + j) % stages
                 prev = (t + j - 1) % stages
                 mbarrier.wait(ready.index(stage), ((t + j) // stages) & 1)
-                s_tok = warpgroup_mma(my_q_mma, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False,
+                s_tok = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False,
                                       is_async=True)
                 o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
@@ -159,13 +166,9 @@ def _decode_consume(q_desc, q_smem, q_bar, k_smem, v_smem, ready, empty, o_ptr, 
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
             last = (t + n_tiles - 1) % stages
             o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
-            # every S of this item is done: the next item's Q may overwrite this one
-            _load_q(q_desc, my_q, my_bar, next_row, 0, item + step < num_items)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
             mbarrier.arrive(empty.index(last), count=1)
             t += n_tiles
-        else:
-            _load_q(q_desc, my_q, my_bar, next_row, 0, item + step < num_items)
 
         # a split that saw no key: output 0, LSE -inf (as the attention core); split items write their
         # normalised state, unsplit ones the output (both stores always issued, masked: Triton 3.6 fails
