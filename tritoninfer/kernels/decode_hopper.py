@@ -25,9 +25,9 @@ compiles this kernel for sm_90 (tests/test_sm90_compile.py); tests/test_decode.p
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma_wait
 
-from .prefill_hopper import ROWS, _convert_q, _convert_tile, _issue_kv_tile, _load_q, _softmax_step
+from .prefill_hopper import ROWS, _attend_tiles, _convert_q, _convert_tile, _issue_kv_tile, _load_q
 
 WORK_FIELDS = gl.constexpr(7)  # _plan.WORK_FIELDS: request, q tile, kv start, kv end, split, splits, group
 
@@ -93,7 +93,6 @@ def _decode_consume(q_desc, q_smem, q_bar, k_smem, v_smem, ready, empty, o_ptr, 
     """The consumer warpgroup: every item of the program against its split's KV tiles, Q from registers;
     the next item's Q loads as soon as this one is in registers. Rows past ``group`` are computed and dropped. (``group``
     arrives as a value: a constexpr passed through ``warp_specialize``'s argument tuple does.)"""
-    stages: gl.constexpr = k_smem.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
     dtype: gl.constexpr = k_smem.dtype
@@ -144,28 +143,9 @@ def _decode_consume(q_desc, q_smem, q_bar, k_smem, v_smem, ready, empty, o_ptr, 
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
 
         if n_tiles > 0:
-            stage = t % stages
-            mbarrier.wait(ready.index(stage), (t // stages) & 1)
-            s_tok = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, scale, cols0, n_kv, rows_s, 0 >= first_masked, 0)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-            for j in range(1, n_tiles):
-                stage = (t + j) % stages
-                prev = (t + j - 1) % stages
-                mbarrier.wait(ready.index(stage), ((t + j) // stages) & 1)
-                s_tok = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False,
-                                      is_async=True)
-                o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-                s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
-                p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, scale, cols0 + j * BLOCK_N, n_kv, rows_s,
-                                                   j >= first_masked, 0)
-                acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_op))
-                mbarrier.arrive(empty.index(prev), count=1)
-                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
-            last = (t + n_tiles - 1) % stages
-            o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+            o_tok, last, m_i, l_i = _attend_tiles(q_op, k_smem, v_smem, ready, empty, t, n_tiles, m_i, l_i, acc,
+                                                  s_zero, scale, cols0, n_kv, rows_s, first_masked, 0, p_layout,
+                                                  row_o)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
             mbarrier.arrive(empty.index(last), count=1)
             t += n_tiles

@@ -319,6 +319,41 @@ def _convert_q(src, dst, layout):
 
 
 @gluon.jit
+def _attend_tiles(q_op, k_smem, v_smem, ready, empty, t, n_tiles, m_i, l_i, acc, s_zero, scale, cols0, kv_hi, rows_diag,
+                  first_masked, is_causal, p_layout, row_o):
+    """A consumer's query rows ``q_op`` (a shared-memory tile or registers) against an item's KV tiles, ring
+    tiles t ... t + n_tiles - 1 (n_tiles > 0): S_j = Q K_j^T issued before O += P_{j-1} V_{j-1}, the
+    softmax of S_j running under the second wgmma, each stage released once its PV is done. Returns the
+    last tile's PV in flight, its stage, and the row maxima and sums: the caller issues what it needs
+    meanwhile, then waits for that PV (``warpgroup_mma_wait``) and releases the stage."""
+    stages: gl.constexpr = k_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    dtype: gl.constexpr = k_smem.dtype
+    stage = t % stages
+    mbarrier.wait(ready.index(stage), (t // stages) & 1)
+    s_tok = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, scale, cols0, kv_hi, rows_diag, 0 >= first_masked, is_causal)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    for j in range(1, n_tiles):
+        stage = (t + j) % stages
+        prev = (t + j - 1) % stages
+        mbarrier.wait(ready.index(stage), ((t + j) // stages) & 1)
+        s_tok = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, scale, cols0 + j * BLOCK_N, kv_hi, rows_diag,
+                                           j >= first_masked, is_causal)
+        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_op))
+        mbarrier.arrive(empty.index(prev), count=1)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+    last = (t + n_tiles - 1) % stages
+    o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+    return o_tok, last, m_i, l_i
+
+
+@gluon.jit
 def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
              stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages, sm_scale_log2,
              k_mult, v_mult, is_causal, qo_indptr_ptr, kv_indptr_ptr,
@@ -328,7 +363,6 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
     against every KV tile of the item. The next item's Q loads once this item's last S is done,
     under the last PV and the epilogue. Where the ring's dtype is not Q's (``FP8``: fp16), the Q tile
     is converted in place once it lands, and the wgmmas read it as the ring's dtype."""
-    stages: gl.constexpr = k_smem.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
     dtype: gl.constexpr = k_smem.dtype  # the wgmmas' operands (P too)
@@ -381,30 +415,9 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
 
         if n_tiles > 0:
-            stage = t % stages
-            mbarrier.wait(ready.index(stage), (t // stages) & 1)
-            s_tok = warpgroup_mma(my_q_mma, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, scale, cols0, kv_hi, rows_diag,
-                                               0 >= first_masked, is_causal)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-            for j in range(1, n_tiles):
-                stage = (t + j) % stages
-                prev = (t + j - 1) % stages
-                mbarrier.wait(ready.index(stage), ((t + j) // stages) & 1)
-                # S_j first, then O += P_{j-1} V_{j-1}; the softmax of S_j runs under the second
-                s_tok = warpgroup_mma(my_q_mma, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False,
-                                      is_async=True)
-                o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-                s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
-                p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, scale, cols0 + j * BLOCK_N, kv_hi,
-                                                   rows_diag, j >= first_masked, is_causal)
-                acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_op))
-                mbarrier.arrive(empty.index(prev), count=1)
-                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
-            last = (t + n_tiles - 1) % stages
-            o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+            o_tok, last, m_i, l_i = _attend_tiles(my_q_mma, k_smem, v_smem, ready, empty, t, n_tiles, m_i, l_i, acc,
+                                                  s_zero, scale, cols0, kv_hi, rows_diag, first_masked, is_causal,
+                                                  p_layout, row_o)
             # every S of this item is done: the next item's Q may overwrite this one
             _load_q(q_desc, my_q, my_bar, q_row, q_col, item + step < num_items)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
