@@ -440,43 +440,11 @@ def test_gpu_batch_decode(case):
     test_batch_decode_matches_reference(case)
 
 
-def test_merge_split_states_merges_only_split_rows():
-    """``merge_split_states_kernel`` (the Gluon fp8 decode's merge): each row's states, 0 to 5 of them, as
-    ``reference.merge_states`` merges them (an LSE of -inf included); rows without states keep what
-    the decode wrote there."""
-    from tritoninfer.kernels.merge import merge_split_states_kernel
-
-    g = torch.Generator().manual_seed(3)
-    counts, heads, dim = [3, 0, 1, 5, 0, 2], 6, 24
-    offsets = torch.tensor([0] + list(torch.tensor(counts).cumsum(0)[:-1]), dtype=torch.int32)
-    total = sum(counts)
-    part_o = torch.randn(total, heads, dim, generator=g)
-    part_lse = torch.randn(total, heads, generator=g) * 4
-    part_lse[0, 1] = float("-inf")
-    out = torch.randn(len(counts), heads, dim, generator=g).to(torch.bfloat16)
-    lse = torch.randn(len(counts), heads, generator=g)
-    kept_o, kept_lse = out.clone(), lse.clone()
-    dev = DEVICE
-    out_d, lse_d = out.to(dev), lse.to(dev)
-    merge_split_states_kernel[(len(counts), 2)](
-        out_d, out_d.stride(0), out_d.stride(1), lse_d, lse_d.stride(0), part_o.to(dev), part_lse.to(dev),
-        offsets.to(dev), len(counts), total, heads, HEAD_DIM=dim, BLOCK_H=4, BLOCK_D=32)
-    out_d, lse_d = out_d.cpu(), lse_d.cpu()
-    for row, (first, n) in enumerate(zip(offsets.tolist(), counts)):
-        if n == 0:
-            assert torch.equal(out_d[row], kept_o[row]) and torch.equal(lse_d[row], kept_lse[row])
-            continue
-        ref_o, ref_lse = reference.merge_states(part_o[first:first + n][None],
-                                                part_lse[first:first + n][None])
-        testing.assert_close(out_d[row], ref_o[0].to(torch.bfloat16), torch.bfloat16)
-        testing.assert_lse_close(lse_d[row], ref_lse[0], dtype=torch.bfloat16)
-
-
-def test_hopper_fp8_decode_launches_with_the_merge_only_when_split(monkeypatch):
+def test_hopper_fp8_decode_binds_one_launch_per_plan(monkeypatch):
     """The Gluon fp8 decode's host side, with the launch path faked on the CPU (the kernel runs only on
-    an H200): a plan the route takes binds it on min(items, SMs) programs, with the split merge over the
-    batch only when the plan splits; plans with and without splits share one compiled kernel; a run
-    with sinks takes the core."""
+    an H200): a plan the route takes binds one launch on min(items, SMs) programs (split states merged
+    inside it), with the uploader's zeroed arrival counters; plans with and without splits share one
+    compiled kernel; a run with sinks takes the core."""
     from tritoninfer import _device, _hopper, _route
 
     monkeypatch.setattr(_route, "is_sm90", lambda device: True)
@@ -502,10 +470,12 @@ def test_hopper_fp8_decode_launches_with_the_merge_only_when_split(monkeypatch):
             plan = w._step.device_plan
             assert w._step.route.kernel == "decode_hopper" and plan.has_splits == splits
             w.run(torch.randn(3, 8, 128).to(torch.bfloat16), cache, k_scale=0.5)
-            assert bound[-1].decode.grid == (min(plan.capacity * 2, sms), 1, 1)
-            assert (bound[-1].merge.grid if splits else bound[-1].merge) == ((3, 1, 1) if splits else None)
-        # one compile of the decode kernel for both plans (beside the page-id check's and the merge's)
-        assert len([g for g in record.compiles if g not in ((3,), (3, 1, 1))]) == 1, record.compiles
+            launch = bound[-1].launch
+            assert launch.grid == (min(plan.capacity * 2, sms), 1, 1)
+            counters = launch.tail[2]
+            assert counters.dtype == torch.int32 and counters.numel() >= plan.capacity * 2 and not counters.any()
+        # one compile of the decode kernel for both plans (beside the page-id check's)
+        assert len([g for g in record.compiles if g != (3,)]) == 1, record.compiles
         count = len(bound)
         w.run(torch.randn(3, 8, 128).to(torch.bfloat16), cache, sinks=torch.zeros(8))
         assert len(bound) == count
@@ -528,7 +498,7 @@ HOPPER_FP8_CASES = [
 @pytest.mark.parametrize("case", HOPPER_FP8_CASES, ids=Case.id)
 def test_gpu_hopper_fp8_decode(case, monkeypatch):
     """With ``_route.DECODE_HOPPER_FP8`` on, e4m3 decode under GQA runs on the Gluon fp8 decode (split
-    requests merged after it) and matches the reference, with scales, with and without an LSE, and
+    requests merged by their last split) and matches the reference, with scales, with and without an LSE, and
     again after a re-plan with other lengths; sinks take the core."""
     from tritoninfer import _hopper, _route
 
@@ -556,6 +526,8 @@ def test_gpu_hopper_fp8_decode(case, monkeypatch):
         testing.assert_close(wrapper.run(q, kv.cache, k_scale=kv.k_scale, v_scale=kv.v_scale, q_scale=1.25), ref_o,
                              case.q_dtype)
         assert len(calls) == 2
+        counters = wrapper._step.device_plan.counters.buffers
+        assert not counters or not counters[-1].any()  # every arrival counter back at zero
     sinks = torch.randn(case.heads[0], device="cuda")
     calls.clear()
     o = wrapper.run(q, kv.cache, k_scale=kv.k_scale, v_scale=kv.v_scale, sinks=sinks)

@@ -37,11 +37,12 @@ FP8_CONSUMER_REGS = 240
 FP8_PRODUCER_REGS = 32
 # the Gluon fp8 decode (kernels/decode_hopper.py): one consumer warpgroup and one converting producer;
 # BLOCK_N-position tiles, DECODE_STAGES fp16 and DECODE_FP8_STAGES e4m3 stages (2 x 64 + 2 x 32 KB at
-# BLOCK_N 128, with Q 208 KB); registers per consumer thread and per producer thread
+# BLOCK_N 128, with Q 208 KB); registers per consumer thread (248: none spilled with the fused split
+# merge, sm_90 compile; 232 spilled 8 bytes at a group of 16) and per producer thread (one program an SM)
 DECODE_BLOCK_N = 128
 DECODE_STAGES = 2
 DECODE_FP8_STAGES = 2
-DECODE_CONSUMER_REGS = 232
+DECODE_CONSUMER_REGS = 248
 DECODE_PRODUCER_REGS = 40
 PERSISTENT = True  # one program per SM running work items in turn (False: one item per program)
 # smallest page the Gluon kernels read by TMA: a box per page lands in an 8-row slice of a 128-byte
@@ -249,10 +250,9 @@ def decode_launch(q: torch.Tensor, kv_descriptors: KVBoxes, out: torch.Tensor, l
                   kv_indptr: torch.Tensor, kv_indices: torch.Tensor, num_kv_heads: int, sm_scale: float,
                   workspace: torch.Tensor, k_mult: float, v_mult: float) -> None:
     """The Gluon fp8 decode (``kernels/decode_hopper.py``) over ``plan`` (a decode ``DevicePlan``: its
-    work list, one entry per request split) and the e4m3 pages of ``kv_descriptors``
-    (``paged_descriptors``), then, where the plan splits, the merge of the split states
-    (``merge_split_states_kernel``). ``q`` [batch, H_qo, D] contiguous; the launches are kept in
-    ``plan.launches``, so a later run of the plan only passes the call's tensors."""
+    work list, one entry per request split; split states merged inside the kernel) and the e4m3 pages
+    of ``kv_descriptors`` (``paged_descriptors``). ``q`` [batch, H_qo, D] contiguous; the launch is
+    kept in ``plan.launches``, so a later run of the plan only passes the call's tensors."""
     (k_box, v_box), rows_per_page, page, _ = kv_descriptors
     batch, hq, d = q.shape
     key = ("decode_hopper", id(kv_indptr), id(kv_indices), id(workspace), batch, hq, num_kv_heads, d, q.dtype,
@@ -262,46 +262,37 @@ def decode_launch(q: torch.Tensor, kv_descriptors: KVBoxes, out: torch.Tensor, l
     if bound is None:
         if len(launches) >= 16:
             launches.clear()
-        bound = launches[key] = _DecodeLaunch(q, plan, kv_indptr, kv_indices, num_kv_heads, sm_scale, workspace, page,
+        bound = launches[key] = _DecodeLaunch(q, plan, kv_indptr, kv_indices, num_kv_heads, sm_scale, workspace,
                                               rows_per_page)
     lse_out = bound.lse_scratch if lse is None else lse
     q_box = TmaBox(q, (batch * hq, d), (d, 1), (64, d), smem_layout(64, d, q.dtype))
-    bound.decode(q_box, k_box, v_box, out, out.stride(0), out.stride(1), lse_out, lse_out.stride(0), float(k_mult),
+    bound.launch(q_box, k_box, v_box, out, out.stride(0), out.stride(1), lse_out, lse_out.stride(0), float(k_mult),
                  float(v_mult))
-    if bound.merge is not None:
-        bound.merge(out, out.stride(0), out.stride(1), lse_out, lse_out.stride(0))
 
 
 class _DecodeLaunch:
-    """The Gluon fp8 decode's launch for one plan (and the split merge's where it splits): the plan's
-    tensors and the partial states' views of the workspace bound, a scratch LSE for runs without one."""
+    """The Gluon fp8 decode's launch for one plan: the plan's tensors, the partial states' views of the
+    workspace and the split-arrival counters bound; a scratch LSE for runs without one."""
 
-    def __init__(self, q, plan, kv_indptr, kv_indices, num_kv_heads, sm_scale, workspace, page, rows_per_page) -> None:
+    def __init__(self, q, plan, kv_indptr, kv_indices, num_kv_heads, sm_scale, workspace, rows_per_page) -> None:
         from .kernels.decode_hopper import decode_hopper_kernel
-        from .kernels.merge import merge_split_states_kernel
 
         batch, hq, d = q.shape
         num_items = plan.capacity * num_kv_heads
-        states = plan.num_states
-        if states * hq * (d + 1) * 4 > workspace.numel():
-            raise ValueError(f"float_workspace_buffer: the plan needs {states * hq * (d + 1) * 4} bytes for split-KV "
-                             f"states, the buffer has {workspace.numel()}")
+        states = plan.state_capacity  # (the layout a captured graph keeps: fixed in CUDA-graph mode)
+        need = states * hq * (d + 1) * 4
+        if plan.has_splits and need > workspace.numel():
+            raise ValueError(f"float_workspace_buffer: the plan needs {need} bytes for split-KV states, the buffer "
+                             f"has {workspace.numel()}")
         ws = workspace[: (workspace.numel() // 4) * 4].view(torch.float32)
-        # (float32 views even when the plan has no split, never written then: one specialisation either way)
+        # float32 views even when the plan has no split (never written then): one specialisation either way
         part_o, part_lse = ws[: max(states * hq * d, 4)], ws[states * hq * d: max(states * hq * (d + 1), 4)]
+        # one counter per (request's query tile, KV head): zero between launches (the last split resets it)
+        counters = plan.counters.get(plan.capacity * num_kv_heads)
         launcher = _device.per_device("decode_hopper", q.device, lambda: CachedLauncher(decode_hopper_kernel))
-        tail = (part_o, part_lse, plan.work, kv_indptr, kv_indices, plan.state_offset, hq, num_kv_heads, num_items,
-                sm_scale * math.log2(math.e), rows_per_page)
-        grid = min(num_items, _device.num_sms(q.device))
-        self.decode = BoundLaunch(launcher, (max(grid, 1),), tail,
-                                  dict(GROUP=hq // num_kv_heads, num_warps=4, **decode_config()))
-        self.merge = None
-        if plan.has_splits:
-            merger = _device.per_device("merge_split_states", q.device,
-                                        lambda: CachedLauncher(merge_split_states_kernel))
-            block_h = min(16, 1 << (hq - 1).bit_length())
-            self.merge = BoundLaunch(merger, (batch, -(-hq // block_h)),
-                                     (part_o, part_lse, plan.state_offset, batch, states, hq),
-                                     dict(HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=1 << (d - 1).bit_length(), num_warps=4))
+        tail = (part_o, part_lse, counters, plan.work, kv_indptr, kv_indices, plan.state_offset, hq, num_kv_heads,
+                num_items, sm_scale * math.log2(math.e), rows_per_page)
+        grid = max(1, min(num_items, _device.num_sms(q.device)))
+        self.launch = BoundLaunch(launcher, (grid,), tail, dict(GROUP=hq // num_kv_heads, num_warps=4, **decode_config()))
         self.lse_scratch = torch.empty((batch, hq), dtype=torch.float32, device=q.device)
         self.keep = (plan, kv_indptr, kv_indices, workspace)  # identities in the launch's key

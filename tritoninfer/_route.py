@@ -243,7 +243,9 @@ class DecodeRoute:
             return core(f"page size {page_size} (TMA boxes of {_hopper.TMA_MIN_PAGE} to {_hopper.DECODE_BLOCK_N} "
                         f"positions dividing {_hopper.DECODE_BLOCK_N})")
         if use_cuda_graph:
-            return core("CUDA-graph mode (the kernel merges only the splits a plan has)")
+            # (a captured launch would keep reading page ids that later plans write unchecked: the kernel's
+            # TMA boxes stay inside the cache but a bad id is not reported, as the core reports it)
+            return core("CUDA-graph mode (page ids of later plans go unchecked)")
         if fixed_split_size is not None or split_align % page_size:
             return core("fixed_split_size or splits that need not start on a page")
         reason = PrefillRoute.scores_unsupported(params)  # the two Gluon kernels' scores are the same

@@ -17,7 +17,8 @@ persistent) runs items in turn, as two partitions (``gl.warp_specialize``):
   tiles), then per tile S_j = Q K_j^T issued before O += P_{j-1} V_{j-1}, the softmax of S_j under
   the second wgmma, as the prefill consumers.
 An unsplit item writes its rows of the output (and LSE); a split item writes its normalised partial
-state, which ``merge_decode_splits_kernel`` (kernels/merge.py) merges afterwards.
+state, and the last split of a (request, KV head) to arrive (an arrival counter, as the attention core's
+fused merge) merges them all into the output.
 
 Gluon code does not run in the Triton interpreter: the CPU suite covers the route's gates and
 compiles this kernel for sm_90 (tests/test_sm90_compile.py); tests/test_decode.py's ``gpu`` tests run it.
@@ -88,8 +89,8 @@ def _q_row(item, num_items, num_qo_heads, num_kv_heads, work_ptr, group):
 
 @gluon.jit
 def _decode_consume(q_desc, q_smem, q_bar, k_smem, v_smem, ready, empty, o_ptr, stride_o_tok, stride_o_head,
-                    lse_ptr, stride_lse_tok, part_o_ptr, part_lse_ptr, k_mult, v_mult, work_ptr, kv_indptr_ptr,
-                    state_offset_ptr, num_qo_heads, num_kv_heads, num_items, sm_scale_log2, group):
+                    lse_ptr, stride_lse_tok, part_o_ptr, part_lse_ptr, counter_ptr, k_mult, v_mult, work_ptr,
+                    kv_indptr_ptr, state_offset_ptr, num_qo_heads, num_kv_heads, num_items, sm_scale_log2, group):
     """The consumer warpgroup: every item of the program against its split's KV tiles, Q from registers;
     the next item's Q loads as soon as this one is in registers. Rows past ``group`` are computed and dropped. (``group``
     arrives as a value: a constexpr passed through ``warp_specialize``'s argument tuple does.)"""
@@ -171,12 +172,57 @@ def _decode_consume(q_desc, q_smem, q_bar, k_smem, v_smem, ready, empty, o_ptr, 
         gl.store(part_o_ptr + ((state_row + head_o) * HEAD_DIM)[:, None] + offs_d[None, :], o,
                  mask=(row_ok_o & split_rows)[:, None])
         gl.store(part_lse_ptr + state_row + head_s, lse, mask=row_ok_s & split_rows)
+        if split_rows:
+            # the last split of (request, KV head) to arrive merges them all: this warpgroup's stores are
+            # done (barrier) before one thread's release; its acquire orders the other splits' stores
+            # before the merge's loads (as the attention core's fused merge)
+            gl.thread_barrier()
+            group_id = gl.load(work_ptr + (item // num_kv_heads) * WORK_FIELDS + 6)  # the request's query tile
+            counter = counter_ptr + group_id * num_kv_heads + kv_head
+            if gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                gl.store(counter, 0)  # every split has arrived: nothing else reads it in this launch
+                _merge_splits(o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, part_o_ptr, part_lse_ptr,
+                              req, (state - split).to(gl.int64), num_splits, num_qo_heads, kv_head, group, HEAD_DIM)
+
+
+@gluon.jit
+def _merge_splits(o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, part_o_ptr, part_lse_ptr, req,
+                  first_state, num_splits, num_qo_heads, kv_head, group, HEAD_DIM: gl.constexpr):
+    """The output and LSE of one request's ``group`` query heads of KV head ``kv_head`` from its
+    ``num_splits`` normalised states from ``first_state`` on (``part_o`` [states, H_qo, D], ``part_lse``
+    [states, H_qo]), 16 heads at a time (few registers beside the consumer's own)."""
+    CHUNK: gl.constexpr = 16
+    layout: gl.constexpr = gl.BlockedLayout([1, HEAD_DIM // 32], [1, 32], [4, 1], [1, 0])
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    for r0 in range(0, group, CHUNK):
+        rows = r0 + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
+        row_ok = rows < group
+        heads = kv_head * group + rows
+        m_i = gl.full([CHUNK], float("-inf"), gl.float32, layout=gl.SliceLayout(1, layout))
+        l_i = gl.zeros([CHUNK], gl.float32, layout=gl.SliceLayout(1, layout))
+        acc = gl.zeros([CHUNK, HEAD_DIM], gl.float32, layout=layout)
+        for sp in range(num_splits):
+            row = (first_state + sp) * num_qo_heads + heads
+            s = gl.load(part_lse_ptr + row, mask=row_ok, other=float("-inf"))
+            v = gl.load(part_o_ptr + (row * HEAD_DIM)[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+            m_new = gl.maximum(m_i, s)
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_safe)
+            beta = gl.exp2(s - m_safe)
+            l_i = l_i * alpha + beta
+            acc = acc * alpha[:, None] + v * beta[:, None]
+            m_i = m_new
+        o = acc / gl.where(l_i > 0, l_i, 1.0)[:, None]
+        lse = gl.where(l_i > 0, m_i + gl.log2(gl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        gl.store(o_ptr + req.to(gl.int64) * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :],
+                 o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+        gl.store(lse_ptr + req.to(gl.int64) * stride_lse_tok + heads, lse, mask=row_ok)
 
 
 @gluon.jit
 def decode_hopper_kernel(
     q_desc, k_desc, v_desc, o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, k_mult, v_mult,
-    part_o_ptr, part_lse_ptr, work_ptr, kv_indptr_ptr, kv_indices_ptr, state_offset_ptr, num_qo_heads,
+    part_o_ptr, part_lse_ptr, counter_ptr, work_ptr, kv_indptr_ptr, kv_indices_ptr, state_offset_ptr, num_qo_heads,
     num_kv_heads, num_items, sm_scale_log2, rows_per_page,
     GROUP: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FP8_STAGES: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
@@ -211,8 +257,8 @@ def decode_hopper_kernel(
         mbarrier.init(ready8.index(i), count=1)
 
     consumer_args = (q_desc, q_smem, q_bar, k_smem, v_smem, ready, empty, o_ptr, stride_o_tok, stride_o_head,
-                     lse_ptr, stride_lse_tok, part_o_ptr, part_lse_ptr, k_mult, v_mult, work_ptr, kv_indptr_ptr,
-                     state_offset_ptr, num_qo_heads, num_kv_heads, num_items, sm_scale_log2, GROUP)
+                     lse_ptr, stride_lse_tok, part_o_ptr, part_lse_ptr, counter_ptr, k_mult, v_mult, work_ptr,
+                     kv_indptr_ptr, state_offset_ptr, num_qo_heads, num_kv_heads, num_items, sm_scale_log2, GROUP)
     producer_args = (k_desc, v_desc, k8_smem, v8_smem, ready8, k_smem, v_smem, ready, empty, work_ptr, kv_indptr_ptr,
                      kv_indices_ptr, rows_per_page, num_kv_heads, num_items)
     gl.warp_specialize([(_decode_consume, consumer_args), (_fp8_decode_partition, producer_args)], [4],

@@ -81,35 +81,3 @@ def merge_state_kernel(
              o.to(out_ptr.dtype.element_ty), mask=hd_ok)
     tl.store(lse_out_ptr + i_n * stride_lo_n + offs_h * stride_lo_h, lse, mask=h_ok)
 
-
-@triton.jit
-def merge_split_states_kernel(
-    # out [rows, H, D]; lse_out [rows, H] float32; part_o [states, H, D] and part_lse [states, H] float32:
-    # row n's states are state_offset[n] up to the next row's offset (num_states after the last row)
-    out_ptr, stride_o_n, stride_o_h, lse_out_ptr, stride_lo_n, part_o_ptr, part_lse_ptr, state_offset_ptr,
-    num_rows, num_states, num_heads,
-    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """The rows a split decode left as partial states (kernels/decode_hopper.py): one program merges
-    BLOCK_H heads of one row; a row without states (written whole by the decode) is left alone."""
-    i_n = tl.program_id(0)
-    i_h = tl.program_id(1)
-    first = tl.load(state_offset_ptr + i_n).to(tl.int64)
-    end = tl.load(state_offset_ptr + i_n + 1, mask=i_n + 1 < num_rows, other=num_states).to(tl.int64)
-    if end > first:
-        offs_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
-        offs_d = tl.arange(0, BLOCK_D)
-        h_ok = offs_h < num_heads
-        hd_ok = h_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        for st in range(first, end):
-            row = st * num_heads + offs_h
-            s = tl.load(part_lse_ptr + row, mask=h_ok, other=float("-inf"))
-            v = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=hd_ok, other=0.0)
-            m_i, l_i, acc = merge_update(m_i, l_i, acc, s, v)
-        o, lse = finalize(m_i, l_i, acc, 0.0, 1.0, False)
-        tl.store(out_ptr + i_n.to(tl.int64) * stride_o_n + offs_h[:, None] * stride_o_h + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=hd_ok)
-        tl.store(lse_out_ptr + i_n.to(tl.int64) * stride_lo_n + offs_h, lse, mask=h_ok)
