@@ -442,6 +442,7 @@ def test_decode_route_at_run(hopper_gpu):
     assert _route.DECODE.at_run(route, q, pkv, q_len_per_req=2) is None
     assert _route.DECODE.at_run(route, q, pkv, sinks=torch.zeros(8)) is None
     assert _route.DECODE.at_run(route, q, pkv, k_mult=0.0) is None
+    assert _route.DECODE.at_run(route, q, unpack_paged_kv_cache(cache[:0], TensorLayout.NHD)) is None
     assert _route.DECODE.at_run(route, torch.randn(2, 8, 136).to(torch.bfloat16)[..., :128], pkv) is None
     hnd = unpack_paged_kv_cache(cache.transpose(2, 3).contiguous(), TensorLayout.HND)
     assert _route.DECODE.at_run(route, q, hnd) is None

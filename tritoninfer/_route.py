@@ -261,6 +261,8 @@ class DecodeRoute:
             return None
         if q_len_per_req != 1 or sinks is not None:
             why = "several query tokens per request or sinks"
+        elif kv.k.shape[0] == 0:
+            why = "a cache without pages (no TMA view)"
         elif not k_mult > 0:
             why = "q_scale * k_scale is not positive"
         elif not q.is_contiguous() or q.data_ptr() % 16:
