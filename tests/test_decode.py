@@ -489,7 +489,7 @@ HOPPER_FP8_CASES = [
     Case((300, 129, 128, 1), page_size=64, heads=(64, 8), head_dim=128, q_dtype=torch.float16,
          kv_dtype=torch.float8_e4m3fn, form="tuple"),
     Case((20000,), page_size=8, heads=(28, 4), head_dim=128, q_dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn),
-    Case((700, 3000), page_size=128, heads=(16, 2), head_dim=128, q_dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn,
+    Case((700, 3000), page_size=32, heads=(16, 2), head_dim=128, q_dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn,
          split="disable"),
 ]
 

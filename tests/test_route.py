@@ -412,15 +412,15 @@ def test_decode_route_gates(hopper_gpu, monkeypatch):
     monkeypatch.setattr(_route, "DECODE_HOPPER_FP8", True)
     assert _decode_at_plan().kernel == "decode_hopper"
     for change in ({"q_dtype": torch.float16}, {"num_qo_heads": 16}, {"num_qo_heads": 512}, {"page_size": 8},
-                   {"page_size": 128}):
+                   {"page_size": _hopper.DECODE_BLOCK_N}):
         assert _decode_at_plan(**change).kernel == "decode_hopper", change
     for change, reason in (
             ({"kv_dtype": torch.bfloat16}, "e4m3"), ({"kv_dtype": torch.float8_e5m2}, "e4m3"),
             ({"q_dtype": torch.float8_e4m3fn}, "16-bit"), ({"device": torch.device("cpu")}, "sm_90"),
             ({"head_dim": 64}, "head_dim 64"), ({"num_qo_heads": 8}, "group of 1"), ({"num_qo_heads": 1024}, "group of 128"),
             ({"page_size": 1}, "page size 1"), ({"page_size": 4}, "page size 4"), ({"page_size": 48}, "page size 48"),
-            ({"page_size": 256}, "page size 256"), ({"use_cuda_graph": True}, "CUDA-graph"),
-            ({"fixed_split_size": 8}, "fixed_split_size"), ({"split_align": 8}, "start on a page"),
+            ({"page_size": 256}, "page size 256"), ({"page_size": 2 * _hopper.DECODE_BLOCK_N}, "page size"),
+            ({"use_cuda_graph": True}, "CUDA-graph"), ({"fixed_split_size": 8}, "fixed_split_size"), ({"split_align": 8}, "start on a page"),
             ({"scores": {"logits_soft_cap": 5.0}}, "soft cap"), ({"scores": {"window_left": 3}}, "window"),
             ({"scores": {"rope": True}}, "RoPE"), ({"scores": {"alibi": True}}, "ALiBi"),
             ({"scores": {"sm_scale": -0.1}}, "not positive")):

@@ -36,12 +36,14 @@ FP8_RING = 2
 FP8_CONSUMER_REGS = 240
 FP8_PRODUCER_REGS = 32
 # the Gluon fp8 decode (kernels/decode_hopper.py): one consumer warpgroup and one converting producer;
-# BLOCK_N-position tiles, DECODE_STAGES fp16 and DECODE_FP8_STAGES e4m3 stages (2 x 64 + 2 x 32 KB at
-# BLOCK_N 128, with Q 208 KB); registers per consumer thread (248: none spilled with the fused split
-# merge, sm_90 compile; 232 spilled 8 bytes at a group of 16) and per producer thread (one program an SM)
-DECODE_BLOCK_N = 128
-DECODE_STAGES = 2
-DECODE_FP8_STAGES = 2
+# BLOCK_N-position tiles, DECODE_STAGES fp16 and DECODE_FP8_STAGES e4m3 stages: 64-position tiles, 3 x 32 +
+# 6 x 16 KB with Q 208 KB, so up to 6 tiles (96 KB) in flight an SM (session 19, H200: 128-position tiles
+# with 2 + 2 stages, one tile in flight while the producer converted the one before, took 2.6 µs a tile:
+# 1.2-1.6 TB/s); registers per consumer thread (248: none spilled with the fused split merge, sm_90
+# compile; 232 spilled 8 bytes at a group of 16) and per producer thread (one program an SM)
+DECODE_BLOCK_N = 64
+DECODE_STAGES = 3
+DECODE_FP8_STAGES = 6
 DECODE_CONSUMER_REGS = 248
 DECODE_PRODUCER_REGS = 40
 PERSISTENT = True  # one program per SM running work items in turn (False: one item per program)
