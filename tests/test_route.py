@@ -145,6 +145,8 @@ def test_plans_store_the_route_and_its_work_list(hopper_plans):
     wrapper.plan(qo_indptr, qo_indptr, 4, 2, 128, q_data_type=torch.bfloat16)
     step = wrapper._step
     assert step.route.kernel == "hopper" and step.route_work is not None and tuple(step.route_work.shape) == (2, 1)
+    # both rows 16-byte aligned whatever the tile count (Triton specialises the kernel's pointers on it)
+    assert step.route_work[0].data_ptr() % 16 == 0 and step.route_work[1].data_ptr() % 16 == 0
     wrapper._override(False, "NONE", False, -1, None, None, None, None)
     assert wrapper._step.route.kernel == "hopper"
     wrapper._override(False, "NONE", False, -1, 30.0, None, None, None)

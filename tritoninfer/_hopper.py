@@ -116,6 +116,21 @@ def work_tiles(qo_lens: np.ndarray, kv_lens: np.ndarray, causal: bool) -> np.nda
     return np.ascontiguousarray(plan.work[:, :2].T)
 
 
+def padded_tiles(work: np.ndarray) -> np.ndarray:
+    """``work_tiles``' [2, tiles] as a plan uploads it: rows of a multiple of 4 entries, so that the second
+    row's device address is 16-byte aligned as the first's (Triton specialises pointers on that: a
+    misaligned row would be another compiled kernel, compiled mid-serving). ``tiles_view`` reads it."""
+    n = work.shape[1]
+    out = np.zeros((2, -(-n // 4) * 4), np.int32)
+    out[:, :n] = work
+    return out
+
+
+def tiles_view(view: torch.Tensor, work: np.ndarray) -> torch.Tensor:
+    """The uploaded ``padded_tiles(work)`` as the kernel takes it: int32 [2, tiles]."""
+    return view.view(2, -1)[:, :work.shape[1]]
+
+
 def tma_ready(t: torch.Tensor) -> bool:
     """A [tokens, H, D] tensor that a 2-D TMA box can read as [tokens, H * D]."""
     elem = t.element_size()

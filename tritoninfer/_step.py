@@ -296,7 +296,7 @@ def _plan_single(device: torch.device, *, settings: Settings, params: ScoreParam
     if packed_mask is not None:
         extra.append(np.zeros(1, np.int64))
     if not route.is_core:
-        extra.append(route.work)
+        extra.append(_hopper.padded_tiles(route.work))
     # a ring of pinned buffers: these functions plan at every call (once per layer), and waiting for
     # the previous call's copy would wait for the GPU to finish the previous layer
     uploader = _device.per_device("single_uploader", device,
@@ -307,5 +307,5 @@ def _plan_single(device: torch.device, *, settings: Settings, params: ScoreParam
         num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, page_size=0, batch=1,
         total_rows=qo_len, total_kv=kv_len, min_kv_len=kv_len, tiles=tiles, device_plan=plan, kv_indptr=views[0],
         packed_mask=packed_mask, mask_indptr=views[1] if packed_mask is not None else None, route=route,
-        route_work=views[-1].view(2, -1) if not route.is_core else None,
+        route_work=_hopper.tiles_view(views[-1], route.work) if not route.is_core else None,
     )

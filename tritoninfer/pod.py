@@ -27,7 +27,7 @@ from typing import Any, List, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from . import _device, _errors, _ops, _plan
+from . import _device, _errors, _hopper, _ops, _plan
 from ._attention import AttentionLaunch, KVSource, PlanUploader, ScoreParams, dot_dtype, score_params
 from ._kvcache import CacheViews, PagedKVCache, host_page_table, init_graph_page_table
 from ._options import (
@@ -77,12 +77,12 @@ def _plan_half(uploader: PlanUploader, device: torch.device, workspace_bytes: in
                      disable_split_kv=False, workspace_bytes=workspace_bytes, num_sms=_device.num_sms(device),
                      graph=None, heaviest_first=heaviest_first)
     _, byte_indptr = _mask_layout(qo_lens, kv_lens)
-    extra = kv_host + [byte_indptr] + ([] if route.is_core else [route.work])
+    extra = kv_host + [byte_indptr] + ([] if route.is_core else [_hopper.padded_tiles(route.work)])
     plan, views = upload_plan(uploader, None, work, kv_lens, qo, extra, non_blocking)
     fields = dict(settings=settings, params=params, q_dtype=q_dtype, kv_dtype=kv_dtype, num_qo_heads=num_qo_heads,
                   num_kv_heads=num_kv_heads, head_dim_qk=head_dim, head_dim_vo=head_dim, page_size=page_size,
                   batch=batch, total_rows=total_rows, min_kv_len=int(kv_lens.min()) if batch else 0, tiles=tiles,
-                  device_plan=plan, route=route, route_work=None if route.is_core else views[-1].view(2, -1))
+                  device_plan=plan, route=route, route_work=None if route.is_core else _hopper.tiles_view(views[-1], route.work))
     n = len(kv_host)
     return fields, views[:n], views[n]
 

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from . import _device, _errors, _ops, _variants
+from . import _device, _errors, _hopper, _ops, _variants
 from ._attention import KVSource, PlanUploader, score_params, scratch_workspace
 from ._route import PREFILL, PlanFacts, core
 from ._step import GraphBuffers, PlannedStep, Settings, plan_single, plan_work, run_step, upload_plan
@@ -108,7 +108,7 @@ def _step_fields(facts: PlanFacts, settings: Settings, tiles, num_qo_heads: int,
         head_dim_vo=facts.head_dim_vo, page_size=facts.page_size, batch=batch, total_rows=total_rows,
         min_kv_len=int(facts.kv_lens.min()) if batch else 0, tiles=tiles, device_plan=device_plan,
         packed_mask=packed_mask, mask_indptr=mask_indptr if packed_mask is not None else None, route=route,
-        route_work=None if route.is_core else route_view.view(2, -1),
+        route_work=None if route.is_core else _hopper.tiles_view(route_view, route.work),
     )
 
 
@@ -364,7 +364,7 @@ class _BatchPrefillBase:
         mask_arrays = [byte_indptr] if byte_indptr is not None and graph is None else []
         if multi_item is not None:
             mask_arrays = [multi_item_rows.reshape(-1)]
-        route_arrays = [] if route.is_core else [route.work]
+        route_arrays = [] if route.is_core else [_hopper.padded_tiles(route.work)]
         plan, views = upload_plan(self._uploader, graph, work, kv_lens, qo, mask_arrays + kv_extra + route_arrays,
                                   non_blocking)
         mask_indptr_d = views[0] if mask_arrays else None

@@ -28,7 +28,7 @@ from typing import Optional, Tuple, Union
 import numpy as np
 import torch
 
-from . import _device, _errors, _ops, _route
+from . import _device, _errors, _hopper, _ops, _route
 from ._attention import KVSource, PlanUploader
 from ._kvcache import PagedKV
 from ._options import (
@@ -189,7 +189,7 @@ class _SparseBase:
         # an empty page list still gets one (unread) entry: the kernel is handed a real allocation
         indices = kv_indices if kv_indices.size else np.zeros(1, np.int64)
         extra = [kv_starts, indices] + ([mask_byte_indptr] if packed_mask is not None else []) + (
-            [] if route.is_core else [route.work])
+            [] if route.is_core else [_hopper.padded_tiles(route.work)])
         plan, views = upload_plan(self._uploader, None, work, kv_lens, qo, extra, non_blocking)
         return PlannedStep(**_step_fields(facts, settings, tiles, num_qo_heads, num_kv_heads, total_rows, plan,
                                           packed_mask, views[2] if packed_mask is not None else None, route, views[-1]),
