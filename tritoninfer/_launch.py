@@ -35,6 +35,7 @@ calls take Triton's path); under the interpreter every call takes the ordinary p
 from __future__ import annotations
 
 import ctypes
+import logging
 import operator
 import struct
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
@@ -45,6 +46,8 @@ from triton import knobs
 from triton.runtime import driver
 
 from . import _device, _driver
+
+log = logging.getLogger("tritoninfer.launch")
 
 
 def _arg_key(a: Any):
@@ -230,6 +233,9 @@ class BoundLaunch:
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.tail = tail
         if spec != self._tail_spec:
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("rebind of %s: the tail specialises anew at positions %s", self.launcher.kernel.__name__,
+                          [i for i, (a, b) in enumerate(zip(spec, self._tail_spec)) if a != b])
             self._tail_spec = spec
             self._compiled.clear()
             self._driver.clear()
