@@ -36,6 +36,7 @@
 #                its launches, its heaviest Python functions (FlashInfer's host time beside)
 #   ncu-sampling Nsight Compute on the renorm and sampling kernels (benchmarks/ncu_sampling.py, NCU_BATCH
 #                rows, default 256): throughput, occupancy, warp stalls, memory; needs the Firecracker runtime
+#   ncu-decode   Nsight Compute on the Gluon fp8 decode and the core's fp8 decode (benchmarks/ncu_decode.py)
 #   ncu-mla      Nsight Compute on the MLA decode kernels (benchmarks/ncu_mla.py; NCU_MLA_SHAPES as bench mla
 #                --shapes, default 128 and 16 heads 64 x 8K at page 64): stalls, occupancy, memory
 #   fit-sink-mla FlashInfer's own tests for attention sinks and DeepSeek MLA (2 workers)
@@ -268,6 +269,14 @@ case "$part" in
       --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
       --section MemoryWorkloadAnalysis python3 benchmarks/ncu_sampling.py "${NCU_BATCH:-256}" \
       > "$out/ncu-sampling.txt" 2>&1 || true ;;
+  ncu-decode)
+    # where the Gluon fp8 decode's warps wait, beside the core's fp8 decode (32/8 heads, NCU_DECODE="BATCH KV_LEN",
+    # default 64 x 4096, page 16): stall reasons by source line, occupancy, memory
+    ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    PYTHONPATH=/tmp/site:$PWD timeout "$limit" "$ncu_bin" --clock-control none --profile-from-start off \
+      --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+      --section MemoryWorkloadAnalysis --section SchedulerStats --section SourceCounters \
+      python3 benchmarks/ncu_decode.py ${NCU_DECODE:-} > "$out/ncu-decode.txt" 2>&1 || true ;;
   ncu-mla)
     # where the Gluon MLA kernel's warps wait (NCU_MLA_SHAPES as bench mla --shapes; default 128 and 16 heads,
     # page 64, 64 x 8K): stall reasons, occupancy, memory
