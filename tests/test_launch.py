@@ -251,7 +251,9 @@ def test_driver_path_runs_and_matches_reference(kind, monkeypatch, caplog):
     original_compile = _launch.CachedLauncher.compile_and_launch
     monkeypatch.setattr(_launch.CachedLauncher, "compile_and_launch",
                         lambda self, *a: compiles.append(1) or original_compile(self, *a))
-    lens = [lens[1], lens[2] + 37, lens[0] + 5]
+    # (as an engine's next step: other lengths, the same number of pages in the cache; a cache of another
+    # size is another int in the launch's driver key, a new driver launch built through _triton_path)
+    lens = [lens[2] - 3, lens[0] + 2, lens[1] + 1]
     kv = testing.make_paged_kv(lens, 16, 8, 128, dtype=torch.bfloat16, device="cuda", generator=g)
     triton_calls.clear()
     caplog.set_level("DEBUG", logger="tritoninfer.launch")
