@@ -422,9 +422,11 @@ def compile_mla_hopper_case(name: str):
                   "*bf16" if n in ("o_ptr", "ckv_ptr", "kpe_ptr") else
                   "*fp32" if n in ("lse_ptr", "part_o_ptr", "part_lse_ptr") else
                   "*i32" if n.endswith("_ptr") else "fp32" if n in ("sm_scale_log2", "lse_scale") else "i32")
-    # the caches and their row strides as a launch specialises them (16-byte aligned, 576), for 16-byte copies
+    # the caches as a launch specialises them (16-byte aligned); their row strides not divisible by 16 (the
+    # route takes rows 16 bytes apart, e.g. SGLang-style slices of a 584-wide buffer: Triton marks no
+    # divisibility on 584, and without the kernel's own hint its 16-byte copies failed to compile on the H200)
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(mla_hopper_kernel.params)
-             if p.name in ("ckv_ptr", "kpe_ptr", "stride_ckv_row", "stride_kpe_row")}
+             if p.name in ("ckv_ptr", "kpe_ptr")}
     return triton.compile(GluonASTSource(mla_hopper_kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=4, maxnreg=regs["maxnreg"]))
 

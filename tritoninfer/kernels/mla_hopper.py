@@ -230,6 +230,11 @@ def _gather_partition(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ck
         n_pages = gl.cdiv(kv_len, page_size)
         offs_n = gl.arange(0, BLOCK_N, layout=pos_layout)
         cols = gl.arange(0, CHUNK, layout=col_layout)
+        # rows 16 bytes apart (the route checks it), written as a multiple of 8 elements: Triton marks a stride
+        # divisible by 16 elements only, and its 16-byte copies of rows of, e.g., a 584-wide buffer did not
+        # compile (neither multiple_of nor assume on the scalar reaches the copies' alignment)
+        ckv_stride = (stride_ckv_row // 8) * 8
+        kpe_stride = (stride_kpe_row // 8) * 8
         for j in range(n_tiles):
             if j >= LAG:
                 # tile j - LAG's copies done (LAG - 1 later groups may still be in flight): published
@@ -244,11 +249,11 @@ def _gather_partition(q_desc, qpe_desc, ckv_desc, kpe_desc, q_smem, qpe_smem, ck
             # ids as unsigned, clamped to the last page: a bad one reads a page of the cache
             page = gl.minimum(page.to(gl.uint32, bitcast=True), (num_pages - 1).to(gl.uint32)).to(gl.int64)
             row = page * page_size + (pos - idx * page_size)
-            ckv_rows = ckv_ptr + row[:, None] * stride_ckv_row + cols[None, :]
+            ckv_rows = ckv_ptr + row[:, None] * ckv_stride + cols[None, :]
             for c in gl.static_range(N_CHUNKS):
                 async_copy.async_copy_global_to_shared(ckv_smem.index(stage * N_CHUNKS + c), ckv_rows + c * CHUNK)
             async_copy.async_copy_global_to_shared(kpe_smem.index(stage),
-                                                   kpe_ptr + row[:, None] * stride_kpe_row + cols[None, :])
+                                                   kpe_ptr + row[:, None] * kpe_stride + cols[None, :])
             async_copy.commit_group()
         # the last tiles: every copy complete
         async_copy.wait_group(0)
