@@ -326,12 +326,13 @@ def test_mla_route_gates(hopper_gpu, monkeypatch):
     monkeypatch.setattr(_route, "MLA_HOPPER", True)
     assert _route.MLA.at_plan(**ok).kernel == "hopper"
     assert _route.MLA.at_plan(**{**ok, "page_size": 8}).kernel == "hopper"
+    monkeypatch.setattr(_route, "MLA_HOPPER_GATHER", False)
     for change, reason in (({"kv_dtype": torch.float8_e4m3fn}, "16-bit"), ({"page_size": 1}, "page size 1"),
                            ({"page_size": 48}, "page size 48"), ({"head_dim_ckv": 256}, "latent dims"),
                            ({"sm_scale": 0.0}, "not positive"), ({"device": torch.device("cpu")}, "sm_90")):
         route = _route.MLA.at_plan(**{**ok, **change})
         assert route.is_core and reason in route.reason, (change, route)
-    # pages TMA cannot box: gathered by the kernel's producer, when switched on
+    # pages TMA cannot box: gathered by the kernel's producer, when switched on (the default)
     monkeypatch.setattr(_route, "MLA_HOPPER_GATHER", True)
     for page in (1, 4, 48):
         route = _route.MLA.at_plan(**{**ok, "page_size": page})
