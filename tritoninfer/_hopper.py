@@ -46,6 +46,16 @@ DECODE_STAGES = 3
 DECODE_FP8_STAGES = 6
 DECODE_CONSUMER_REGS = 248
 DECODE_PRODUCER_REGS = 40
+# the consumer's orientation: KV positions as the wgmma's M (S^T = K Q^T over the group rounded up to 8 query
+# heads; written in session 19 after the 64-row form measured 1.9x slower than the core, unrun) or the
+# query heads as its 64 rows (False: the form measured)
+DECODE_KV_AS_M = True
+
+
+def decode_q_rows(group: int) -> int:
+    """The rows of the fp8 decode's Q box: the group's heads (64 with ``DECODE_KV_AS_M`` off, a consumer's
+    wgmma M; else the group rounded up to 8, its N)."""
+    return -(-group // 8) * 8 if DECODE_KV_AS_M else 64
 PERSISTENT = True  # one program per SM running work items in turn (False: one item per program)
 # smallest page the Gluon kernels read by TMA: a box per page lands in an 8-row slice of a 128-byte
 # swizzled stage; Triton 3.6 cannot slice one below its 8-row swizzle pattern
@@ -80,7 +90,7 @@ def decode_config() -> dict:
     """The Gluon fp8 decode's compile-time constants and ``maxnreg`` (two warpgroups: the launch's limit
     is the mean of the consumer's and the producer's, which ``warp_specialize`` then redistributes)."""
     return dict(BLOCK_N=DECODE_BLOCK_N, STAGES=DECODE_STAGES, FP8_STAGES=DECODE_FP8_STAGES,
-                PRODUCER_REGS=DECODE_PRODUCER_REGS,
+                PRODUCER_REGS=DECODE_PRODUCER_REGS, KV_AS_M=DECODE_KV_AS_M,
                 maxnreg=(DECODE_CONSUMER_REGS + DECODE_PRODUCER_REGS) // 2 // 8 * 8)
 
 
@@ -282,7 +292,8 @@ def decode_launch(q: torch.Tensor, kv_descriptors: KVBoxes, out: torch.Tensor, l
         bound = launches[key] = _DecodeLaunch(q, plan, kv_indptr, kv_indices, num_kv_heads, sm_scale, workspace,
                                               rows_per_page)
     lse_out = bound.lse_scratch if lse is None else lse
-    q_box = TmaBox(q, (batch * hq, d), (d, 1), (64, d), smem_layout(64, d, q.dtype))
+    rows = bound.q_rows
+    q_box = TmaBox(q, (batch * hq, d), (d, 1), (rows, d), smem_layout(rows, d, q.dtype))
     bound.launch(q_box, k_box, v_box, out, out.stride(0), out.stride(1), lse_out, lse_out.stride(0), float(k_mult),
                  float(v_mult))
 
@@ -311,5 +322,6 @@ class _DecodeLaunch:
                 num_items, sm_scale * math.log2(math.e), rows_per_page)
         grid = max(1, min(num_items, _device.num_sms(q.device)))
         self.launch = BoundLaunch(launcher, (grid,), tail, dict(GROUP=hq // num_kv_heads, num_warps=4, **decode_config()))
+        self.q_rows = decode_q_rows(hq // num_kv_heads)  # the Q box the bound consumer expects
         self.lse_scratch = torch.empty((batch, hq), dtype=torch.float32, device=q.device)
         self.keep = (plan, kv_indptr, kv_indices, workspace)  # identities in the launch's key

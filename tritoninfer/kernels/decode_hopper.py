@@ -26,7 +26,12 @@ compiles this kernel for sm_90 (tests/test_sm90_compile.py); tests/test_decode.p
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from .prefill_hopper import ROWS, _attend_tiles, _convert_q, _convert_tile, _issue_kv_tile, _load_q
 
@@ -186,6 +191,110 @@ def _decode_consume(q_desc, q_smem, q_bar, k_smem, v_smem, ready, empty, o_ptr, 
 
 
 @gluon.jit
+def _decode_consume_kv_m(q_desc, q_smem, q_bar, k_smem, v_smem, ready, empty, o_ptr, stride_o_tok, stride_o_head,
+                         lse_ptr, stride_lse_tok, part_o_ptr, part_lse_ptr, counter_ptr, k_mult, v_mult, work_ptr,
+                         kv_indptr_ptr, state_offset_ptr, num_qo_heads, num_kv_heads, num_items, sm_scale_log2,
+                         group):
+    """The consumer warpgroup with KV as the wgmma's M (``KV_AS_M``): S^T = K Q^T, [BLOCK_N tokens, Q_ROWS
+    heads] (Q_ROWS = the Q box's rows, the group rounded up to 8: no 64-row padding), the softmax over
+    the tokens (axis 0), then O^T += V^T P ([D, Q_ROWS]; V^T read transposed from the fp16 stage, P
+    through a small shared tile). Every step is small; the tiles run one after another."""
+    stages: gl.constexpr = k_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
+    Q_ROWS: gl.constexpr = q_smem.type.shape[1]
+    dtype: gl.constexpr = k_smem.dtype
+    PAGE: gl.constexpr = 1  # unused by the consumer (_decode_item's page-table entry)
+    q_load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, Q_ROWS, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, Q_ROWS, 16])
+    p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, Q_ROWS], dtype)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)  # per head
+    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, Q_ROWS], p_smem_layout)
+    tok0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    s_zero = gl.zeros([BLOCK_N, Q_ROWS], gl.float32, layout=s_layout)
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, o_layout))
+    cols_o = gl.arange(0, Q_ROWS, layout=col_o)
+    cols_s = gl.arange(0, Q_ROWS, layout=col_s)
+
+    my_q = q_smem.index(0)
+    convert_q: gl.constexpr = dtype != q_desc.dtype
+    my_q_mma = my_q._reinterpret(dtype, [Q_ROWS, HEAD_DIM], q_desc.layout) if convert_q else my_q
+    my_bar = q_bar.index(0)
+    scale = sm_scale_log2 * k_mult
+    first = gl.program_id(0)
+    step = gl.num_programs(0)
+    _load_q(q_desc, my_q, my_bar, _q_row(first, num_items, num_qo_heads, num_kv_heads, work_ptr, group), 0,
+            first < num_items)
+    t = 0  # KV tiles of the ring consumed before this item
+    q_phase = 0
+    for item in range(first, num_items, step):
+        req, kv_head, split, num_splits, n_kv, first_page = _decode_item(item, num_kv_heads, work_ptr,
+                                                                         kv_indptr_ptr, PAGE)
+        n_tiles = gl.cdiv(n_kv, BLOCK_N)
+        next_row = _q_row(item + step, num_items, num_qo_heads, num_kv_heads, work_ptr, group)
+        mbarrier.wait(my_bar, q_phase)
+        q_phase ^= 1
+        if convert_q:
+            _convert_q(my_q, my_q_mma, q_load_layout)
+        m_i = gl.full([Q_ROWS], float("-inf"), gl.float32, layout=col_s)
+        l_i = gl.zeros([Q_ROWS], gl.float32, layout=col_s)
+        acc = gl.zeros([HEAD_DIM, Q_ROWS], gl.float32, layout=o_layout)
+        for j in range(n_tiles):
+            stage = (t + j) % stages
+            mbarrier.wait(ready.index(stage), ((t + j) // stages) & 1)
+            s = warpgroup_mma(k_smem.index(stage), my_q_mma.permute((1, 0)), s_zero, use_acc=False)
+            keep = (j * BLOCK_N + tok0)[:, None] < n_kv
+            s = gl.where(keep, s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 0) * scale)
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(s * scale - m_safe[None, :])
+            alpha = gl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + gl.sum(p, 0)
+            m_i = m_new
+            # every thread's part of P written and visible to the warpgroup's wgmma
+            p_smem.store(p.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            acc = acc * gl.convert_layout(alpha, col_o)[None, :]
+            acc = warpgroup_mma(v_smem.index(stage).permute((1, 0)), p_smem, acc)
+            mbarrier.arrive(empty.index(stage), count=1)
+        t += n_tiles
+        # every S of this item is done: the next item's Q may overwrite this one
+        _load_q(q_desc, my_q, my_bar, next_row, 0, item + step < num_items)
+
+        l_o = gl.convert_layout(l_i, col_o)
+        o = acc / gl.where(l_o > 0, l_o, 1.0)[None, :] * v_mult
+        lse = gl.where(l_i > 0, m_i + gl.log2(gl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        head_o = kv_head * group + cols_o
+        head_s = kv_head * group + cols_s
+        live = req >= 0
+        split_rows = live & (num_splits > 1)
+        whole_rows = live & (num_splits <= 1)
+        state = gl.load(state_offset_ptr + gl.maximum(req, 0)) + split
+        col_ok_o = cols_o < group
+        col_ok_s = cols_s < group
+        gl.store(o_ptr + req.to(gl.int64) * stride_o_tok + head_o[None, :] * stride_o_head + offs_d[:, None],
+                 o.to(o_ptr.dtype.element_ty), mask=(col_ok_o & whole_rows)[None, :])
+        gl.store(lse_ptr + req.to(gl.int64) * stride_lse_tok + head_s, lse, mask=col_ok_s & whole_rows)
+        state_row = state.to(gl.int64) * num_qo_heads
+        gl.store(part_o_ptr + ((state_row + head_o) * HEAD_DIM)[None, :] + offs_d[:, None], o,
+                 mask=(col_ok_o & split_rows)[None, :])
+        gl.store(part_lse_ptr + state_row + head_s, lse, mask=col_ok_s & split_rows)
+        if split_rows:
+            gl.thread_barrier()
+            group_id = gl.load(work_ptr + (item // num_kv_heads) * WORK_FIELDS + 6)
+            counter = counter_ptr + group_id * num_kv_heads + kv_head
+            if gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                gl.store(counter, 0)
+                _merge_splits(o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, part_o_ptr, part_lse_ptr,
+                              req, (state - split).to(gl.int64), num_splits, num_qo_heads, kv_head, group, HEAD_DIM)
+
+
+@gluon.jit
 def _merge_splits(o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, part_o_ptr, part_lse_ptr, req,
                   first_state, num_splits, num_qo_heads, kv_head, group, HEAD_DIM: gl.constexpr):
     """The output and LSE of one request's ``group`` query heads of KV head ``kv_head`` from its
@@ -225,7 +334,7 @@ def decode_hopper_kernel(
     part_o_ptr, part_lse_ptr, counter_ptr, work_ptr, kv_indptr_ptr, kv_indices_ptr, state_offset_ptr, num_qo_heads,
     num_kv_heads, num_items, sm_scale_log2, rows_per_page,
     GROUP: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FP8_STAGES: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, KV_AS_M: gl.constexpr, num_warps: gl.constexpr,
 ):
     """q_desc: q [batch, H_qo, D] (contiguous) as a 2-D view [batch * H_qo, D], box [64, D]; k_desc /
     v_desc: 2-D views [rows, H_kv * D] of the e4m3 K and V pages, box [PAGE, D] (8 to 128 positions,
@@ -239,7 +348,7 @@ def decode_hopper_kernel(
     units: positive), ``v_mult`` the output. ``num_warps`` is 4: the consumer is the default partition,
     the producer a warpgroup of ``PRODUCER_REGS`` registers a thread."""
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [1, ROWS, HEAD_DIM], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [1, q_desc.block_type.shape[0], HEAD_DIM], q_desc.layout)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float16)
     k_smem = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
     v_smem = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
@@ -261,5 +370,9 @@ def decode_hopper_kernel(
                      kv_indptr_ptr, state_offset_ptr, num_qo_heads, num_kv_heads, num_items, sm_scale_log2, GROUP)
     producer_args = (k_desc, v_desc, k8_smem, v8_smem, ready8, k_smem, v_smem, ready, empty, work_ptr, kv_indptr_ptr,
                      kv_indices_ptr, rows_per_page, num_kv_heads, num_items)
-    gl.warp_specialize([(_decode_consume, consumer_args), (_fp8_decode_partition, producer_args)], [4],
-                       [PRODUCER_REGS])
+    if KV_AS_M:
+        gl.warp_specialize([(_decode_consume_kv_m, consumer_args), (_fp8_decode_partition, producer_args)], [4],
+                           [PRODUCER_REGS])
+    else:
+        gl.warp_specialize([(_decode_consume, consumer_args), (_fp8_decode_partition, producer_args)], [4],
+                           [PRODUCER_REGS])
