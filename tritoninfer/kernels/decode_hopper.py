@@ -3,25 +3,29 @@ structure the Gluon prefill's ``FP8`` mode proved, applied to one query token pe
 "Speed, part 3", target 2: fp8 KV decode at ~2x the bf16 time). The attention core's fp8 decode
 stalls on a chain of dependent steps per tile (shared-memory fragments, convert, mma, row
 reductions, V convert; benchmarks/NOTES.md, session 2): here a producer warpgroup converts whole
-tiles while the consumer runs wgmma from shared memory.
+tiles while a consumer warpgroup runs wgmma from shared memory.
 
-A work item: one entry of the decode plan's work list (a request's KV split) for one KV head; the
-GROUP query heads of that KV head are the rows of one consumer warpgroup's 64-row wgmma (the rows
-past GROUP are other heads' or TMA's zero fill: computed, never stored). A program (one per SM,
-persistent) runs items in turn, as two partitions (``gl.warp_specialize``):
-- a producer warpgroup that brings each tile's pages by TMA into a ring of ``FP8_STAGES`` e4m3
-  stages and converts each into the consumer's ring of ``STAGES`` fp16 stages (the prefill kernel's
-  ``_issue_kv_tile`` and ``_convert_tile``), running on across items;
-- the consumer warpgroup: Q (bf16/fp16, one TMA box of 64 (token, head) rows) converted to fp16 in
-  place and held in registers (the next item's Q lands meanwhile; shared memory's bandwidth serves the
-  tiles), then per tile S_j = Q K_j^T issued before O += P_{j-1} V_{j-1}, the softmax of S_j under
-  the second wgmma, as the prefill consumers.
-An unsplit item writes its rows of the output (and LSE); a split item writes its normalised partial
-state, and the last split of a (request, KV head) to arrive (an arrival counter, as the attention core's
-fused merge) merges them all into the output.
+A work item: one entry of the decode plan's work list (a request's KV split) for one KV head. A
+program (one per SM, persistent) runs items in turn, as two partitions (``gl.warp_specialize``):
+- a producer warpgroup that brings each tile's pages by TMA into a ring of ``FP8_STAGES`` e4m3 stages
+  (a tile's page ids loaded while the tile before it is issued) and converts each into the consumer's
+  ring of ``STAGES`` fp16 stages (the prefill kernel's ``_convert_tile``), running on across items;
+- the consumer warpgroup, in one of two orientations (``KV_AS_M``):
+  - KV as the wgmma's M (``_decode_consume_kv_m``): S^T = K Q^T over the GROUP query heads rounded up
+    to 8 (the Q box's rows), the softmax over the tile's positions, O^T += V^T P through a small shared
+    P tile: no padded rows;
+  - the query heads as its 64 rows (``_decode_consume``): Q (one TMA box of 64 (token, head) rows, the
+    rows past GROUP other heads' or TMA's zero fill: computed, never stored) held in registers, S_j
+    issued before PV_{j-1} as the prefill consumers. Measured on the H200 in session 19: correct, but
+    1.9x slower than the core's fp8 decode (the softmax of 64 rows for 4 live ones; benchmarks/NOTES.md).
+Q (bf16/fp16) is converted to fp16 in place once it lands. An unsplit item writes its rows of the
+output (and LSE); a split item writes its normalised partial state, and the last split of a
+(request, KV head) to arrive (an arrival counter, as the attention core's fused merge) merges them all
+into the output.
 
-Gluon code does not run in the Triton interpreter: the CPU suite covers the route's gates and
-compiles this kernel for sm_90 (tests/test_sm90_compile.py); tests/test_decode.py's ``gpu`` tests run it.
+Gluon code does not run in the Triton interpreter: the CPU suite covers the route's gates and the host
+side and compiles this kernel for sm_90 (tests/test_sm90_compile.py); tests/test_decode.py's ``gpu``
+tests run it.
 """
 
 from triton.experimental import gluon
@@ -29,11 +33,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
-from .prefill_hopper import ROWS, _attend_tiles, _convert_q, _convert_tile, _issue_kv_tile, _load_q
+from .prefill_hopper import ROWS, _attend_tiles, _convert_q, _convert_tile, _load_q
 
 WORK_FIELDS = gl.constexpr(7)  # _plan.WORK_FIELDS: request, q tile, kv start, kv end, split, splits, group
 
@@ -59,22 +64,37 @@ def _fp8_decode_partition(k_desc, v_desc, k8_smem, v8_smem, ready8, k_smem, v_sm
                           kv_indptr_ptr, kv_indices_ptr, rows_per_page, num_kv_heads, num_items):
     """The producer warpgroup: tile t of the program's items by TMA into fp8 stage t % FP8_STAGES and,
     whenever that ring is full, the oldest tile converted into the fp16 ring (as the prefill kernel's
-    ``_fp8_tiles``); the tiles still in flight at the end are converted last."""
+    ``_fp8_tiles``); the tiles still in flight at the end are converted last. A tile's page ids are
+    loaded while the one before it is issued (ncu, session 19: a third of the producer's waits were on
+    the page-id loads in front of each TMA box)."""
     stages8: gl.constexpr = k8_smem.type.shape[0]
     BLOCK_N: gl.constexpr = k8_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = k8_smem.type.shape[2]
     PAGE: gl.constexpr = k_desc.block_type.shape[0]
+    PAGES: gl.constexpr = BLOCK_N // PAGE
     kv_bytes: gl.constexpr = 2 * BLOCK_N * k_desc.block_type.nbytes // PAGE
+    # every thread holds all the tile's ids: picking one is a sum within the thread, no exchange
+    ids_layout: gl.constexpr = gl.BlockedLayout([PAGES], [32], [4], [0])
+    slots = gl.arange(0, PAGES, layout=ids_layout)
     t = 0  # tiles issued
     c = 0  # tiles converted
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
         req, kv_head, split, num_splits, n_kv, first_page = _decode_item(item, num_kv_heads, work_ptr,
                                                                          kv_indptr_ptr, PAGE)
+        n_pages = gl.cdiv(n_kv, PAGE)
+        ids = gl.load(kv_indices_ptr + first_page + slots, mask=slots < n_pages, other=0)
         for j in range(gl.cdiv(n_kv, BLOCK_N)):
+            nxt = (j + 1) * PAGES + slots
+            ids_next = gl.load(kv_indices_ptr + first_page + nxt, mask=nxt < n_pages, other=0)
             s8 = t % stages8
             mbarrier.expect(ready8.index(s8), kv_bytes)
-            _issue_kv_tile(k_desc, v_desc, k8_smem.index(s8), v8_smem.index(s8), ready8.index(s8), first_page, n_kv,
-                           j, kv_head * HEAD_DIM, kv_indices_ptr, rows_per_page, True)
+            for i in gl.static_range(PAGES):
+                row = gl.sum(gl.where(slots == i, ids, 0), 0) * rows_per_page
+                tma.async_copy_global_to_shared(k_desc, [row, kv_head * HEAD_DIM], ready8.index(s8),
+                                                k8_smem.index(s8).slice(i * PAGE, PAGE))
+                tma.async_copy_global_to_shared(v_desc, [row, kv_head * HEAD_DIM], ready8.index(s8),
+                                                v8_smem.index(s8).slice(i * PAGE, PAGE))
+            ids = ids_next
             t += 1
             if t - c == stages8:
                 _convert_tile(c, k8_smem, v8_smem, ready8, k_smem, v_smem, ready, empty)
