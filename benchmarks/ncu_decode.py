@@ -10,6 +10,7 @@ where the Gluon kernel's warps wait, beside the core's.
 import sys
 
 import torch
+from _ncu import profile_once
 
 from tritoninfer import BatchDecodeWithPagedKVCacheWrapper, _route, testing
 
@@ -28,15 +29,7 @@ def main() -> None:
                kv_data_type=torch.float8_e4m3fn)
         assert (w._step.route.kernel == "decode_hopper") == gluon, w._step.route
         calls.append(lambda w=w: w.run(q, kv.cache, k_scale=0.5))
-    for call in calls:
-        call()
-        call()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStart()
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStop()
+    profile_once(calls)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ unprofiled (compilation, the driver launch path), then once between ``cudaProfil
 import sys
 
 import torch
+from _ncu import profile_once
 
 from tritoninfer import BatchMLAPagedAttentionWrapper
 from tritoninfer.bench import mla
@@ -25,15 +26,7 @@ def main() -> None:
         _, run = mla.setup_wrapper(BatchMLAPagedAttentionWrapper(workspace), table, shape, (mla.D_CKV, mla.D_KPE),
                                    copies)
         calls.append(run)
-    for run in calls:
-        run(0)
-        run(0)
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStart()
-    for run in calls:
-        run(0)
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStop()
+    profile_once([lambda run=run: run(0) for run in calls])
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ call twice unprofiled (compilation, the driver launch path), then once between
 import sys
 
 import torch
+from _ncu import profile_once
 
 from tritoninfer import sampling
 
@@ -18,15 +19,7 @@ def main() -> None:
     probs = torch.softmax(torch.randn(batch, 128256, device="cuda") * 3, -1)
     calls = [lambda: sampling.top_k_renorm_probs(probs, 50), lambda: sampling.top_p_renorm_probs(probs, 0.9),
              lambda: sampling.top_p_sampling_from_probs(probs, 0.9), lambda: sampling.sampling_from_probs(probs)]
-    for call in calls:
-        call()
-        call()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStart()
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStop()
+    profile_once(calls)
 
 
 if __name__ == "__main__":

@@ -198,16 +198,9 @@ def _decode_consume(q_desc, q_smem, q_bar, k_smem, v_smem, ready, empty, o_ptr, 
                  mask=(row_ok_o & split_rows)[:, None])
         gl.store(part_lse_ptr + state_row + head_s, lse, mask=row_ok_s & split_rows)
         if split_rows:
-            # the last split of (request, KV head) to arrive merges them all: this warpgroup's stores are
-            # done (barrier) before one thread's release; its acquire orders the other splits' stores
-            # before the merge's loads (as the attention core's fused merge)
-            gl.thread_barrier()
-            group_id = gl.load(work_ptr + (item // num_kv_heads) * WORK_FIELDS + 6)  # the request's query tile
-            counter = counter_ptr + group_id * num_kv_heads + kv_head
-            if gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-                gl.store(counter, 0)  # every split has arrived: nothing else reads it in this launch
-                _merge_splits(o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, part_o_ptr, part_lse_ptr,
-                              req, (state - split).to(gl.int64), num_splits, num_qo_heads, kv_head, group, HEAD_DIM)
+            _arrive_and_merge(item, req, kv_head, split, num_splits, state, group, counter_ptr, work_ptr, num_kv_heads,
+                              o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, part_o_ptr, part_lse_ptr,
+                              num_qo_heads, HEAD_DIM)
 
 
 @gluon.jit
@@ -305,13 +298,25 @@ def _decode_consume_kv_m(q_desc, q_smem, q_bar, k_smem, v_smem, ready, empty, o_
                  mask=(col_ok_o & split_rows)[None, :])
         gl.store(part_lse_ptr + state_row + head_s, lse, mask=col_ok_s & split_rows)
         if split_rows:
-            gl.thread_barrier()
-            group_id = gl.load(work_ptr + (item // num_kv_heads) * WORK_FIELDS + 6)
-            counter = counter_ptr + group_id * num_kv_heads + kv_head
-            if gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-                gl.store(counter, 0)
-                _merge_splits(o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, part_o_ptr, part_lse_ptr,
-                              req, (state - split).to(gl.int64), num_splits, num_qo_heads, kv_head, group, HEAD_DIM)
+            _arrive_and_merge(item, req, kv_head, split, num_splits, state, group, counter_ptr, work_ptr, num_kv_heads,
+                              o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, part_o_ptr, part_lse_ptr,
+                              num_qo_heads, HEAD_DIM)
+
+
+@gluon.jit
+def _arrive_and_merge(item, req, kv_head, split, num_splits, state, group, counter_ptr, work_ptr, num_kv_heads, o_ptr,
+                      stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, part_o_ptr, part_lse_ptr, num_qo_heads,
+                      HEAD_DIM: gl.constexpr):
+    """After a split item stored its state: the last split of (request, KV head) to arrive merges them all.
+    The warpgroup's stores are done (barrier) before one thread's release; its acquire orders the other
+    splits' stores before the merge's loads (as the attention core's fused merge)."""
+    gl.thread_barrier()
+    group_id = gl.load(work_ptr + (item // num_kv_heads) * WORK_FIELDS + 6)  # the request's query tile
+    counter = counter_ptr + group_id * num_kv_heads + kv_head
+    if gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+        gl.store(counter, 0)  # every split has arrived: nothing else reads it in this launch
+        _merge_splits(o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, part_o_ptr, part_lse_ptr, req,
+                      (state - split).to(gl.int64), num_splits, num_qo_heads, kv_head, group, HEAD_DIM)
 
 
 @gluon.jit
