@@ -143,9 +143,8 @@ def tiles_view(view: torch.Tensor, work: np.ndarray) -> torch.Tensor:
 
 def tma_ready(t: torch.Tensor) -> bool:
     """A [tokens, H, D] tensor that a 2-D TMA box can read as [tokens, H * D]."""
-    elem = t.element_size()
-    return (t.stride(2) == 1 and t.stride(1) == t.shape[2] and (t.stride(0) * elem) % 16 == 0
-            and t.data_ptr() % 16 == 0)
+    s = t.stride()  # (one call: run() pays for each, and stride(i) costs as much as stride())
+    return s[2] == 1 and s[1] == t.shape[2] and (s[0] * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -174,7 +173,8 @@ def ragged_descriptors(k: torch.Tensor, v: torch.Tensor) -> Optional[KVBoxes]:
         return None
     n, h, d = k.shape
     layout = smem_layout(TILE, d, k.dtype)
-    return KVBoxes(tuple(TmaBox(t, (n, h * d), (t.stride(0), 1), (TILE, d), layout) for t in (k, v)), 0)
+    return KVBoxes((TmaBox(k, (n, h * d), (k.stride()[0], 1), (TILE, d), layout),
+                    TmaBox(v, (n, h * d), (v.stride()[0], 1), (TILE, d), layout)), 0)
 
 
 def paged_descriptors(kv: PagedKV) -> Optional[KVBoxes]:
@@ -241,9 +241,10 @@ def launch(q, kv_descriptors, out, lse, qo_indptr, kv_indptr, kv_len, tiles: tor
             launches[key] = bound
     if lse is None:  # the kernel always writes one (see kernels/prefill_hopper.py)
         lse = bound.lse_scratch
-    q_box = TmaBox(q, (tokens, hq * d), (q.stride(0), 1), (64, d), smem_layout(64, d, q.dtype))
+    q_box = TmaBox(q, (tokens, hq * d), (q.stride()[0], 1), (64, d), smem_layout(64, d, q.dtype))
+    os_ = out.stride()
     # (the gather's reads: the caches' bases, row stride and pages; unread by the TMA modes)
-    bound.launch(q_box, k_box, v_box, out, out.stride(0), out.stride(1), lse, lse.stride(0), k_box.tensor,
+    bound.launch(q_box, k_box, v_box, out, os_[0], os_[1], lse, lse.stride()[0], k_box.tensor,
                  v_box.tensor, k_box.strides[0], num_pages, float(k_mult), float(v_mult))
 
 
@@ -294,8 +295,8 @@ def decode_launch(q: torch.Tensor, kv_descriptors: KVBoxes, out: torch.Tensor, l
     lse_out = bound.lse_scratch if lse is None else lse
     rows = bound.q_rows
     q_box = TmaBox(q, (batch * hq, d), (d, 1), (rows, d), smem_layout(rows, d, q.dtype))
-    bound.launch(q_box, k_box, v_box, out, out.stride(0), out.stride(1), lse_out, lse_out.stride(0), float(k_mult),
-                 float(v_mult))
+    os_ = out.stride()
+    bound.launch(q_box, k_box, v_box, out, os_[0], os_[1], lse_out, lse_out.stride()[0], float(k_mult), float(v_mult))
 
 
 class _DecodeLaunch:
