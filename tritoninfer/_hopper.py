@@ -6,7 +6,8 @@ The kernel runs plain attention (no mask, window, soft cap, RoPE, ALiBi, sinks o
 of bf16 queries over bf16 K/V, or e4m3 K/V with their scales (its fp8 mode), contiguous NHD or an NHD
 paged cache (one TMA box per page), FlashAttention-3's schedule: a producer loading K/V tiles into a
 ring of shared-memory stages (in the fp8 mode a warpgroup converting fp8 tiles into it) and two
-consumer warpgroups, each a 64-row half of a 128-token query tile.
+consumer warpgroups, each a 64-row half of a 128-token query tile. The fp8 decode (``decode_launch``,
+``kernels/decode_hopper.py``) shares its TMA views of a paged cache and its converting producer.
 """
 
 from __future__ import annotations
@@ -50,16 +51,16 @@ DECODE_PRODUCER_REGS = 40
 # heads; written in session 19 after the 64-row form measured 1.9x slower than the core, unrun) or the
 # query heads as its 64 rows (False: the form measured)
 DECODE_KV_AS_M = True
+PERSISTENT = True  # one program per SM running work items in turn (False: one item per program)
+# smallest page the Gluon kernels read by TMA: a box per page lands in an 8-row slice of a 128-byte
+# swizzled stage; Triton 3.6 cannot slice one below its 8-row swizzle pattern
+TMA_MIN_PAGE = 8
 
 
 def decode_q_rows(group: int) -> int:
     """The rows of the fp8 decode's Q box: the group's heads (64 with ``DECODE_KV_AS_M`` off, a consumer's
     wgmma M; else the group rounded up to 8, its N)."""
     return -(-group // 8) * 8 if DECODE_KV_AS_M else 64
-PERSISTENT = True  # one program per SM running work items in turn (False: one item per program)
-# smallest page the Gluon kernels read by TMA: a box per page lands in an 8-row slice of a 128-byte
-# swizzled stage; Triton 3.6 cannot slice one below its 8-row swizzle pattern
-TMA_MIN_PAGE = 8
 
 
 def gather_pages(page_size: int) -> bool:

@@ -206,32 +206,33 @@ def run_step(step: PlannedStep, *, q: torch.Tensor, kv: KVSource, out: torch.Ten
              v_scale=None, sinks=None, head_scales=None) -> None:
     """Runs a step's attention into ``out`` (and ``lse``): a Gluon kernel (the prefill, or the fp8 decode)
     when the step's route takes it and ``route_kv`` (a ``PagedKV`` or a ``(k, v)`` pair) fits it, else the
-    attention core. ``params``
-    and ``tiles`` default to the step's (decode's speculative runs pass causal ones)."""
-    if step.route.kernel == "decode_hopper":
+    attention core. ``params`` and ``tiles`` default to the step's (decode's speculative runs pass causal
+    ones)."""
+    if not step.route.is_core:
+        # the Gluon kernels take the scales as two factors: q_scale * k_scale on the scores, v_scale on the output
         k_mult = (1.0 if q_scale is None else float(q_scale)) * (1.0 if k_scale is None else float(k_scale))
-        descriptors = DECODE.at_run(step.route, q, route_kv, sinks=sinks, k_mult=k_mult, q_len_per_req=q_len_per_req)
-        if descriptors is not None:
-            check_page_ids(step, kv)
-            _hopper.decode_launch(q, descriptors, out, lse, step.device_plan, kv.kv_indptr, kv.kv_indices,
-                                  step.num_kv_heads, step.params.sm_scale, workspace, k_mult,
-                                  1.0 if v_scale is None else float(v_scale))
-            return
-    elif not step.route.is_core:
-        scaled = q_scale is not None or k_scale is not None or v_scale is not None
-        k_mult = (1.0 if q_scale is None else float(q_scale)) * (1.0 if k_scale is None else float(k_scale))
-        descriptors = PREFILL.at_run(step.route, q, route_kv, sinks=sinks, head_scales=head_scales, scaled=scaled,
-                                     k_mult=k_mult)
-        if descriptors is not None:
-            paged = kv.page_size > 0
-            if paged:
+        v_mult = 1.0 if v_scale is None else float(v_scale)
+        if step.route.kernel == "decode_hopper":
+            descriptors = DECODE.at_run(step.route, q, route_kv, sinks=sinks, k_mult=k_mult,
+                                        q_len_per_req=q_len_per_req)
+            if descriptors is not None:
                 check_page_ids(step, kv)
-            _hopper.launch(q, descriptors, out, lse, step.device_plan.qo_indptr, kv.kv_indptr,
-                           step.device_plan.kv_len, step.route_work, step.num_kv_heads, step.params.sm_scale,
-                           step.params.causal, kv_indices=kv.kv_indices if paged else None,
-                           launches=step.device_plan.launches, k_mult=k_mult,
-                           v_mult=1.0 if v_scale is None else float(v_scale))
-            return
+                _hopper.decode_launch(q, descriptors, out, lse, step.device_plan, kv.kv_indptr, kv.kv_indices,
+                                      step.num_kv_heads, step.params.sm_scale, workspace, k_mult, v_mult)
+                return
+        else:
+            scaled = q_scale is not None or k_scale is not None or v_scale is not None
+            descriptors = PREFILL.at_run(step.route, q, route_kv, sinks=sinks, head_scales=head_scales, scaled=scaled,
+                                         k_mult=k_mult)
+            if descriptors is not None:
+                paged = kv.page_size > 0
+                if paged:
+                    check_page_ids(step, kv)
+                _hopper.launch(q, descriptors, out, lse, step.device_plan.qo_indptr, kv.kv_indptr,
+                               step.device_plan.kv_len, step.route_work, step.num_kv_heads, step.params.sm_scale,
+                               step.params.causal, kv_indices=kv.kv_indices if paged else None,
+                               launches=step.device_plan.launches, k_mult=k_mult, v_mult=v_mult)
+                return
     launch_attention(
         q=q, out=out, lse=lse, kv=kv, plan=step.device_plan, tiles=tiles or step.tiles, num_kv_heads=step.num_kv_heads,
         head_dim_qk=step.head_dim_qk, head_dim_vo=step.head_dim_vo, params=params or step.params,

@@ -44,10 +44,9 @@ WORK_FIELDS = gl.constexpr(7)  # _plan.WORK_FIELDS: request, q tile, kv start, k
 
 
 @gluon.jit
-def _decode_item(item, num_kv_heads, work_ptr, kv_indptr_ptr, PAGE: gl.constexpr):
-    """Work item ``item`` (heads fastest): its request (-1: a padding entry), KV head, split, splits, the
-    split's first KV position and length, and its first entry in the page table (splits start on
-    page boundaries: ``_route.DECODE``)."""
+def _decode_item(item, num_kv_heads, work_ptr):
+    """Work item ``item`` (heads fastest): its request (-1: a padding entry), KV head, split, splits, and
+    the split's first KV position and length."""
     kv_head = item % num_kv_heads
     entry = work_ptr + (item // num_kv_heads) * WORK_FIELDS
     req = gl.load(entry)
@@ -55,8 +54,7 @@ def _decode_item(item, num_kv_heads, work_ptr, kv_indptr_ptr, PAGE: gl.constexpr
     n_kv = gl.maximum(gl.load(entry + 3) - kv_lo, 0)
     split = gl.load(entry + 4)
     num_splits = gl.load(entry + 5)
-    first_page = gl.load(kv_indptr_ptr + gl.maximum(req, 0)) + gl.maximum(kv_lo, 0) // PAGE
-    return req, kv_head, split, num_splits, n_kv, first_page
+    return req, kv_head, split, num_splits, kv_lo, n_kv
 
 
 @gluon.jit
@@ -79,8 +77,9 @@ def _fp8_decode_partition(k_desc, v_desc, k8_smem, v8_smem, ready8, k_smem, v_sm
     t = 0  # tiles issued
     c = 0  # tiles converted
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
-        req, kv_head, split, num_splits, n_kv, first_page = _decode_item(item, num_kv_heads, work_ptr,
-                                                                         kv_indptr_ptr, PAGE)
+        req, kv_head, split, num_splits, kv_lo, n_kv = _decode_item(item, num_kv_heads, work_ptr)
+        # the split's first entry in the page table (splits start on page boundaries: _route.DECODE)
+        first_page = gl.load(kv_indptr_ptr + gl.maximum(req, 0)) + gl.maximum(kv_lo, 0) // PAGE
         n_pages = gl.cdiv(n_kv, PAGE)
         ids = gl.load(kv_indices_ptr + first_page + slots, mask=slots < n_pages, other=0)
         for j in range(gl.cdiv(n_kv, BLOCK_N)):
@@ -115,14 +114,13 @@ def _q_row(item, num_items, num_qo_heads, num_kv_heads, work_ptr, group):
 @gluon.jit
 def _decode_consume(q_desc, q_smem, q_bar, k_smem, v_smem, ready, empty, o_ptr, stride_o_tok, stride_o_head,
                     lse_ptr, stride_lse_tok, part_o_ptr, part_lse_ptr, counter_ptr, k_mult, v_mult, work_ptr,
-                    kv_indptr_ptr, state_offset_ptr, num_qo_heads, num_kv_heads, num_items, sm_scale_log2, group):
+                    state_offset_ptr, num_qo_heads, num_kv_heads, num_items, sm_scale_log2, group):
     """The consumer warpgroup: every item of the program against its split's KV tiles, Q from registers;
     the next item's Q loads as soon as this one is in registers. Rows past ``group`` are computed and dropped. (``group``
     arrives as a value: a constexpr passed through ``warp_specialize``'s argument tuple does.)"""
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
     dtype: gl.constexpr = k_smem.dtype
-    PAGE: gl.constexpr = 1  # unused by the consumer (_decode_item's page-table entry)
     q_load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -150,8 +148,7 @@ def _decode_consume(q_desc, q_smem, q_bar, k_smem, v_smem, ready, empty, o_ptr, 
     t = 0  # KV tiles of the ring consumed before this item
     q_phase = 0
     for item in range(first, num_items, step):
-        req, kv_head, split, num_splits, n_kv, first_page = _decode_item(item, num_kv_heads, work_ptr,
-                                                                         kv_indptr_ptr, PAGE)
+        req, kv_head, split, num_splits, kv_lo, n_kv = _decode_item(item, num_kv_heads, work_ptr)
         n_tiles = gl.cdiv(n_kv, BLOCK_N)
         next_row = _q_row(item + step, num_items, num_qo_heads, num_kv_heads, work_ptr, group)
         first_masked = n_kv // BLOCK_N  # the tile that holds the split's end
@@ -206,7 +203,7 @@ def _decode_consume(q_desc, q_smem, q_bar, k_smem, v_smem, ready, empty, o_ptr, 
 @gluon.jit
 def _decode_consume_kv_m(q_desc, q_smem, q_bar, k_smem, v_smem, ready, empty, o_ptr, stride_o_tok, stride_o_head,
                          lse_ptr, stride_lse_tok, part_o_ptr, part_lse_ptr, counter_ptr, k_mult, v_mult, work_ptr,
-                         kv_indptr_ptr, state_offset_ptr, num_qo_heads, num_kv_heads, num_items, sm_scale_log2,
+                         state_offset_ptr, num_qo_heads, num_kv_heads, num_items, sm_scale_log2,
                          group):
     """The consumer warpgroup with KV as the wgmma's M (``KV_AS_M``): S^T = K Q^T, [BLOCK_N tokens, Q_ROWS
     heads] (Q_ROWS = the Q box's rows, the group rounded up to 8: no 64-row padding), the softmax over
@@ -217,7 +214,6 @@ def _decode_consume_kv_m(q_desc, q_smem, q_bar, k_smem, v_smem, ready, empty, o_
     HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
     Q_ROWS: gl.constexpr = q_smem.type.shape[1]
     dtype: gl.constexpr = k_smem.dtype
-    PAGE: gl.constexpr = 1  # unused by the consumer (_decode_item's page-table entry)
     q_load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, Q_ROWS, 16])
@@ -245,8 +241,7 @@ def _decode_consume_kv_m(q_desc, q_smem, q_bar, k_smem, v_smem, ready, empty, o_
     t = 0  # KV tiles of the ring consumed before this item
     q_phase = 0
     for item in range(first, num_items, step):
-        req, kv_head, split, num_splits, n_kv, first_page = _decode_item(item, num_kv_heads, work_ptr,
-                                                                         kv_indptr_ptr, PAGE)
+        req, kv_head, split, num_splits, kv_lo, n_kv = _decode_item(item, num_kv_heads, work_ptr)
         n_tiles = gl.cdiv(n_kv, BLOCK_N)
         next_row = _q_row(item + step, num_items, num_qo_heads, num_kv_heads, work_ptr, group)
         mbarrier.wait(my_bar, q_phase)
@@ -392,7 +387,7 @@ def decode_hopper_kernel(
 
     consumer_args = (q_desc, q_smem, q_bar, k_smem, v_smem, ready, empty, o_ptr, stride_o_tok, stride_o_head,
                      lse_ptr, stride_lse_tok, part_o_ptr, part_lse_ptr, counter_ptr, k_mult, v_mult, work_ptr,
-                     kv_indptr_ptr, state_offset_ptr, num_qo_heads, num_kv_heads, num_items, sm_scale_log2, GROUP)
+                     state_offset_ptr, num_qo_heads, num_kv_heads, num_items, sm_scale_log2, GROUP)
     producer_args = (k_desc, v_desc, k8_smem, v8_smem, ready8, k_smem, v_smem, ready, empty, work_ptr, kv_indptr_ptr,
                      kv_indices_ptr, rows_per_page, num_kv_heads, num_items)
     if KV_AS_M:

@@ -80,4 +80,3 @@ def merge_state_kernel(
     tl.store(out_ptr + i_n * stride_o_n + offs_h[:, None] * stride_o_h + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=hd_ok)
     tl.store(lse_out_ptr + i_n * stride_lo_n + offs_h * stride_lo_h, lse, mask=h_ok)
-
