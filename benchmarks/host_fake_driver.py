@@ -7,6 +7,10 @@ than this 2-core dev machine's). Indices are on the host, so ``plan()`` also che
 (a GPU run with device indices skips that).
 
     python benchmarks/host_fake_driver.py [--batches 1 16 256] [--kv-len 4096] [--rounds 2000] [--prefill QO_LEN]
+        [--ragged] [--hopper]
+
+``--hopper``: the routes see an sm_90 GPU, so a prefill the Gluon kernel takes launches it (its TMA maps
+are not encoded: on the H200 host a new K/V address costs one ``cuTensorMapEncodeTiled`` more).
 """
 
 import argparse
@@ -21,8 +25,9 @@ from tritoninfer import testing
 PAGE, HQ, HK, D = 16, 32, 8, 128
 
 
-def measure(batch: int, kv_len: int, rounds: int, qo_len: int = 0) -> dict:
-    """Decode (``qo_len`` 0) or causal paged prefill of ``qo_len`` new tokens a request."""
+def measure(batch: int, kv_len: int, rounds: int, qo_len: int = 0, ragged: bool = False) -> dict:
+    """Decode (``qo_len`` 0) or causal prefill of ``qo_len`` new tokens a request (paged, or ``ragged``
+    K/V of ``qo_len`` tokens)."""
     pages_per = -(-kv_len // PAGE)
     indptr = torch.arange(batch + 1, dtype=torch.int32) * pages_per
     indices = torch.arange(batch * pages_per, dtype=torch.int32) % 64
@@ -31,7 +36,15 @@ def measure(batch: int, kv_len: int, rounds: int, qo_len: int = 0) -> dict:
     q = torch.zeros(batch * max(qo_len, 1), HQ, D, dtype=torch.bfloat16)
     out = torch.empty_like(q)
     ws = torch.empty(128 << 20, dtype=torch.uint8)
-    if qo_len:
+    if ragged:
+        w = tritoninfer.BatchPrefillWithRaggedKVCacheWrapper(ws)
+        qo_indptr = torch.arange(batch + 1, dtype=torch.int32) * qo_len
+        k = torch.zeros(batch * qo_len, HK, D, dtype=torch.bfloat16)
+        cache = (k, torch.zeros_like(k))
+
+        def plan():
+            w.plan(qo_indptr, qo_indptr, HQ, HK, D, causal=True, q_data_type=torch.bfloat16)
+    elif qo_len:
         w = tritoninfer.BatchPrefillWithPagedKVCacheWrapper(ws)
         qo_indptr = torch.arange(batch + 1, dtype=torch.int32) * qo_len
 
@@ -43,14 +56,15 @@ def measure(batch: int, kv_len: int, rounds: int, qo_len: int = 0) -> dict:
         def plan():
             w.plan(indptr, indices, last, HQ, HK, D, PAGE, q_data_type=torch.bfloat16)
     plan_s, first_s, later_s = [], [], []
+    run_args = cache if ragged else (cache,)
     for i in range(rounds):
         last[0] = 1 + i % PAGE  # each step's lengths differ, as a decode loop's do
         t0 = time.perf_counter()
         plan()
         t1 = time.perf_counter()
-        w.run(q, cache, out=out)
+        w.run(q, *run_args, out=out)
         t2 = time.perf_counter()
-        w.run(q, cache, out=out)
+        w.run(q, *run_args, out=out)
         t3 = time.perf_counter()
         plan_s.append(t1 - t0)
         first_s.append(t2 - t1)
@@ -67,12 +81,18 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=2000)
     ap.add_argument("--prefill", type=int, default=0, metavar="QO_LEN",
                     help="causal paged prefill of QO_LEN new tokens a request instead of decode")
+    ap.add_argument("--ragged", action="store_true", help="ragged K/V of QO_LEN tokens a request (with --prefill)")
+    ap.add_argument("--hopper", action="store_true", help="route as on an sm_90 GPU (the Gluon prefill kernel)")
     args = ap.parse_args(argv)
-    kind = f"paged prefill of {args.prefill} tokens a request, causal" if args.prefill else "decode"
-    print(f"{kind}, {HQ}/{HK} heads, head_dim {D}, page {PAGE}, kv_len {args.kv_len}; median host µs")
-    with testing.fake_driver_launches() as record:
+    if args.ragged and not args.prefill:
+        ap.error("--ragged needs --prefill QO_LEN")
+    kind = (f"{'ragged' if args.ragged else 'paged'} prefill of {args.prefill} tokens a request, causal"
+            if args.prefill else "decode")
+    print(f"{kind}, {HQ}/{HK} heads, head_dim {D}, page {PAGE}, kv_len {args.kv_len}; median host µs"
+          + (" (sm_90 routes)" if args.hopper else ""))
+    with testing.fake_driver_launches(hopper=args.hopper) as record:
         for batch in args.batches:
-            row = measure(batch, args.kv_len, args.rounds, args.prefill)
+            row = measure(batch, args.kv_len, args.rounds, args.prefill, args.ragged)
             print(f"batch {batch:4d}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items())
                   + f" (compiles so far {len(record.compiles)}, driver launches {len(record.launches)})")
 

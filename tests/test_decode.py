@@ -442,13 +442,11 @@ def test_gpu_batch_decode(case):
 
 def test_hopper_fp8_decode_binds_one_launch_per_plan(monkeypatch):
     """The Gluon fp8 decode's host side, with the launch path faked on the CPU (the kernel runs only on
-    an H200): a plan the route takes binds one launch on min(items, SMs) programs (split states merged
-    inside it), with the uploader's zeroed arrival counters; plans with and without splits share one
-    compiled kernel; a run with sinks takes the core."""
+    an H200): a plan the route takes runs one launch on min(items, SMs) programs (split states merged
+    inside it), with the uploader's zeroed arrival counters; the wrapper's plans with and without splits
+    share that launch (rebound to each plan) and one compiled kernel; a run with sinks takes the core."""
     from tritoninfer import _device, _hopper, _route
 
-    monkeypatch.setattr(_route, "is_sm90", lambda device: True)
-    monkeypatch.setattr(_hopper, "gluon_available", lambda: True)
     monkeypatch.setattr(_route, "DECODE_HOPPER_FP8", True)
     bound = []
     real = _hopper._DecodeLaunch
@@ -459,12 +457,12 @@ def test_hopper_fp8_decode_binds_one_launch_per_plan(monkeypatch):
             bound.append(self)
 
     monkeypatch.setattr(_hopper, "_DecodeLaunch", Recorded)
-    with testing.fake_driver_launches() as record:
+    with testing.fake_driver_launches(hopper=True) as record:
         sms = _device.num_sms(torch.device("cpu"))
+        w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8))
         for lens, splits in (((9000, 40, 0), True), ((40, 30, 20), False)):
             kv = testing.make_paged_kv(lens, 16, 2, 128, device="cpu", generator=torch.Generator().manual_seed(0))
             cache = kv.cache.to(torch.float8_e4m3fn)
-            w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8))
             w.plan(kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 8, 2, 128, 16, q_data_type=torch.bfloat16,
                    kv_data_type=torch.float8_e4m3fn)
             plan = w._step.device_plan
@@ -474,7 +472,8 @@ def test_hopper_fp8_decode_binds_one_launch_per_plan(monkeypatch):
             assert launch.grid == (min(plan.capacity * 2, sms), 1, 1)
             counters = launch.tail[2]
             assert counters.dtype == torch.int32 and counters.numel() >= plan.capacity * 2 and not counters.any()
-        # one compile of the decode kernel for both plans (beside the page-id check's)
+        # one launch and one compile of the decode kernel for both plans (beside the page-id check's)
+        assert len(bound) == 1
         assert len([g for g in record.compiles if g != (3,)]) == 1, record.compiles
         count = len(bound)
         w.run(torch.randn(3, 8, 128).to(torch.bfloat16), cache, sinks=torch.zeros(8))

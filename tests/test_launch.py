@@ -3,6 +3,7 @@ Triton specialises differently, or a cached kernel would run with the wrong assu
 import ctypes
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from triton._C.libtriton import native_specialize_impl
@@ -305,6 +306,52 @@ def test_a_new_plan_rebinds_the_driver_launch():
             for t in (plan.work, plan.kv_len, plan.state_offset, w._step.kv_indptr, w._step.kv_indices):
                 assert t.data_ptr() in params
     assert capacities[2] != capacities[1] and w._step.device_plan.has_splits
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["ragged", "paged"])
+def test_a_new_plan_rebinds_the_gluon_prefill_launch(paged):
+    """The Gluon prefill's launch path on the CPU (``fake_driver_launches(hopper=True)``: the route sees
+    an sm_90 GPU): plans with other lengths keep one bound launch of the kernel, so a plan's first run
+    compiles nothing and takes the driver path, with parameters pointing at the new plan's tiles,
+    lengths and indptrs and the new plan's grid (each plan built a launch of its own before)."""
+    from tritoninfer import BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper, _device, testing
+
+    hq, hk, d = 8, 2, 128
+    cache = torch.zeros(1200, 2, 16, hk, d, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    with testing.fake_driver_launches(params_read=35, hopper=True) as record:
+        ws = testing.make_workspace(8 << 20, "cpu")
+        w = BatchPrefillWithPagedKVCacheWrapper(ws) if paged else BatchPrefillWithRaggedKVCacheWrapper(ws)
+        seen = []
+        for step, lens in enumerate(([1300, 1500], [2000, 1030, 1200], [4100])):
+            qo_indptr = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32)
+            q = torch.zeros(int(qo_indptr[-1]), hq, d, dtype=torch.bfloat16)
+            if paged:  # one cache for every plan, as an engine has
+                pages = [-(-n // 16) for n in lens]
+                kv_indptr = torch.tensor([0, *np.cumsum(pages)], dtype=torch.int32)
+                kv_indices = torch.randperm(cache.shape[0], generator=g)[:sum(pages)].to(torch.int32)
+                last = torch.tensor([n - 16 * (p - 1) for n, p in zip(lens, pages)], dtype=torch.int32)
+                w.plan(qo_indptr, kv_indptr, kv_indices, last, hq, hk, d, 16, causal=True, q_data_type=torch.bfloat16)
+                args = (cache,)
+            else:
+                w.plan(qo_indptr, qo_indptr, hq, hk, d, q_data_type=torch.bfloat16)  # (causal: from 4K tokens)
+                args = (torch.zeros(int(qo_indptr[-1]), hk, d, dtype=torch.bfloat16),) * 2
+            assert not w._step.route.is_core
+            record.launches.clear()
+            for _ in range(2):
+                w.run(q, *args)
+            plan, tiles = w._step.device_plan, w._step.route_work
+            seen += [launch for key, launch in plan.attention_launches.items() if key[0] == "hopper"]
+            assert len(record.compiles) == 1 + paged, record.compiles  # (paged: the page-id check's too)
+            hopper_launches = [entry for entry in record.launches if len(entry[1]) == 35]
+            assert len(hopper_launches) == (1 if step == 0 else 2)
+            grid, params = hopper_launches[-1]
+            assert grid == (min(tiles.shape[1] * hq, _device.num_sms("cpu")), 1, 1)
+            for t in (plan.qo_indptr, w._step.kv_indptr, plan.kv_len, tiles[0], tiles[1]):
+                assert t.data_ptr() in params
+            if paged:
+                assert w._step.kv_indices.data_ptr() in params
+        assert len(seen) == 3 and all(launch is seen[0] for launch in seen)
 
 
 def test_rebind_keeps_the_kernel_only_while_the_tail_specialises_alike():

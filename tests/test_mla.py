@@ -5,6 +5,7 @@ CPU cases use small latent dims (ckv 32, kpe 16) through the interpreter; the ``
 DeepSeek's (512 / 64, 128 and 16 heads, pages of 1 and 64, bf16, and an fp8 e4m3 cache).
 """
 
+import itertools
 import math
 
 import pytest
@@ -580,6 +581,47 @@ def test_mla_gluon_kernel_cuda_graph_gpu(monkeypatch):
 
     monkeypatch.setattr(_route, "MLA_HOPPER", True)
     test_mla_cuda_graph_capture_replan_gpu(128)
+
+
+@pytest.mark.parametrize("hopper", [False, True], ids=["core", "gluon"])
+def test_mla_replans_move_one_launch(hopper):
+    """The launch path on the CPU (``testing.fake_driver_launches``; ``hopper``: the route sees an sm_90 GPU
+    and takes the Gluon kernel): a wrapper's plans of other batches and lengths, split or not, keep one
+    launch per kind of plan, moved to each new plan (``MLALaunch.bind_plan``). After the first plan of a
+    kind nothing compiles, every run takes the driver path and its parameters point at the new plan's
+    work list, lengths and page table."""
+    from tritoninfer import testing
+
+    heads, page = 128, 64
+    ckv = torch.zeros(300, page, 512, dtype=torch.bfloat16)
+    kpe = torch.zeros(300, page, 64, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    with testing.fake_driver_launches(params_read=64, hopper=hopper) as record:
+        w = tritoninfer.BatchMLAPagedAttentionWrapper(make_workspace(64 << 20, "cpu"))
+        seen = {}
+        for step, lens in enumerate(([9000], [100] * 40, [300, 17, 4000], [64] * 9)):
+            pages = [-(-n // page) for n in lens]
+            kv_indptr = torch.tensor([0, *itertools.accumulate(pages)], dtype=torch.int32)
+            kv_indices = torch.randperm(ckv.shape[0], generator=g)[:sum(pages)].to(torch.int32)
+            qo_indptr = torch.arange(len(lens) + 1, dtype=torch.int32)
+            w.plan(qo_indptr, kv_indptr, kv_indices, torch.tensor(lens, dtype=torch.int32), heads, 512, 64, page,
+                   False, 0.1, torch.bfloat16, torch.bfloat16)
+            assert w._step.route.is_core != hopper
+            q_nope = torch.zeros(len(lens), heads, 512, dtype=torch.bfloat16)
+            q_pe = torch.zeros(len(lens), heads, 64, dtype=torch.bfloat16)
+            compiles = len(record.compiles)
+            record.launches.clear()
+            w.run(q_nope, q_pe, ckv, kpe)
+            plan = w._step.device_plan
+            launches = [v for v in plan.attention_launches.values() if isinstance(v, mla.MLALaunch)]
+            assert all(v is seen.setdefault(plan.has_splits, v) for v in launches if v.step is w._step)
+            if step >= 2:  # a kind of plan met before: its launch, no compile, the driver path
+                assert len(record.compiles) == compiles
+                assert len(record.launches) == 1 + plan.has_splits  # (+ the merge pass)
+            for _, params in record.launches[-1 - plan.has_splits:]:
+                for t in (plan.work, plan.kv_len, w._step.kv_indptr, w._step.kv_indices):
+                    assert t.data_ptr() in params
+        assert set(seen) == {False, True}
 
 
 def test_mla_gluon_mode_names(monkeypatch):

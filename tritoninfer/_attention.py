@@ -110,10 +110,8 @@ class DevicePlan:
     reads_kv: bool = True  # some request has KV (a paged plan then needs a cache with pages)
     # the cache size whose page ids a run checked for the Gluon kernel (_step.check_page_ids), -1: none
     pages_checked: int = dataclasses.field(default=-1, compare=False)
-    # bound launches of this plan (the Gluon kernel's), by run variant
-    launches: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
-    # launch_attention's bound launches (AttentionLaunch), by run variant: the uploader's, shared by
-    # the plans of one wrapper (a new plan rebinds them)
+    # the bound launches of launch_attention (AttentionLaunch) and of the Gluon kernels (_hopper.py), by run
+    # variant: the uploader's, shared by the plans of one wrapper (a new plan rebinds them)
     attention_launches: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 

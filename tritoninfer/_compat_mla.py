@@ -64,7 +64,7 @@ def _planned_field(field: str) -> property:
         if value != getattr(step, field[1:]):
             if field == "_sm_scale" and (value > 0) != (step.sm_scale > 0):
                 raise ValueError(f"{field}: a scale of another sign needs plan() (the kernel variant changes)")
-            self.__dict__["_step"] = dataclasses.replace(step, **{field[1:]: value, "launches": {}})
+            self.__dict__["_step"] = dataclasses.replace(step, **{field[1:]: value})
 
     return property(get, set, doc=f"The planned ``{field[1:]}`` (FlashInfer's ``{field}``).")
 

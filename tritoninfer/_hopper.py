@@ -220,28 +220,32 @@ def check_page_ids(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, batch: int
 
 
 def launch(q, kv_descriptors, out, lse, qo_indptr, kv_indptr, kv_len, tiles: torch.Tensor, num_kv_heads: int,
-           sm_scale: float, causal: bool, kv_indices=None, launches: Optional[dict] = None, k_mult: float = 1.0,
+           sm_scale: float, causal: bool, launches: dict, kv_indices=None, k_mult: float = 1.0,
            v_mult: float = 1.0) -> None:
     """The kernel over ``kv_descriptors`` (from ``ragged_descriptors`` with token offsets ``kv_indptr``,
     or ``paged_descriptors`` with the page table ``kv_indptr`` / ``kv_indices``); ``kv_len`` int32
-    [batch]; ``tiles`` the uploaded ``work_tiles`` (int32 [2, tiles]). ``launches``: where a plan keeps
-    its bound launches (``DevicePlan.launches``), so a later run with the same plan only passes the
-    call's tensors. e4m3 K/V take the kernel's ``FP8`` mode, ``k_mult`` (q_scale * k_scale) multiplying
-    the scores and ``v_mult`` (v_scale) the output."""
+    [batch]; ``tiles`` the uploaded ``work_tiles`` (int32 [2, tiles]). e4m3 K/V take the kernel's ``FP8``
+    mode, ``k_mult`` (q_scale * k_scale) multiplying the scores and ``v_mult`` (v_scale) the output.
+
+    ``launches``: where a wrapper keeps its bound launches (``DevicePlan.attention_launches``, shared by
+    its plans, as the attention core's), keyed by what compiles: a run of a new plan rebinds the plan's
+    tensors and grid into the launch the last plan used (``_HopperLaunch.bind_plan``) instead of
+    building another (session 20: ~90 µs of the dev CPU's Python at every step's first run)."""
     (k_box, v_box), rows_per_page, page, num_pages = kv_descriptors
     tokens, hq, d = q.shape
-    key = ("hopper", id(qo_indptr), id(kv_indptr), id(kv_indices), id(kv_len), id(tiles), tokens, hq, num_kv_heads,
-           d, q.dtype, k_box.tensor.dtype, sm_scale, causal, page, rows_per_page)
-    bound = launches.get(key) if launches is not None else None
+    key = ("hopper", hq, num_kv_heads, d, q.dtype, k_box.tensor.dtype, sm_scale, causal, page)
+    bound = launches.get(key)
     if bound is None:
-        bound = _bind(q, qo_indptr, kv_indptr, kv_len, tiles, num_kv_heads, sm_scale, causal, kv_indices, page,
-                      rows_per_page, k_box.tensor.dtype == torch.float8_e4m3fn)
-        if launches is not None:
-            if len(launches) >= 16:
-                launches.clear()
-            launches[key] = bound
+        if len(launches) >= 16:
+            launches.clear()
+        bound = launches[key] = _HopperLaunch(q.device, hq, num_kv_heads, sm_scale, causal, page,
+                                              k_box.tensor.dtype == torch.float8_e4m3fn)
+    plan_of = bound.plan_of
+    if (plan_of is None or plan_of[0] is not tiles or plan_of[1] is not kv_indices or plan_of[2] is not kv_indptr
+            or plan_of[3] is not qo_indptr or plan_of[4] is not kv_len or plan_of[5] != rows_per_page):
+        bound.bind_plan(qo_indptr, kv_indptr, kv_len, tiles, kv_indices, rows_per_page)
     if lse is None:  # the kernel always writes one (see kernels/prefill_hopper.py)
-        lse = bound.lse_scratch
+        lse = bound.lse_scratch(tokens)
     q_box = TmaBox(q, (tokens, hq * d), (q.stride()[0], 1), (64, d), smem_layout(64, d, q.dtype))
     os_ = out.stride()
     # (the gather's reads: the caches' bases, row stride and pages; unread by the TMA modes)
@@ -250,29 +254,43 @@ def launch(q, kv_descriptors, out, lse, qo_indptr, kv_indptr, kv_len, tiles: tor
 
 
 class _HopperLaunch:
-    """The kernel's launch for one plan: the plan's tensors bound, a scratch LSE for runs without one."""
+    """The kernel's launch for one configuration (heads, dtypes, scale, mask, page size), moved from plan
+    to plan by ``bind_plan``: the compiled kernel and its driver launches stay, only the plan's tensors
+    and the grid are rewritten (``BoundLaunch.rebind``). A scratch LSE for runs without one."""
 
-    def __init__(self, launch: BoundLaunch, lse_scratch: torch.Tensor, keep: tuple) -> None:
-        self.launch = launch
-        self.lse_scratch = lse_scratch
-        self.keep = keep  # objects whose identities are in the launch's key
+    def __init__(self, device: torch.device, num_qo_heads: int, num_kv_heads: int, sm_scale: float, causal: bool,
+                 page: int, fp8: bool) -> None:
+        from .kernels.prefill_hopper import prefill_hopper_kernel
 
+        self.device = device
+        self.num_qo_heads = num_qo_heads
+        self.sm_scale_log2 = sm_scale * math.log2(math.e)
+        self.launcher = _device.per_device("prefill_hopper", device, lambda: CachedLauncher(prefill_hopper_kernel))
+        self.kwargs = dict(GROUP=num_qo_heads // num_kv_heads, IS_CAUSAL=causal, PAGE_SIZE=page,
+                           GATHER=gather_pages(page), num_warps=4, **kernel_config(fp8))
+        self.launch: Optional[BoundLaunch] = None
+        # the plan's tensors the launch holds (compared by identity at each run; kept alive here) and
+        # its rows per page
+        self.plan_of: Optional[tuple] = None
+        self._lse: Optional[torch.Tensor] = None
 
-def _bind(q, qo_indptr, kv_indptr, kv_len, tiles, num_kv_heads, sm_scale, causal, kv_indices, page,
-          rows_per_page, fp8: bool) -> _HopperLaunch:
-    from .kernels.prefill_hopper import prefill_hopper_kernel
+    def bind_plan(self, qo_indptr, kv_indptr, kv_len, tiles, kv_indices, rows_per_page: int) -> None:
+        hq = self.num_qo_heads
+        num_items = tiles.shape[1] * hq
+        grid = (min(num_items, _device.num_sms(self.device)) if PERSISTENT else num_items,)
+        tail = (qo_indptr, kv_indptr, kv_len, tiles[0], tiles[1], hq, num_items, self.sm_scale_log2,
+                kv_indices if kv_indices is not None else kv_indptr, rows_per_page)
+        if self.launch is None:
+            self.launch = BoundLaunch(self.launcher, grid, tail, self.kwargs)
+        else:
+            self.launch.rebind(grid, tail)
+        self.plan_of = (tiles, kv_indices, kv_indptr, qo_indptr, kv_len, rows_per_page)
 
-    tokens, hq, _ = q.shape
-    num_items = tiles.shape[1] * hq
-    grid = min(num_items, _device.num_sms(q.device)) if PERSISTENT else num_items
-    launcher = _device.per_device("prefill_hopper", q.device, lambda: CachedLauncher(prefill_hopper_kernel))
-    tail = (qo_indptr, kv_indptr, kv_len, tiles[0], tiles[1], hq, num_items, sm_scale * math.log2(math.e),
-            kv_indices if kv_indices is not None else kv_indptr, rows_per_page)
-    kwargs = dict(GROUP=hq // num_kv_heads, IS_CAUSAL=causal, PAGE_SIZE=page, GATHER=gather_pages(page), num_warps=4,
-                  **kernel_config(fp8))
-    bound = BoundLaunch(launcher, (grid,), tail, kwargs)
-    lse = torch.empty((tokens, hq), dtype=torch.float32, device=q.device)
-    return _HopperLaunch(bound, lse, (qo_indptr, kv_indptr, kv_len, tiles, kv_indices))
+    def lse_scratch(self, tokens: int) -> torch.Tensor:
+        """float32 [tokens, H_qo] the kernel may write (rows of a buffer grown as plans need)."""
+        if self._lse is None or self._lse.shape[0] < tokens:
+            self._lse = torch.empty((max(tokens, 1), self.num_qo_heads), dtype=torch.float32, device=self.device)
+        return self._lse[:tokens]
 
 
 def decode_launch(q: torch.Tensor, kv_descriptors: KVBoxes, out: torch.Tensor, lse: Optional[torch.Tensor], plan,
@@ -280,20 +298,23 @@ def decode_launch(q: torch.Tensor, kv_descriptors: KVBoxes, out: torch.Tensor, l
                   workspace: torch.Tensor, k_mult: float, v_mult: float) -> None:
     """The Gluon fp8 decode (``kernels/decode_hopper.py``) over ``plan`` (a decode ``DevicePlan``: its
     work list, one entry per request split; split states merged inside the kernel) and the e4m3 pages
-    of ``kv_descriptors`` (``paged_descriptors``). ``q`` [batch, H_qo, D] contiguous; the launch is
-    kept in ``plan.launches``, so a later run of the plan only passes the call's tensors."""
+    of ``kv_descriptors`` (``paged_descriptors``). ``q`` [batch, H_qo, D] contiguous. The launch is kept
+    in ``plan.attention_launches`` (the wrapper's, shared by its plans) and moved to a new plan by
+    ``_DecodeLaunch.bind_plan``, as the prefill kernel's (``launch``)."""
     (k_box, v_box), rows_per_page, page, _ = kv_descriptors
     batch, hq, d = q.shape
-    key = ("decode_hopper", id(kv_indptr), id(kv_indices), id(workspace), batch, hq, num_kv_heads, d, q.dtype,
-           sm_scale, page, rows_per_page)
-    launches = plan.launches
+    key = ("decode_hopper", id(workspace), hq, num_kv_heads, d, q.dtype, sm_scale, page)
+    launches = plan.attention_launches
     bound = launches.get(key)
     if bound is None:
         if len(launches) >= 16:
             launches.clear()
-        bound = launches[key] = _DecodeLaunch(q, plan, kv_indptr, kv_indices, num_kv_heads, sm_scale, workspace,
-                                              rows_per_page)
-    lse_out = bound.lse_scratch if lse is None else lse
+        bound = launches[key] = _DecodeLaunch(q.device, hq, num_kv_heads, d, sm_scale, workspace)
+    plan_of = bound.plan_of
+    if (plan_of is None or plan_of[0] is not plan or plan_of[1] is not kv_indices or plan_of[2] is not kv_indptr
+            or plan_of[3] != rows_per_page):
+        bound.bind_plan(plan, kv_indptr, kv_indices, rows_per_page)
+    lse_out = bound.lse_scratch(batch) if lse is None else lse
     rows = bound.q_rows
     q_box = TmaBox(q, (batch * hq, d), (d, 1), (rows, d), smem_layout(rows, d, q.dtype))
     os_ = out.stride()
@@ -301,14 +322,28 @@ def decode_launch(q: torch.Tensor, kv_descriptors: KVBoxes, out: torch.Tensor, l
 
 
 class _DecodeLaunch:
-    """The Gluon fp8 decode's launch for one plan: the plan's tensors, the partial states' views of the
-    workspace and the split-arrival counters bound; a scratch LSE for runs without one."""
+    """The Gluon fp8 decode's launch for one configuration (heads, head_dim, scale, page size, workspace),
+    moved from plan to plan by ``bind_plan``: the plan's work list and page table, the partial states'
+    views of the workspace and the split-arrival counters. A scratch LSE for runs without one."""
 
-    def __init__(self, q, plan, kv_indptr, kv_indices, num_kv_heads, sm_scale, workspace, rows_per_page) -> None:
+    def __init__(self, device: torch.device, num_qo_heads: int, num_kv_heads: int, head_dim: int, sm_scale: float,
+                 workspace: torch.Tensor) -> None:
         from .kernels.decode_hopper import decode_hopper_kernel
 
-        batch, hq, d = q.shape
-        num_items = plan.capacity * num_kv_heads
+        self.device = device
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        self.sm_scale_log2 = sm_scale * math.log2(math.e)
+        self.workspace = workspace  # (its identity is in the launch's key)
+        self.launcher = _device.per_device("decode_hopper", device, lambda: CachedLauncher(decode_hopper_kernel))
+        self.kwargs = dict(GROUP=num_qo_heads // num_kv_heads, num_warps=4, **decode_config())
+        self.q_rows = decode_q_rows(num_qo_heads // num_kv_heads)  # the Q box the bound consumer expects
+        self.launch: Optional[BoundLaunch] = None
+        self.plan_of: Optional[tuple] = None  # the plan and page table bound (identities), rows per page
+        self._lse: Optional[torch.Tensor] = None
+
+    def bind_plan(self, plan, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, rows_per_page: int) -> None:
+        hq, hk, d, workspace = self.num_qo_heads, self.num_kv_heads, self.head_dim, self.workspace
+        num_items = plan.capacity * hk
         states = plan.state_capacity  # (the layout a captured graph keeps: fixed in CUDA-graph mode)
         need = states * hq * (d + 1) * 4
         if plan.has_splits and need > workspace.numel():
@@ -318,12 +353,18 @@ class _DecodeLaunch:
         # float32 views even when the plan has no split (never written then): one specialisation either way
         part_o, part_lse = ws[: max(states * hq * d, 4)], ws[states * hq * d: max(states * hq * (d + 1), 4)]
         # one counter per (request's query tile, KV head): zero between launches (the last split resets it)
-        counters = plan.counters.get(plan.capacity * num_kv_heads)
-        launcher = _device.per_device("decode_hopper", q.device, lambda: CachedLauncher(decode_hopper_kernel))
-        tail = (part_o, part_lse, counters, plan.work, kv_indptr, kv_indices, plan.state_offset, hq, num_kv_heads,
-                num_items, sm_scale * math.log2(math.e), rows_per_page)
-        grid = max(1, min(num_items, _device.num_sms(q.device)))
-        self.launch = BoundLaunch(launcher, (grid,), tail, dict(GROUP=hq // num_kv_heads, num_warps=4, **decode_config()))
-        self.q_rows = decode_q_rows(hq // num_kv_heads)  # the Q box the bound consumer expects
-        self.lse_scratch = torch.empty((batch, hq), dtype=torch.float32, device=q.device)
-        self.keep = (plan, kv_indptr, kv_indices, workspace)  # identities in the launch's key
+        counters = plan.counters.get(num_items)
+        tail = (part_o, part_lse, counters, plan.work, kv_indptr, kv_indices, plan.state_offset, hq, hk, num_items,
+                self.sm_scale_log2, rows_per_page)
+        grid = (max(1, min(num_items, _device.num_sms(self.device))),)
+        if self.launch is None:
+            self.launch = BoundLaunch(self.launcher, grid, tail, self.kwargs)
+        else:
+            self.launch.rebind(grid, tail)
+        self.plan_of = (plan, kv_indices, kv_indptr, rows_per_page)
+
+    def lse_scratch(self, batch: int) -> torch.Tensor:
+        """float32 [batch, H_qo] the kernel may write (rows of a buffer grown as plans need)."""
+        if self._lse is None or self._lse.shape[0] < batch:
+            self._lse = torch.empty((max(batch, 1), self.num_qo_heads), dtype=torch.float32, device=self.device)
+        return self._lse[:batch]

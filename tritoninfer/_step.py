@@ -230,8 +230,8 @@ def run_step(step: PlannedStep, *, q: torch.Tensor, kv: KVSource, out: torch.Ten
                     check_page_ids(step, kv)
                 _hopper.launch(q, descriptors, out, lse, step.device_plan.qo_indptr, kv.kv_indptr,
                                step.device_plan.kv_len, step.route_work, step.num_kv_heads, step.params.sm_scale,
-                               step.params.causal, kv_indices=kv.kv_indices if paged else None,
-                               launches=step.device_plan.launches, k_mult=k_mult, v_mult=v_mult)
+                               step.params.causal, step.device_plan.attention_launches,
+                               kv_indices=kv.kv_indices if paged else None, k_mult=k_mult, v_mult=v_mult)
                 return
     launch_attention(
         q=q, out=out, lse=lse, kv=kv, plan=step.device_plan, tiles=tiles or step.tiles, num_kv_heads=step.num_kv_heads,

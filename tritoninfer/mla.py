@@ -48,7 +48,7 @@ from ._options import (
     copy_into,
     host_index,
 )
-from ._plan import Tiles, cdiv, next_pow2
+from ._plan import Tiles, canonical, cdiv, next_pow2
 from ._route import MLA as MLA_ROUTE
 from ._route import Route, core
 from ._step import init_planned_wrapper, plan_work, upload_plan
@@ -120,15 +120,15 @@ def mla_tiles(num_heads: int, avg_q_len: float, kv_fp8: bool = False) -> Tiles:
     if _device.is_interpreter():
         # 16 x 16 blocks: each tl op costs time there, not registers
         tokens = max(1, min(tokens, 16 // num_heads)) if num_heads < 16 else 1
-        return Tiles(16, 16, 1, 1, tokens, cdiv(num_heads * tokens, 16), prefetch_pages=False, programs_per_sm=1,
-                     mask_free_tiles=True)
+        return canonical(Tiles(16, 16, 1, 1, tokens, cdiv(num_heads * tokens, 16), prefetch_pages=False,
+                               programs_per_sm=1, mask_free_tiles=True))
     block_m = min(max_rows, max(16, next_pow2(rows)))
     if block_m == 16:
-        return Tiles(16, _KV_TILE_16, _WARPS_16, _STAGES_16, tokens, cdiv(rows, 16), prefetch_pages=False,
-                     kv_as_m=_KV_AS_M_16, programs_per_sm=1, mask_free_tiles=_MASK_FREE_16)
+        return canonical(Tiles(16, _KV_TILE_16, _WARPS_16, _STAGES_16, tokens, cdiv(rows, 16), prefetch_pages=False,
+                               kv_as_m=_KV_AS_M_16, programs_per_sm=1, mask_free_tiles=_MASK_FREE_16))
     stages = _STAGES_32 if block_m == 32 and not kv_fp8 else _STAGES
-    return Tiles(block_m, _KV_TILE, _WARPS, stages, tokens, cdiv(rows, block_m), prefetch_pages=False,
-                 programs_per_sm=1, mask_free_tiles=block_m < 64 and not kv_fp8)
+    return canonical(Tiles(block_m, _KV_TILE, _WARPS, stages, tokens, cdiv(rows, block_m), prefetch_pages=False,
+                           programs_per_sm=1, mask_free_tiles=block_m < 64 and not kv_fp8))
 
 
 # The Gluon kernel (kernels/mla_hopper.py, _route.MlaRoute): 32-position tiles (64 spill 32 bytes a
@@ -170,8 +170,8 @@ def hopper_tiles(num_heads: int, avg_q_len: float) -> Tiles:
     also ``mla_tiles``' 64-row tiles, so ``kernels/mla.py`` runs the same plan (a call whose tensors TMA
     cannot read, and the merge pass)."""
     tokens = 1 if num_heads >= 64 else max(1, min(next_pow2(max(1, math.ceil(avg_q_len))), 64 // num_heads))
-    return Tiles(64, _HOPPER_BLOCK_N, _WARPS, _STAGES, tokens, cdiv(num_heads * tokens, 64), prefetch_pages=False,
-                 programs_per_sm=1, mask_free_tiles=False)
+    return canonical(Tiles(64, _HOPPER_BLOCK_N, _WARPS, _STAGES, tokens, cdiv(num_heads * tokens, 64),
+                           prefetch_pages=False, programs_per_sm=1, mask_free_tiles=False))
 
 
 def merge_positions(block_m: int, head_dim_ckv: int, head_dim_kpe: int, kv_dtype: torch.dtype) -> int:
@@ -224,22 +224,76 @@ class MLAStep:
     max_page_id: Optional[int]  # the largest page id, when the ids were on the host (checked at run)
     # the kernel: kernels/mla_hopper.py (hopper) or kernels/mla.py (core)
     route: Route = core("kernels/mla.py")
-    # bound launches (MLALaunch) by run variant; kept on the plan, replaced with it
-    launches: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 
 class MLALaunch:
-    """The MLA kernel's launch with what one plan fixes bound (grid, plan tensors, workspace views,
-    constexprs), and its merge pass when the plan has splits; a call passes the query, cache, output
-    and LSE tensors to both."""
+    """The MLA kernel's launch for one configuration (heads, latent dims, tiles, page size, mask, dtypes,
+    merge mode, route), with what a plan fixes bound (grid, plan tensors, workspace views), and its
+    merge pass when the plan has splits; a call passes the query, cache, output and LSE tensors to
+    both. A wrapper keeps its launches across plans (``DevicePlan.attention_launches``, keyed by
+    ``launch_key``): ``bind_plan`` moves one to a new plan, rewriting only the plan's values
+    (``BoundLaunch.rebind``; building the launches anew at every step's first run cost 85-210 µs of the
+    dev CPU's Python, session 20)."""
 
     def __init__(self, step: MLAStep, workspace: torch.Tensor, write_lse: bool, dot) -> None:
         plan, tiles, heads, d_ckv = step.device_plan, step.tiles, step.num_heads, step.head_dim_ckv
         device = plan.kv_len.device
         self.device = device
+        self.workspace = workspace  # (its identity is in the launch's key)
         self.dummy = _device.per_device("unread", device, lambda: torch.zeros(16, dtype=torch.int32, device=device))
+        self.splits = plan.has_splits or plan.always_merge
+        # the Gluon kernel writes partial states only: its splits are merged by the merge pass
+        self.merge_pass = self.splits and (_MERGE_PASS or not step.route.is_core)
+        # arrival counters only for the fused merge (the merge pass is its own launch)
+        self.fused = self.splits and not self.merge_pass
+        kwargs = launch_constexprs(heads, d_ckv, step.head_dim_kpe, tiles, step.page_size, step.causal, write_lse,
+                                   dot, step.sm_scale > 0, step.kv_dtype in FP8_DTYPES, 1 if self.merge_pass else 0)
+        grid, tail = self._plan_tail(step)
+        self.launch = _MLA.bind(grid, tail, kwargs)
+        self._core_plan: Optional[tuple] = None  # (grid, tail) of a plan the core launch has not been moved to
+        self.merge = None
+        if self.merge_pass:
+            self.merge = _MLA.bind(grid, tail, launch_constexprs(
+                heads, d_ckv, step.head_dim_kpe, tiles, step.page_size, step.causal, write_lse, dot,
+                step.sm_scale > 0, step.kv_dtype in FP8_DTYPES, 2))
+        self.hopper = None
+        if not step.route.is_core:
+            from .kernels.mla_hopper import mla_hopper_kernel
+
+            launcher = _device.per_device("mla_hopper", device, lambda: CachedLauncher(mla_hopper_kernel))
+            mode, gather = hopper_mode(), _hopper.mla_gather_pages(step.page_size)
+            hopper_kwargs = dict(
+                NUM_HEADS=heads, HEAD_DIM_CKV=d_ckv, PAGE_SIZE=step.page_size, BLOCK_N=tiles.block_n,
+                STAGES=_HOPPER_STAGES, IS_CAUSAL=step.causal, WRITE_LSE=write_lse, MODE=mode, GATHER=gather,
+                num_warps=4, **hopper_regs(mode, gather))
+            self.hopper = launcher.bind(grid, self._hopper_tail(tail), hopper_kwargs)
+
+    @staticmethod
+    def launch_key(step: MLAStep, workspace: torch.Tensor, write_lse: bool) -> tuple:
+        """What ``__init__`` reads of a step beside its plan's tensors (the tiles are canonical objects)."""
+        plan = step.device_plan
+        return (write_lse, id(workspace), id(step.tiles), step.num_heads, step.head_dim_ckv, step.head_dim_kpe,
+                step.page_size, step.causal, step.sm_scale > 0, step.q_dtype, step.kv_dtype,
+                plan.has_splits or plan.always_merge, step.route.kernel)
+
+    def bind_plan(self, step: MLAStep) -> None:
+        """The launches over ``step``'s plan (one of the same ``launch_key``)."""
+        grid, tail = self._plan_tail(step)
+        if self.hopper is not None:
+            self.hopper.rebind(grid, self._hopper_tail(tail))
+            self._core_plan = grid, tail  # the core launch moves when a call takes it (rarely, on this route)
+        else:
+            self.launch.rebind(grid, tail)
+        if self.merge is not None:
+            self.merge.rebind(grid, tail)
+
+    def _plan_tail(self, step: MLAStep) -> Tuple[tuple, tuple]:
+        """The grid and the core kernel's bound arguments for ``step``; records the step (``run()`` compares
+        it by identity) and what the calls read of it."""
+        plan, tiles, heads, d_ckv, workspace = (step.device_plan, step.tiles, step.num_heads, step.head_dim_ckv,
+                                                 self.workspace)
         states = plan.state_capacity
-        if plan.has_splits or plan.always_merge:
+        if self.splits:
             need = states * heads * (d_ckv + 1)
             if workspace.numel() // 4 < need:
                 raise ValueError(f"float_workspace_buffer: the plan needs {need * 4} bytes for split-KV states, "
@@ -248,39 +302,18 @@ class MLALaunch:
             part_o, part_lse = ws[: states * heads * d_ckv], ws[states * heads * d_ckv: need]
         else:
             part_o = part_lse = self.dummy  # never touched: every item writes its final output
-        # the Gluon kernel writes partial states only: its splits are merged by the merge pass
-        merge_pass = (plan.has_splits or plan.always_merge) and (_MERGE_PASS or not step.route.is_core)
-        # arrival counters only for the fused merge (the merge pass is its own launch)
-        fused = (plan.has_splits or plan.always_merge) and not merge_pass
-        counters = plan.counters.get(plan.capacity * tiles.row_tiles) if fused else self.dummy
-        kwargs = launch_constexprs(heads, d_ckv, step.head_dim_kpe, tiles, step.page_size, step.causal, write_lse,
-                                   dot, step.sm_scale > 0, step.kv_dtype in FP8_DTYPES, 1 if merge_pass else 0)
-        tail = (part_o, part_lse, counters, plan.work, plan.qo_indptr, step.kv_indptr, step.kv_indices, plan.kv_len,
-                plan.state_offset, fault_record(device), step.kv_indices.numel(), tiles.tile_tokens)
-        self.keep = (workspace, step.kv_indptr, step.kv_indices)  # the identities in _launch's key stay alive
-        self.needs_pages = plan.reads_kv
-        grid = (tiles.row_tiles, plan.capacity)
-        self.launch = _MLA.bind(grid, tail, kwargs)
-        self.merge = None
-        if merge_pass:
-            self.merge = _MLA.bind(grid, tail, launch_constexprs(
-                heads, d_ckv, step.head_dim_kpe, tiles, step.page_size, step.causal, write_lse, dot,
-                step.sm_scale > 0, step.kv_dtype in FP8_DTYPES, 2))
-        self.sm_scale_log2 = step.sm_scale / _LN2
+        counters = plan.counters.get(plan.capacity * tiles.row_tiles) if self.fused else self.dummy
         self.step = step
-        self.hopper = None
-        if not step.route.is_core:
-            from .kernels.mla_hopper import mla_hopper_kernel
+        self.needs_pages = plan.reads_kv
+        tail = (part_o, part_lse, counters, plan.work, plan.qo_indptr, step.kv_indptr, step.kv_indices, plan.kv_len,
+                plan.state_offset, fault_record(self.device), step.kv_indices.numel(), tiles.tile_tokens)
+        return (tiles.row_tiles, plan.capacity), tail
 
-            launcher = _device.per_device("mla_hopper", device, lambda: CachedLauncher(mla_hopper_kernel))
-            hopper_tail = (part_o, part_lse, plan.work, plan.qo_indptr, step.kv_indptr, step.kv_indices,
-                           plan.kv_len, plan.state_offset, tiles.tile_tokens)
-            mode, gather = hopper_mode(), _hopper.mla_gather_pages(step.page_size)
-            hopper_kwargs = dict(
-                NUM_HEADS=heads, HEAD_DIM_CKV=d_ckv, PAGE_SIZE=step.page_size, BLOCK_N=tiles.block_n,
-                STAGES=_HOPPER_STAGES, IS_CAUSAL=step.causal, WRITE_LSE=write_lse, MODE=mode, GATHER=gather,
-                num_warps=4, **hopper_regs(mode, gather))
-            self.hopper = launcher.bind(grid, hopper_tail, hopper_kwargs)
+    @staticmethod
+    def _hopper_tail(tail: tuple) -> tuple:
+        """The Gluon kernel's bound arguments, from the core kernel's: the partial states, the plan's
+        tensors and the tile tokens (no counters, fault record or page count)."""
+        return tail[:2] + tail[3:9] + tail[11:]
 
     def __call__(self, q_nope, q_pe, ckv, kpe, out, lse, sm_scale_log2: float, lse_scale: float,
                  q_pe_scale: float = 1.0, v_scale: float = 1.0) -> None:
@@ -299,6 +332,9 @@ class MLALaunch:
         else:
             why = MLA_ROUTE.at_run(self.step.route, q_nope, q_pe, ckv, kpe)
         if why:
+            if self._core_plan is not None:
+                self.launch.rebind(*self._core_plan)
+                self._core_plan = None
             self.launch(*head)
         else:
             self._launch_hopper(q_nope, q_pe, ckv, kpe, out, lse_args, sm_scale_log2, lse_scale)
@@ -313,7 +349,8 @@ class MLALaunch:
         the gather, and reported by ``_hopper.check_page_ids`` (once per plan and cache size)."""
         step, plan = self.step, self.step.device_plan
         num_pages = ckv.shape[0]
-        if plan.pages_checked != num_pages:
+        # (ids the plan had on the host were checked against this cache by run())
+        if plan.pages_checked != num_pages and step.max_page_id is None:
             _hopper.check_page_ids(step.kv_indptr, step.kv_indices, step.batch, num_pages)
             plan.pages_checked = num_pages
         rows, heads = q_nope.shape[0], q_nope.shape[1]
@@ -535,12 +572,17 @@ class _MLAPlanner:
         if lse is not None or return_lse:
             # a caller's lse buffer is written whether or not it is returned, as in FlashInfer
             lse = check_out(lse, tuple(q_nope.shape[:2]), torch.float32, dev, "lse")
-        key = (lse is not None, id(self._float_workspace_buffer))
-        launch = step.launches.get(key)
+        workspace = self._float_workspace_buffer
+        launches = step.device_plan.attention_launches
+        key = MLALaunch.launch_key(step, workspace, lse is not None)
+        launch = launches.get(key)
         if launch is None:
-            launch = step.launches[key] = MLALaunch(step, self._float_workspace_buffer, lse is not None,
-                                                    dot_dtype(step.q_dtype, step.kv_dtype))
-        launch(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, launch.sm_scale_log2 * scale,
+            if len(launches) >= 16:
+                launches.clear()
+            launch = launches[key] = MLALaunch(step, workspace, lse is not None, dot_dtype(step.q_dtype, step.kv_dtype))
+        elif launch.step is not step:
+            launch.bind_plan(step)
+        launch(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, step.sm_scale / _LN2 * scale,
                _LN2 if lse_base_e else 1.0, q_pe_scale, v_scale)
         return (out, lse) if return_lse else out
 

@@ -640,8 +640,12 @@ def _fake_compiled(kernel, args: tuple, kwargs: dict):
     would give ``args`` (``None``: a constexpr) and the kernel's remaining parameters as constexprs."""
     from types import SimpleNamespace
 
-    signature = {}
+    signature, boxes = {}, []
     for i, a in enumerate(args):
+        if hasattr(a, "block_shape"):  # a Gluon TensorDescriptor (a bound launch's TmaBox)
+            signature[f"arg{i}"] = f"tensordesc<bf16{list(a.block_shape)}>"
+            boxes.append(dict(elem_type=10, block_size=list(a.block_shape), elem_size=2, swizzle=3))
+            continue
         signature[f"arg{i}"] = ("constexpr" if a is None else "*bf16" if isinstance(a, torch.Tensor) else
                                 "i1" if isinstance(a, bool) else "fp32" if isinstance(a, float) else "i32")
     fn = getattr(kernel, "fn", kernel)
@@ -649,25 +653,26 @@ def _fake_compiled(kernel, args: tuple, kwargs: dict):
     signature.update({p.name: "constexpr" for p in rest})
     constexprs = tuple(kwargs[p.name] if p.name in kwargs else p.default for p in rest)
     meta = SimpleNamespace(num_ctas=1, launch_pdl=False, launch_cooperative_grid=False, global_scratch_size=0,
-                           profile_scratch_size=0, num_warps=4, shared=1024, tensordesc_meta=[])
+                           profile_scratch_size=0, num_warps=4, shared=1024, tensordesc_meta=boxes)
     return SimpleNamespace(src=SimpleNamespace(signature=signature), metadata=meta, function=0xF00), constexprs
 
 
 @contextlib.contextmanager
-def fake_driver_launches(params_read: int = 0) -> Iterator[DriverRecord]:
+def fake_driver_launches(params_read: int = 0, hopper: bool = False) -> Iterator[DriverRecord]:
     """Within the block, kernels launch as on a GPU, but on CPU tensors and without running: the
     interpreter is off for tritoninfer, ``kernel[grid]`` returns a fake compiled kernel (signature
     from the call's arguments), Triton's launcher does nothing and ``cuLaunchKernel`` records its
-    grid and parameters. For the host cost and the launch bookkeeping of ``plan()``/``run()`` on a
-    machine without a GPU (the CPU tensors' device, -1, plays the current CUDA device). The
-    planner's cached choices made inside (GPU tiles) are dropped at exit."""
-    from . import _device, _driver, _launch, decode
+    grid and its first ``params_read`` parameters (TMA maps are not encoded). For the host cost and the launch bookkeeping of
+    ``plan()``/``run()`` on a machine without a GPU (the CPU tensors' device, -1, plays the current
+    CUDA device). ``hopper``: the routes see an sm_90 GPU, so plans they send to the Gluon kernels
+    launch those. The planner's cached choices made inside (GPU tiles) are dropped at exit."""
+    from . import _device, _driver, _hopper, _launch, _route, decode
 
     record = DriverRecord()
 
     def launch_kernel(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
         record.launches.append(((gx, gy, gz), [ctypes.c_uint64.from_address(params[k]).value
-                                               for k in range(params_read)]))
+                                               for k in range(min(params_read, len(params)))]))
         return 0
 
     def compile_and_launch(self, grid, args, kwargs):
@@ -679,7 +684,10 @@ def fake_driver_launches(params_read: int = 0) -> Iterator[DriverRecord]:
                (_launch, "_run", lambda *a: None), (_driver, "available", lambda: True),
                (_driver, "launch_kernel", lambda: launch_kernel),
                (torch._C, "_cuda_getCurrentRawStream", lambda device: 77),
-               (_launch.CachedLauncher, "compile_and_launch", compile_and_launch)]
+               (_launch.CachedLauncher, "compile_and_launch", compile_and_launch),
+               (_driver, "encode_tiled", lambda *a: None)]
+    if hopper:
+        patches += [(_route, "is_sm90", lambda device: True), (_hopper, "gluon_available", lambda: True)]
     saved = [(owner, name, owner.__dict__.get(name, None), name in owner.__dict__) for owner, name, _ in patches]
     for owner, name, value in patches:
         setattr(owner, name, value)
