@@ -158,6 +158,49 @@ def _small_pod():
     return pod, t
 
 
+def test_batch_pod_replans_rebind_one_pair_launch():
+    """The launch path on the CPU (``testing.fake_driver_launches``): a BatchPOD wrapper's plans with other
+    batches and lengths (causal prefill half, one cache) keep one pair launch, rebound to each plan. A plan
+    of a kind met before (split or not: the partial states' pointers specialise) compiles nothing and runs
+    on the driver path, with the new plans' work lists and page tables and a grid of both halves'
+    capacities."""
+    from tritoninfer._pair import PairLaunch
+
+    hq, hk, d, page = 8, 2, 64, 16
+    cache = torch.zeros(400, 2, page, hk, d, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+
+    def table(lens):
+        pages = [-(-n // page) for n in lens]
+        indptr = torch.tensor([0, *np.cumsum(pages)], dtype=torch.int32)
+        indices = torch.randperm(cache.shape[0], generator=g)[:sum(pages)].to(torch.int32)
+        last = torch.tensor([n - page * (p - 1) for n, p in zip(lens, pages)], dtype=torch.int32)
+        return indptr, indices, last
+
+    with testing.fake_driver_launches(params_read=80) as record:
+        w = BatchPODWithPagedKVCacheWrapper(testing.make_workspace(16 << 20, "cpu"))
+        pairs = []
+        plans = (([300], [50, 900, 7]), ([310], [60, 901, 8, 40]), ([290, 20], [1]), ([200, 100], [40] * 10))
+        for step, (prefill, decode) in enumerate(plans):
+            qo_p = torch.tensor([0, *np.cumsum(prefill)], dtype=torch.int32)
+            w.plan(qo_p, *table(prefill), torch.arange(len(decode) + 1, dtype=torch.int32), *table(decode), hq, hk,
+                   d, page, q_data_type=torch.bfloat16)
+            record.launches.clear()
+            w.run(torch.zeros(int(qo_p[-1]), hq, d, dtype=torch.bfloat16), cache,
+                  torch.zeros(len(decode), hq, d, dtype=torch.bfloat16), cache, causal_p=True)
+            pairs += [v for v in w._launches.values() if isinstance(v, PairLaunch)]
+            new_kind = step in (0, 2)  # (the first plans with splits and without)
+            assert w._step_p.device_plan.has_splits == (step < 2)
+            assert len(record.compiles) == 1 + (step >= 2) and len(record.launches) == (not new_kind)
+            if not new_kind:
+                grid, params = record.launches[0]
+                plan_p, plan_d = w._step_p.device_plan, w._step_d.device_plan
+                assert grid[0] == plan_p.capacity + plan_d.capacity
+                for t in (plan_p.work, plan_d.work, w._step_p.kv_indices, w._step_d.kv_indices):
+                    assert t.data_ptr() in params
+        assert len(pairs) == 4 and all(p is pairs[0] for p in pairs)
+
+
 @pytest.mark.parametrize("change,match", [
     (dict(window_left_d=5), "window_left_d"),
     (dict(sm_scale_d=0.3), "sm_scale_d"),

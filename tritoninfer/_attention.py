@@ -77,6 +77,13 @@ def _parse_score_params(pos_encoding_mode, window_left, logits_soft_cap, sm_scal
 
 
 _score_params_cached = cached_by_value(_parse_score_params)
+_PARAMS: dict = {}
+
+
+def canonical_params(params: ScoreParams) -> ScoreParams:
+    """One object per distinct scores, for params made by ``dataclasses.replace`` at a plan: bound
+    launches are kept by the identity of their params (as of their tiles, ``_plan.canonical``)."""
+    return _PARAMS.setdefault(params, params)
 
 
 @dataclasses.dataclass
@@ -512,7 +519,7 @@ class AttentionLaunch:
             alibi_tensor(num_qo_heads, device) if params.alibi else dummy, fault_record(device))
         self._scalars = (q_len_per_req, tiles.tile_tokens, state_mult, num_qo_heads, params.logits_soft_cap,
                          1.0 / params.rope_scale, math.log2(params.rope_theta), params.window_left)
-        grid, tail = self._plan_tail(plan, kv, packed_mask, mask_indptr)
+        grid, tail = self.plan_grid, self.plan_tail = self._plan_tail(plan, kv, packed_mask, mask_indptr)
         self.attention = _ATTENTION.bind(grid, tail, variant.kwargs())
         # the folded softmax needs a positive scale; a call with another one (sm_scale, q_scale or
         # k_scale <= 0) takes the same launch unfolded
@@ -521,11 +528,14 @@ class AttentionLaunch:
             self.unfolded = _ATTENTION.bind(grid, tail, variant.unfolded().kwargs())
 
     def bind_plan(self, plan: DevicePlan, kv: KVSource, packed_mask: Optional[torch.Tensor],
-                  mask_indptr: Optional[torch.Tensor]) -> None:
+                  mask_indptr: Optional[torch.Tensor], rebind: bool = True) -> None:
         """The same launch over another plan's tensors (its work list, page table, mask and partial
         states): the compiled kernels and parameter buffers stay, only the plan's values are
-        rewritten (``BoundLaunch.rebind``)."""
-        grid, tail = self._plan_tail(plan, kv, packed_mask, mask_indptr)
+        rewritten (``BoundLaunch.rebind``). ``rebind`` False: only ``plan_grid`` / ``plan_tail`` are
+        computed (a pair launch reads them and never launches this one's kernels)."""
+        grid, tail = self.plan_grid, self.plan_tail = self._plan_tail(plan, kv, packed_mask, mask_indptr)
+        if not rebind:
+            return
         self.attention.rebind(grid, tail)
         if self.unfolded is not self.attention:
             self.unfolded.rebind(grid, tail)

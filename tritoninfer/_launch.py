@@ -96,8 +96,7 @@ class CachedLauncher:
         # previous plan's compiled instead of taking Triton's ``kernel[grid]`` path (~90 µs)
         self.bound_hits: Dict[Tuple, Tuple[Any, tuple]] = {}
         self._bound_keep: Dict[Tuple, tuple] = {}
-        # parameters Triton does not specialise (``do_not_specialize``), by position
-        self.unspecialized = frozenset(i for i, p in enumerate(getattr(kernel, "params", ())) if p.do_not_specialize)
+        self.unspecialized = _unspecialized(kernel)
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
@@ -171,6 +170,18 @@ class CachedLauncher:
             return None
         launch = DriverLaunch.build(hit, grid + (1,) * (3 - len(grid)), args, (), device)
         return None if launch is None else (launch, kinds)
+
+
+def _unspecialized(kernel) -> frozenset:
+    """Positions of the parameters Triton does not specialise (``do_not_specialize``). A kernel defined
+    under the interpreter (``testing.fake_driver_launches`` runs the GPU launch path on such kernels)
+    keeps the decorator's names and positions in ``kwargs`` instead of its parameters."""
+    params = getattr(kernel, "params", None)
+    if params is not None:
+        return frozenset(i for i, p in enumerate(params) if p.do_not_specialize)
+    names = list(getattr(kernel, "arg_names", ()))
+    listed = (getattr(kernel, "kwargs", None) or {}).get("do_not_specialize") or ()
+    return frozenset(names.index(x) if isinstance(x, str) else int(x) for x in listed)
 
 
 class TmaBox(NamedTuple):

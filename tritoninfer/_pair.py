@@ -38,32 +38,53 @@ class PairLaunch:
 
     def __init__(self, first: AttentionLaunch, second: AttentionLaunch) -> None:
         g1, g2 = first.attention.grid, second.attention.grid
-        if g1[1:] != g2[1:]:
+        if g1[1:] != g2[1:]:  # (fixed by the halves' shapes: a new plan's grids agree as these)
             raise ValueError(f"attention pair: the halves' grids disagree on KV heads / row tiles ({g1} vs {g2})")
         if first.variant.lanes or second.variant.lanes:
             # the pair shares one warp count; the dot-free lanes are sized by theirs
             raise ValueError("attention pair: the dot-free single-row tiles cannot be paired")
         self.first, self.second = first, second
+        self._bound: dict = {}
+        self.bound_to: Optional[tuple] = None  # the caller's identities of the plans bound (``bind_plans``)
+        self._set_grid()
+
+    def _set_grid(self) -> None:
+        g1, g2 = self.first.plan_grid, self.second.plan_grid
         self.grid = (g1[0] + g2[0], g1[1], g1[2])
         self.num_items_p = g1[0]
-        self._bound: dict = {}
+
+    def _tail(self) -> tuple:
+        """The pair kernel's bound arguments: each half's (the folded and unfolded variants share them),
+        then the prefill half's item count."""
+        first, second = self.first, self.second
+        return (first.plan_tail[_OPTIONAL - first.optional:] + second.plan_tail[_OPTIONAL - second.optional:]
+                + (self.num_items_p,))
+
+    def bind_plans(self, first: tuple, second: tuple, bound_to: tuple) -> None:
+        """Both halves moved to other plans of the same shapes and settings (``first`` and ``second``:
+        ``AttentionLaunch.bind_plan``'s arguments), the pair's launches rebound to the new grid and
+        arguments; ``bound_to`` records what the caller compares to find them bound."""
+        self.first.bind_plan(*first, rebind=False)
+        self.second.bind_plan(*second, rebind=False)
+        self._set_grid()
+        tail = self._tail()
+        for bound in self._bound.values():
+            bound.rebind(self.grid, tail)
+        self.bound_to = bound_to
 
     def _bind(self, fold_p: bool, fold_d: bool):
         key = (fold_p, fold_d)
         bound = self._bound.get(key)
         if bound is None:
-            halves = []
-            for launch, fold in ((self.first, fold_p), (self.second, fold_d)):
-                bl = launch.attention if fold else launch.unfolded
-                halves.append((bl.tail[_OPTIONAL - launch.optional:], bl.kwargs))
-            (tail_p, kw_p), (tail_d, kw_d) = halves
+            kw_p, kw_d = [(launch.attention if fold else launch.unfolded).kwargs
+                          for launch, fold in ((self.first, fold_p), (self.second, fold_d))]
             kwargs = {}
             for prefix, kw in (("P_", kw_p), ("D_", kw_d)):
                 kwargs.update({prefix + k: v for k, v in kw.items() if k not in ("num_warps", "num_stages")})
             # one warp count for both halves: the larger (the prefill tiles' 8 where they run)
             kwargs["num_warps"] = max(kw_p["num_warps"], kw_d["num_warps"])
             kwargs["num_stages"] = max(kw_p["num_stages"], kw_d["num_stages"])
-            bound = self._bound[key] = _PAIR.bind(self.grid, tail_p + tail_d + (self.num_items_p,), kwargs)
+            bound = self._bound[key] = _PAIR.bind(self.grid, self._tail(), kwargs)
         return bound
 
     def __call__(self, p: tuple, d: tuple) -> None:

@@ -244,9 +244,11 @@ def run_step(step: PlannedStep, *, q: torch.Tensor, kv: KVSource, out: torch.Ten
 
 def check_page_ids(step: PlannedStep, kv: KVSource) -> None:
     """For the Gluon kernel's paged mode, once per step and cache size: its TMA reads never leave the
-    cache, so a separate kernel reports page ids outside it (``_hopper.check_page_ids``)."""
+    cache, so a separate kernel reports page ids outside it (``_hopper.check_page_ids``). Ids the plan had
+    on the host were checked against the cache by ``run()`` (``HostPageTable.check_cache``): no launch."""
     if step.device_plan.pages_checked != kv.num_pages:
-        _hopper.check_page_ids(kv.kv_indptr, kv.kv_indices, step.batch, kv.num_pages)
+        if step.page_table is None or step.page_table.page_ids is None:
+            _hopper.check_page_ids(kv.kv_indptr, kv.kv_indices, step.batch, kv.num_pages)
         step.device_plan.pages_checked = kv.num_pages
 
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from . import _device, _errors, _hopper, _ops, _plan
-from ._attention import AttentionLaunch, KVSource, PlanUploader, ScoreParams, dot_dtype, score_params
+from ._attention import AttentionLaunch, KVSource, PlanUploader, ScoreParams, canonical_params, dot_dtype, score_params
 from ._kvcache import CacheViews, PagedKVCache, host_page_table, init_graph_page_table
 from ._options import (
     TensorLayout,
@@ -156,13 +156,19 @@ class _PODBase:
 
     def _launch(self, step_p: PlannedStep, kv_p: KVSource, q_p, out_p, lse_p, mask_p, mask_indptr_p,
                 step_d: PlannedStep, kv_d: KVSource, q_d, out_d, lse_d, q_scale, k_scale, v_scale) -> None:
-        """Both halves in one launch. The bound launch is kept per steps, masks and call kinds (the key
-        holds identities of objects the entry keeps alive, so an identity is never reused)."""
-        params_p = step_p.params if mask_p is None else dataclasses.replace(step_p.params, causal=False)
-        key = (id(step_p), id(step_d), id(mask_p), id(kv_p.kv_indptr), id(kv_d.kv_indptr), q_p.dtype, kv_p.k.dtype,
-               q_d.dtype, kv_d.k.dtype, lse_p is None, lse_d is None)
-        entry = self._launches.get(key)
-        if entry is None:
+        """Both halves in one launch. The pair launch is kept per shapes, settings and call kinds (the key
+        holds identities of canonical objects the launch keeps alive: scores, tiles, workspaces) across
+        plans: a run over other plans or masks than the ones it holds rebinds it (``PairLaunch.bind_plans``;
+        building it anew at every step's first run cost ~200 µs of the dev CPU's Python, session 20)."""
+        key = (id(step_p.params), id(step_d.params), id(step_p.tiles), id(step_d.tiles), id(self._ws_p),
+               id(self._ws_d), mask_p is None, step_p.num_qo_heads, step_p.num_kv_heads, step_p.head_dim_qk,
+               step_p.head_dim_vo, kv_p.page_size, kv_d.page_size, q_p.dtype, kv_p.k.dtype, q_d.dtype, kv_d.k.dtype,
+               lse_p is None, lse_d is None)
+        bound_to = (step_p, step_d, mask_p, mask_indptr_p, kv_p.kv_indptr, kv_d.kv_indptr, kv_p.kv_indices,
+                    kv_d.kv_indices)
+        pair = self._launches.get(key)
+        if pair is None:
+            params_p = step_p.params if mask_p is None else dataclasses.replace(step_p.params, causal=False)
             halves = []
             for step, kv, q, lse, params, ws, mask, mask_indptr in (
                     (step_p, kv_p, q_p, lse_p, params_p, self._ws_p, mask_p, mask_indptr_p),
@@ -175,8 +181,13 @@ class _PODBase:
                     mask_indptr=mask_indptr))
             if len(self._launches) >= 32 and not self.is_cuda_graph_enabled:
                 self._launches.clear()
-            entry = self._launches[key] = (PairLaunch(*halves), step_p, step_d, mask_p, kv_p.kv_indptr, kv_d.kv_indptr)
-        entry[0]((q_p, out_p, lse_p, kv_p, None, None, None), (q_d, out_d, lse_d, kv_d, q_scale, k_scale, v_scale))
+            pair = self._launches[key] = PairLaunch(*halves)
+            pair.bound_to = bound_to
+            pair.keep = (step_p.params, step_d.params)  # (identities in the key)
+        elif any(a is not b for a, b in zip(pair.bound_to, bound_to)):
+            pair.bind_plans((step_p.device_plan, kv_p, mask_p, mask_indptr_p), (step_d.device_plan, kv_d, None, None),
+                            bound_to)
+        pair((q_p, out_p, lse_p, kv_p, None, None, None), (q_d, out_d, lse_d, kv_d, q_scale, k_scale, v_scale))
 
     def _decode_source(self, kv, step: PlannedStep, kv_indptr, kv_indices) -> KVSource:
         if (kv.page_size, kv.num_heads) != (step.page_size, step.num_kv_heads):
@@ -292,8 +303,6 @@ class PODWithPagedKVCacheWrapper(_PODBase):
             settings=settings, params=params, q_dtype=q_dtype, kv_dtype=kv_dtype, num_qo_heads=num_qo_heads,
             num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
             qo=np.arange(batch + 1, dtype=np.int64), heaviest_first=False, non_blocking=non_blocking)
-        if not self._use_cuda_graph:
-            self._launches.clear()
 
     begin_forward = plan
 
@@ -308,7 +317,6 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         if step is None:
             if len(self._prefill_steps) >= 64 and not self._use_cuda_graph:
                 self._prefill_steps.clear()
-                self._launches.clear()
             qo_lens, kv_lens = np.array([qo_len], np.int64), np.array([kv_len], np.int64)
             route = PREFILL.for_pod(PlanFacts(
                 device=self.device, q_dtype=step_d.q_dtype, kv_dtype=kv_dtype, head_dim_qk=step_d.head_dim_qk,
@@ -595,9 +603,8 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
         self._qo_lens_p = qo_lens_p
         # causal_p comes with run(): the step's causal twin, kept so the launch cache sees one object
         self._step_p_causal = dataclasses.replace(
-            steps[0], params=dataclasses.replace(params, causal=True),
+            steps[0], params=canonical_params(dataclasses.replace(params, causal=True)),
             settings=dataclasses.replace(settings, causal=True))
-        self._launches.clear()
 
     begin_forward = plan
 
