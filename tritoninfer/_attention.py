@@ -17,7 +17,7 @@ import triton.language as tl
 
 from . import _device
 from ._errors import fault_record
-from ._launch import CachedLauncher
+from ._launch import CachedLauncher, DriverCall
 from ._options import (
     PosEncodingMode,
     cached_by_value,
@@ -446,9 +446,10 @@ def launch_attention(
     packed_mask: Optional[torch.Tensor] = None,
     mask_indptr: Optional[torch.Tensor] = None,
     head_scales: Optional[tuple] = None,
-) -> None:
+) -> Optional[DriverCall]:
     """Attention of ``q`` [tokens, H_qo, D_qk] over ``kv`` into ``out`` [tokens, H_qo, D_vo] (and
-    ``lse`` [tokens, H_qo] float32, base 2), following ``plan``.
+    ``lse`` [tokens, H_qo] float32, base 2), following ``plan``. Returns the driver launch taken
+    (``_launch.DriverCall``), or None where the launch took Triton's path.
 
     ``q_scale``/``k_scale`` fold into the softmax scale, ``v_scale`` multiplies the output;
     ``sinks`` [H_qo] float32 are per-head logits added to the softmax denominator;
@@ -483,7 +484,7 @@ def launch_attention(
     elif (bound.plan is not plan or bound.kv_indptr is not kv.kv_indptr or bound.kv_indices is not kv.kv_indices
           or bound.packed_mask is not packed_mask or bound.mask_indptr is not mask_indptr):
         bound.bind_plan(plan, kv, packed_mask, mask_indptr)
-    bound(q, out, lse, kv, q_scale, k_scale, v_scale, sinks, head_scales)
+    return bound(q, out, lse, kv, q_scale, k_scale, v_scale, sinks, head_scales)
 
 
 class AttentionLaunch:
@@ -572,13 +573,13 @@ class AttentionLaunch:
 
     def __call__(self, q: torch.Tensor, out: torch.Tensor, lse: Optional[torch.Tensor], kv: KVSource,
                  q_scale: Optional[float], k_scale: Optional[float], v_scale: Optional[float],
-                 sinks: Optional[torch.Tensor], head_scales: Optional[tuple]) -> None:
+                 sinks: Optional[torch.Tensor], head_scales: Optional[tuple]) -> Optional[DriverCall]:
+        """Launches; returns the driver launch taken (``BoundLaunch.__call__``), or None."""
         folded, head = self.head_args(q, out, lse, kv, q_scale, k_scale, v_scale, sinks, head_scales)
         launch = self.attention if folded else self.unfolded
         if not self.optional:
-            launch(*head)
-            return
-        launch(*head, *self.optional_args(lse, sinks, head_scales)[:self.optional])
+            return launch(*head)
+        return launch(*head, *self.optional_args(lse, sinks, head_scales)[:self.optional])
 
     def head_args(self, q: torch.Tensor, out: torch.Tensor, lse: Optional[torch.Tensor], kv: KVSource,
                   q_scale: Optional[float], k_scale: Optional[float], v_scale: Optional[float],

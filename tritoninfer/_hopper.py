@@ -22,7 +22,7 @@ import torch
 from . import _device, _plan
 from ._errors import fault_record
 from ._kvcache import PagedKV
-from ._launch import BoundLaunch, CachedLauncher, TmaBox
+from ._launch import BoundLaunch, CachedLauncher, DriverCall, TmaBox
 
 TILE = 128  # query tokens per work item: two consumer warpgroups of 64
 STAGES = 3  # K/V ring depth: 3 x 64 KB at head_dim 128, with Q 224 KB of the H200's 227
@@ -221,7 +221,7 @@ def check_page_ids(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, batch: int
 
 def launch(q, kv_descriptors, out, lse, qo_indptr, kv_indptr, kv_len, tiles: torch.Tensor, num_kv_heads: int,
            sm_scale: float, causal: bool, launches: dict, kv_indices=None, k_mult: float = 1.0,
-           v_mult: float = 1.0) -> None:
+           v_mult: float = 1.0) -> Optional[DriverCall]:
     """The kernel over ``kv_descriptors`` (from ``ragged_descriptors`` with token offsets ``kv_indptr``,
     or ``paged_descriptors`` with the page table ``kv_indptr`` / ``kv_indices``); ``kv_len`` int32
     [batch]; ``tiles`` the uploaded ``work_tiles`` (int32 [2, tiles]). e4m3 K/V take the kernel's ``FP8``
@@ -249,8 +249,8 @@ def launch(q, kv_descriptors, out, lse, qo_indptr, kv_indptr, kv_len, tiles: tor
     q_box = TmaBox(q, (tokens, hq * d), (q.stride()[0], 1), (64, d), smem_layout(64, d, q.dtype))
     os_ = out.stride()
     # (the gather's reads: the caches' bases, row stride and pages; unread by the TMA modes)
-    bound.launch(q_box, k_box, v_box, out, os_[0], os_[1], lse, lse.stride()[0], k_box.tensor,
-                 v_box.tensor, k_box.strides[0], num_pages, float(k_mult), float(v_mult))
+    return bound.launch(q_box, k_box, v_box, out, os_[0], os_[1], lse, lse.stride()[0], k_box.tensor,
+                        v_box.tensor, k_box.strides[0], num_pages, float(k_mult), float(v_mult))
 
 
 class _HopperLaunch:
@@ -295,7 +295,7 @@ class _HopperLaunch:
 
 def decode_launch(q: torch.Tensor, kv_descriptors: KVBoxes, out: torch.Tensor, lse: Optional[torch.Tensor], plan,
                   kv_indptr: torch.Tensor, kv_indices: torch.Tensor, num_kv_heads: int, sm_scale: float,
-                  workspace: torch.Tensor, k_mult: float, v_mult: float) -> None:
+                  workspace: torch.Tensor, k_mult: float, v_mult: float) -> Optional[DriverCall]:
     """The Gluon fp8 decode (``kernels/decode_hopper.py``) over ``plan`` (a decode ``DevicePlan``: its
     work list, one entry per request split; split states merged inside the kernel) and the e4m3 pages
     of ``kv_descriptors`` (``paged_descriptors``). ``q`` [batch, H_qo, D] contiguous. The launch is kept
@@ -318,7 +318,8 @@ def decode_launch(q: torch.Tensor, kv_descriptors: KVBoxes, out: torch.Tensor, l
     rows = bound.q_rows
     q_box = TmaBox(q, (batch * hq, d), (d, 1), (rows, d), smem_layout(rows, d, q.dtype))
     os_ = out.stride()
-    bound.launch(q_box, k_box, v_box, out, os_[0], os_[1], lse_out, lse_out.stride()[0], float(k_mult), float(v_mult))
+    return bound.launch(q_box, k_box, v_box, out, os_[0], os_[1], lse_out, lse_out.stride()[0], float(k_mult),
+                        float(v_mult))
 
 
 class _DecodeLaunch:

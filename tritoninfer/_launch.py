@@ -271,11 +271,15 @@ class BoundLaunch:
                 key[i] = None
         return tuple(key)
 
-    def __call__(self, *head) -> None:
-        if self._kinds is None or not self._driver_path(head):
+    def __call__(self, *head) -> Optional["DriverCall"]:
+        """Launches; returns the driver launch it took with the call's tensors, ints and floats (what a
+        wrapper needs to repeat the call with other addresses: ``_replay.py``), or None (Triton's path)."""
+        call = self._driver_path(head) if self._kinds is not None else None
+        if call is None:
             self._triton_path(head)
+        return call
 
-    def _driver_path(self, head: tuple) -> bool:
+    def _driver_path(self, head: tuple) -> Optional["DriverCall"]:
         """Launches ``head`` through its driver launch, if it has one that can take the call."""
         kinds = self._kinds
         tensors = kinds.tensors(head)
@@ -284,15 +288,16 @@ class BoundLaunch:
         for p in ptrs:
             aligned |= p
         if aligned & 15:
-            return False
+            return None
         ints = kinds.ints(head)
         boxes = kinds.boxes(head)
         key = (tuple([t.dtype for t in tensors]), ints, _box_key(boxes) if boxes else ())
         fast = self._driver.get(key)
         if fast is None or _current_index() != fast.device or not _no_hooks():
-            return False
-        fast(ptrs, ints, kinds.floats(head), boxes)
-        return True
+            return None
+        floats = kinds.floats(head)
+        fast(ptrs, ints, floats, boxes)
+        return DriverCall(fast, tensors, ints, floats, boxes)
 
     def _triton_path(self, head: tuple) -> None:
         self._head_len = len(head)
@@ -345,6 +350,17 @@ class BoundLaunch:
             launch.keep.extend(b.layout for b in boxes)
         self._driver[key] = launch
         self._kinds = kinds
+
+
+class DriverCall(NamedTuple):
+    """One launch through a ``DriverLaunch``: the tensors whose addresses it passed (in its order), its
+    ints, floats and TMA boxes."""
+
+    launch: "DriverLaunch"
+    tensors: tuple
+    ints: tuple
+    floats: tuple
+    boxes: tuple
 
 
 def _box_key(boxes: tuple) -> tuple:
@@ -573,10 +589,12 @@ class DriverLaunch:
         self.layout.tail_format.pack_into(self.tail_buffer, 0, *self.layout.tail_values(values))
         self.grid = grid
 
-    def __call__(self, ptrs: list, ints: tuple, floats: tuple, boxes: tuple, grid: Optional[tuple] = None) -> None:
-        """``grid``: this call's (3-D) grid, else the one it was built with."""
+    def __call__(self, ptrs: list, ints: tuple, floats: tuple, boxes: tuple, grid: Optional[tuple] = None,
+                 box_ptrs: Optional[list] = None) -> None:
+        """``grid``: this call's (3-D) grid, else the one it was built with. ``box_ptrs``: the boxes' base
+        addresses, when not their tensors' (a replayed call's, ``_replay.py``)."""
         if boxes:
-            self._set_maps(boxes)
+            self._set_maps(boxes, box_ptrs or [b.tensor.data_ptr() for b in boxes])
             self.head_format.pack_into(self.head_buffer, 0, *ptrs, *ints, *floats,
                                        *[x for b in boxes for x in (*b.shape, *b.strides)])
         else:
@@ -589,18 +607,19 @@ class DriverLaunch:
         if result:
             _driver.check(result, "cuLaunchKernel")
 
-    def _set_maps(self, boxes: tuple) -> None:
-        """Each box's encoded TMA map into its parameter slot; encodings are kept per address and view
-        (bounded), so a layer's K/V and a reused activation buffer are encoded once."""
-        for n, box in enumerate(boxes):
-            key = (n, box.tensor.data_ptr(), box.shape, box.strides, box.block)
+    def _set_maps(self, boxes: tuple, addresses: list) -> None:
+        """Each box's encoded TMA map (of its view at its base address) into its parameter slot; encodings
+        are kept per address and view (bounded), so a layer's K/V and a reused activation buffer are
+        encoded once."""
+        for n, (box, address) in enumerate(zip(boxes, addresses)):
+            key = (n, address, box.shape, box.strides, box.block)
             tensor_map = self.maps.get(key)
             if tensor_map is None:
                 if len(self.maps) >= 512:
                     self.maps.clear()
                 meta = self.box_meta[n]
                 tensor_map = _driver.TensorMap()
-                _driver.encode_tiled(tensor_map, _TMA_DTYPE[meta["elem_type"]], box.tensor.data_ptr(), box.shape,
+                _driver.encode_tiled(tensor_map, _TMA_DTYPE[meta["elem_type"]], address, box.shape,
                                      box.strides, meta["block_size"], meta["elem_size"], meta["swizzle"], False)
                 self.maps[key] = tensor_map
             self.params[self.box_slots[n]] = tensor_map.address

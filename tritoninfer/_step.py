@@ -36,6 +36,7 @@ from ._attention import (
     scratch_workspace,
 )
 from ._kvcache import HostPageTable
+from ._launch import DriverCall
 from ._options import check_tensor
 from ._plan import WORK_FIELDS, Tiles, WorkPlan, cdiv, kv_split_chunk
 from ._route import DECODE, PREFILL, Route, core
@@ -143,6 +144,7 @@ def init_planned_wrapper(wrapper, float_workspace_buffer: torch.Tensor, use_cuda
     wrapper._uploader = PlanUploader(device, reuse=True)
     wrapper._num_sms = _device.num_sms(device)
     wrapper._step = None  # what the last plan() fixed; all run() reads
+    wrapper._replay = None  # the last eager run(), for the next one of the same kind (_replay.py)
     wrapper._faults = _errors.FaultWatch(device)
     wrapper._handle = _ops.register_wrapper(wrapper)
 
@@ -203,11 +205,11 @@ def upload_plan(uploader: PlanUploader, graph: Optional[GraphBuffers], work: Wor
 def run_step(step: PlannedStep, *, q: torch.Tensor, kv: KVSource, out: torch.Tensor, lse: Optional[torch.Tensor],
              workspace: Optional[torch.Tensor], route_kv=None, params: Optional[ScoreParams] = None,
              tiles: Optional[Tiles] = None, q_len_per_req: int = 0, state_mult: int = 1, q_scale=None, k_scale=None,
-             v_scale=None, sinks=None, head_scales=None) -> None:
+             v_scale=None, sinks=None, head_scales=None) -> Optional[DriverCall]:
     """Runs a step's attention into ``out`` (and ``lse``): a Gluon kernel (the prefill, or the fp8 decode)
     when the step's route takes it and ``route_kv`` (a ``PagedKV`` or a ``(k, v)`` pair) fits it, else the
     attention core. ``params`` and ``tiles`` default to the step's (decode's speculative runs pass causal
-    ones)."""
+    ones). Returns the driver launch taken (``_launch.DriverCall``), None where the launch took Triton's path."""
     if not step.route.is_core:
         # the Gluon kernels take the scales as two factors: q_scale * k_scale on the scores, v_scale on the output
         k_mult = (1.0 if q_scale is None else float(q_scale)) * (1.0 if k_scale is None else float(k_scale))
@@ -217,9 +219,8 @@ def run_step(step: PlannedStep, *, q: torch.Tensor, kv: KVSource, out: torch.Ten
                                         q_len_per_req=q_len_per_req)
             if descriptors is not None:
                 check_page_ids(step, kv)
-                _hopper.decode_launch(q, descriptors, out, lse, step.device_plan, kv.kv_indptr, kv.kv_indices,
-                                      step.num_kv_heads, step.params.sm_scale, workspace, k_mult, v_mult)
-                return
+                return _hopper.decode_launch(q, descriptors, out, lse, step.device_plan, kv.kv_indptr, kv.kv_indices,
+                                             step.num_kv_heads, step.params.sm_scale, workspace, k_mult, v_mult)
         else:
             scaled = q_scale is not None or k_scale is not None or v_scale is not None
             descriptors = PREFILL.at_run(step.route, q, route_kv, sinks=sinks, head_scales=head_scales, scaled=scaled,
@@ -228,12 +229,11 @@ def run_step(step: PlannedStep, *, q: torch.Tensor, kv: KVSource, out: torch.Ten
                 paged = kv.page_size > 0
                 if paged:
                     check_page_ids(step, kv)
-                _hopper.launch(q, descriptors, out, lse, step.device_plan.qo_indptr, kv.kv_indptr,
-                               step.device_plan.kv_len, step.route_work, step.num_kv_heads, step.params.sm_scale,
-                               step.params.causal, step.device_plan.attention_launches,
-                               kv_indices=kv.kv_indices if paged else None, k_mult=k_mult, v_mult=v_mult)
-                return
-    launch_attention(
+                return _hopper.launch(q, descriptors, out, lse, step.device_plan.qo_indptr, kv.kv_indptr,
+                                      step.device_plan.kv_len, step.route_work, step.num_kv_heads, step.params.sm_scale,
+                                      step.params.causal, step.device_plan.attention_launches,
+                                      kv_indices=kv.kv_indices if paged else None, k_mult=k_mult, v_mult=v_mult)
+    return launch_attention(
         q=q, out=out, lse=lse, kv=kv, plan=step.device_plan, tiles=tiles or step.tiles, num_kv_heads=step.num_kv_heads,
         head_dim_qk=step.head_dim_qk, head_dim_vo=step.head_dim_vo, params=params or step.params,
         q_len_per_req=q_len_per_req, state_mult=state_mult, workspace=workspace, q_scale=q_scale, k_scale=k_scale,

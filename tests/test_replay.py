@@ -1,0 +1,218 @@
+"""A wrapper's last eager ``run()`` replayed for a call that differs only in its tensors' addresses
+(``tritoninfer/_replay.py``), on the GPU launch path faked on the CPU (``testing.fake_driver_launches``):
+the replayed launch is the one the full path makes for the same call, and every call of another kind
+takes the full path."""
+
+import contextlib
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+
+from tritoninfer import (BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper,
+                         BatchPrefillWithRaggedKVCacheWrapper, _driver, _replay, testing)
+
+HQ, HK, D, PAGE = 8, 2, 128, 16
+PARAMS = 64  # parameter slots read per launch (the Gluon prefill's TMA maps hold their base address here)
+
+
+@pytest.fixture
+def replays(monkeypatch):
+    """Each ``RunReplay.run`` outcome (True: it launched)."""
+    outcomes = []
+    real = _replay.RunReplay.run
+
+    def run(self, *args):
+        done = real(self, *args)
+        outcomes.append(done is not None)
+        return done
+
+    monkeypatch.setattr(_replay.RunReplay, "run", run)
+    return outcomes
+
+
+@contextlib.contextmanager
+def fake_driver(monkeypatch, hopper: bool):
+    """``testing.fake_driver_launches`` whose TMA maps hold their base address (the fake encoder writes
+    nothing else), so launches that differ in a box's base differ in their parameters."""
+    def encode(tensor_map, dtype, address, *rest):
+        ctypes.c_uint64.from_address(tensor_map.address).value = address
+
+    with testing.fake_driver_launches(params_read=PARAMS, hopper=hopper) as record:
+        monkeypatch.setattr(_driver, "encode_tiled", encode)
+        yield record
+
+
+def _page_table(lens, num_pages, g):
+    pages = [-(-n // PAGE) for n in lens]
+    indptr = torch.tensor([0, *np.cumsum(pages)], dtype=torch.int32)
+    indices = torch.randperm(num_pages, generator=g)[:sum(pages)].to(torch.int32)
+    last = torch.tensor([n - PAGE * (p - 1) for n, p in zip(lens, pages)], dtype=torch.int32)
+    return indptr, indices, last
+
+
+class Setup:
+    """A planned wrapper of one ``kind`` and a maker of the inputs of one call (new tensors each time, of
+    the same shapes, strides and dtypes)."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        g = torch.Generator().manual_seed(0)
+        ws = testing.make_workspace(16 << 20, "cpu")
+        self.num_pages = 600
+        if kind.startswith("decode"):
+            lens = [700, 33, 4000]
+            layout = "HND" if kind == "decode-hnd" else "NHD"
+            self.w = BatchDecodeWithPagedKVCacheWrapper(ws, layout)
+            self.w.plan(*_page_table(lens, self.num_pages, g), HQ, HK, D, PAGE, q_data_type=torch.bfloat16)
+            self.rows = len(lens)
+        elif kind.startswith("paged"):
+            lens = [1300, 1500]
+            self.w = BatchPrefillWithPagedKVCacheWrapper(ws)
+            qo_indptr = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32)
+            self.w.plan(qo_indptr, *_page_table(lens, self.num_pages, g), HQ, HK, D, PAGE, causal=True,
+                        q_data_type=torch.bfloat16)
+            self.rows = sum(lens)
+        else:
+            lens = [1300, 1500]
+            self.w = BatchPrefillWithRaggedKVCacheWrapper(ws)
+            qo_indptr = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32)
+            self.w.plan(qo_indptr, qo_indptr, HQ, HK, D, q_data_type=torch.bfloat16)
+            self.rows = sum(lens)
+        assert self.w._step.route.is_core != kind.endswith("gluon")
+
+    def inputs(self) -> tuple:
+        q = torch.zeros(self.rows, HQ, D, dtype=torch.bfloat16)
+        if self.kind.startswith("decode") or self.kind.startswith("paged"):
+            if self.kind == "decode-tuple":
+                return q, (torch.zeros(self.num_pages, PAGE, HK, D, dtype=torch.bfloat16),
+                           torch.zeros(self.num_pages, PAGE, HK, D, dtype=torch.bfloat16))
+            shape = (self.num_pages, 2, HK, PAGE, D) if self.kind == "decode-hnd" else (self.num_pages, 2, PAGE, HK, D)
+            return q, torch.zeros(shape, dtype=torch.bfloat16)
+        kv = torch.zeros(self.rows, 2, HK, D, dtype=torch.bfloat16)  # K and V: views of one tensor
+        return q, kv[:, 0], kv[:, 1]
+
+    def run(self, inputs, **kwargs):
+        return self.w.run(*inputs, **kwargs)
+
+
+KINDS = ["decode-5d", "decode-tuple", "decode-hnd", "paged", "ragged", "paged-gluon", "ragged-gluon"]
+
+
+@pytest.mark.parametrize("with_lse", [False, True], ids=["out", "out-lse"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_replayed_launch_is_the_full_paths(kind, with_lse, replays, monkeypatch):
+    """A second call with new tensors of the same kind is replayed; its launch (grid and parameters: the
+    new tensors' addresses, K and V at their offsets into a paged cache, the boxes' bases) equals the
+    one the full path makes for that call."""
+    with fake_driver(monkeypatch, kind.endswith("gluon")) as record:
+        s = Setup(kind)
+
+        def outputs():
+            out = torch.empty(s.rows, HQ, D, dtype=torch.bfloat16)
+            return dict(out=out, lse=torch.empty(s.rows, HQ)) if with_lse else dict(out=out)
+
+        first = s.inputs()
+        s.run(first, **outputs(), return_lse=with_lse)
+        s.run(first, **outputs(), return_lse=with_lse)  # (the first call compiled on Triton's path; this one is recorded)
+        second, kwargs = s.inputs(), outputs()
+        record.launches.clear()
+        result = s.run(second, **kwargs, return_lse=with_lse)
+        assert replays[-1], "the second call was not replayed"
+        replayed = record.launches[-1]
+        s.w._replay = None
+        attempts = len(replays)
+        s.run(second, **kwargs, return_lse=with_lse)
+        assert len(replays) == attempts and len(record.launches) == 2  # (the full path)
+        full = record.launches[-1]
+        # (a 4-byte slot read as 8 bytes ends in whatever follows it: its low half is the value)
+        assert replayed[0] == full[0] and [v & 0xFFFFFFFF for v in replayed[1]] == [v & 0xFFFFFFFF for v in full[1]]
+        for t in (second[0], kwargs["out"]) + ((kwargs["lse"],) if with_lse else ()):
+            assert t.data_ptr() in replayed[1] and t.data_ptr() in full[1]
+        assert (result[0] if with_lse else result) is kwargs["out"]
+
+
+@pytest.mark.parametrize("kind", ["decode-5d", "ragged-gluon"])
+def test_replay_allocates_the_outputs_the_full_path_would(kind, replays):
+    """Without ``out``/``lse`` the replay allocates them as the full path does and launches into them."""
+    with testing.fake_driver_launches(params_read=PARAMS, hopper=kind.endswith("gluon")) as record:
+        s = Setup(kind)
+        for _ in range(2):
+            s.run(s.inputs(), return_lse=True)
+        out, lse = s.run(s.inputs(), return_lse=True)
+        assert replays[-1]
+        assert out.shape == (s.rows, HQ, D) and out.dtype == torch.bfloat16 and lse.shape == (s.rows, HQ)
+        assert out.data_ptr() in record.launches[-1][1] and lse.data_ptr() in record.launches[-1][1]
+
+
+def _other_calls(s: Setup):
+    """(what differs, the call's inputs, its keyword arguments, the error the full path raises or None)."""
+    q, *kv = s.inputs()
+    out = torch.empty(s.rows, HQ, D, dtype=torch.bfloat16)
+    big = torch.zeros(q.numel() + 8, dtype=torch.bfloat16)
+    calls = [
+        ("q's dtype", (q.half(), *kv), dict(out=out), ValueError),
+        ("q's shape", (q[:-1], *kv), dict(out=out[:-1]), ValueError),
+        ("q's strides", (torch.zeros(s.rows, HQ, D + 8, dtype=torch.bfloat16)[..., :D], *kv), dict(out=out), None),
+        ("q's address not 16-byte aligned", (big[1:1 + q.numel()].view(q.shape), *kv), dict(out=out), None),
+        ("a tensor subclass", (torch.nn.Parameter(q, requires_grad=False), *kv), dict(out=out), None),
+        ("out's dtype", (q, *kv), dict(out=out.float()), ValueError),
+        ("out not given", (q, *kv), dict(), None),
+        ("return_lse", (q, *kv), dict(out=out, return_lse=True), None),
+    ]
+    if not s.kind.startswith("ragged"):  # (the ragged run() takes no scales)
+        calls.append(("a scale", (q, *kv), dict(out=out, v_scale=0.5), None))
+    if s.kind.startswith("decode") or s.kind.startswith("paged"):
+        cache = kv[0]
+        if type(cache) is tuple:
+            calls.append(("the cache's pages", (q, (cache[0][:-1], cache[1][:-1])), dict(out=out), None))
+        else:
+            calls.append(("the cache's pages", (q, cache[:-1]), dict(out=out), None))
+    return calls
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_calls_of_another_kind_take_the_full_path(kind, replays):
+    """After a recorded call, a call that differs in anything the full path checks but addresses (or
+    has options) is not replayed: it gets the full path's result or error."""
+    with testing.fake_driver_launches(params_read=PARAMS, hopper=kind.endswith("gluon")):
+        s = Setup(kind)
+        for what, inputs, kwargs, error in _other_calls(s):
+            out = torch.empty(s.rows, HQ, D, dtype=torch.bfloat16)
+            for _ in range(2):
+                s.run(s.inputs(), out=out)
+            assert s.w._replay is not None
+            replays.clear()
+            if error is not None:
+                with pytest.raises(error):
+                    s.run(inputs, **kwargs)
+            else:
+                s.run(inputs, **kwargs)
+            assert not any(replays), what
+
+
+def test_a_new_plan_takes_the_full_path(replays):
+    with testing.fake_driver_launches(params_read=PARAMS) as record:
+        s = Setup("decode-5d")
+        inputs = s.inputs()
+        for _ in range(2):
+            s.run(inputs)
+        s.w.plan(*_page_table([700, 33, 4001], s.num_pages, torch.Generator().manual_seed(1)), HQ, HK, D, PAGE,
+                 q_data_type=torch.bfloat16)
+        replays.clear()
+        s.run(inputs)
+        assert replays == [False] and record.launches
+        s.run(inputs)
+        assert replays == [False, True]
+
+
+def test_one_tensor_as_two_arguments_is_not_recorded(replays):
+    """``out=q``: the launch's two addresses are one argument's, which the next call may pass as two
+    tensors, so the call is not recorded (a replay would write into q)."""
+    with testing.fake_driver_launches(params_read=PARAMS):
+        s = Setup("ragged")
+        inputs = s.inputs()
+        for _ in range(3):
+            s.run(inputs, out=inputs[0])
+        assert s.w._replay is None and not any(replays)

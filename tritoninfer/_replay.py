@@ -1,0 +1,125 @@
+"""A wrapper's last eager ``run()``, launched again with a later call's addresses and without its checks.
+
+An engine calls a planned wrapper's ``run()`` once per layer with tensors that differ from the last
+call's only in their addresses (each layer's query, cache and output). The full path checks every
+argument against the plan, finds the cache views, the kernel variant and the bound launch, and ends
+in one ``DriverLaunch`` call (``_launch.py``). ``RunReplay`` keeps that call: the step it ran, what
+the full path checked of each argument tensor (type, shape, strides, dtype, device: all but the
+address) and, for each address the launch passed, the argument it comes from and the byte offset
+into it (K and V are views of a paged cache). A call with the same step, the default options and
+arguments that match in all of that passes the same checks, so it is launched at once with its own
+addresses. Anything else (another plan or scores, a tensor of another shape, strides, dtype or
+device, a subclass, scales, sinks, an address that is not 16-byte aligned, a profiler's launch hook,
+another current device) takes the full path, which records the call again.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from . import _launch
+from ._launch import DriverCall
+
+OUT, LSE = -1, -2  # sources of a launch address besides the inputs: the output and the LSE
+
+
+def facts(t: Optional[torch.Tensor]) -> Optional[tuple]:
+    """What the full path checks of a tensor argument, all but its address."""
+    return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
+
+
+class RunReplay:
+    """The last eager call of a wrapper's ``run()`` (``record``), launched again for a matching call
+    (``run``). ``inputs``: the call's input tensors in the wrapper's fixed order (query, then the cache
+    or K and V); ``out``/``lse``: the tensors the launch wrote (allocated by the full path when the
+    caller passed none: ``out_zeroed`` says how)."""
+
+    __slots__ = ("step", "facts", "out_facts", "lse_facts", "alloc_out", "out_zeroed", "alloc_lse", "return_lse",
+                 "call", "sources", "box_sources", "fixed")
+
+    @staticmethod
+    def record(step, inputs: tuple, out_arg: Optional[torch.Tensor], lse_arg: Optional[torch.Tensor],
+               out: torch.Tensor, lse: Optional[torch.Tensor], return_lse: bool, out_zeroed: bool,
+               call: Optional[DriverCall]) -> Optional["RunReplay"]:
+        """The replay of a call the full path launched through ``call``, or None (Triton's path, or a
+        launched address that no argument alone holds, other than a launch's own scratch)."""
+        if call is None or any(type(t) is not torch.Tensor for t in inputs):
+            return None
+        args = list(enumerate(inputs)) + [(OUT, out)] + ([(LSE, lse)] if lse is not None else [])
+        bases: Optional[list] = None  # the arguments' storages, found when a launched tensor is a view
+        fixed = []  # launch-owned tensors (a scratch LSE): the same address at every call of the step
+
+        def source(t):
+            """``(argument, byte offset)`` of a launched tensor's address, ``(None, address)`` for a tensor
+            of no argument's storage, None where it is more than one argument or more than one
+            argument shares its storage."""
+            nonlocal bases
+            same = [i for i, x in args if t is x]
+            if same:  # (one tensor passed as two arguments, out=q: the next call may pass two)
+                return (same[0], 0) if len(same) == 1 else None
+            if bases is None:
+                bases = [x.untyped_storage().data_ptr() for _, x in args]
+            base = t.untyped_storage().data_ptr()
+            holders = [arg for arg, b in zip(args, bases) if b == base]
+            if not holders:
+                fixed.append(t)
+                return None, t.data_ptr()
+            if len(holders) > 1:
+                return None
+            i, x = holders[0]
+            return i, t.data_ptr() - x.data_ptr()  # a view of one argument (K or V of a paged cache)
+
+        sources = [source(t) for t in call.tensors]
+        box_sources = [source(b.tensor) for b in call.boxes]
+        if None in sources or None in box_sources:
+            return None
+        self = RunReplay()
+        self.step, self.call, self.sources, self.box_sources, self.fixed = step, call, sources, box_sources, fixed
+        self.facts = tuple(facts(t) for t in inputs)
+        self.alloc_out, self.out_zeroed, self.out_facts = out_arg is None, out_zeroed, facts(out)
+        self.alloc_lse, self.lse_facts = lse_arg is None and lse is not None, facts(lse)
+        self.return_lse = return_lse
+        return self
+
+    def run(self, step, inputs: tuple, out: Optional[torch.Tensor], lse: Optional[torch.Tensor],
+            return_lse: bool) -> Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """Launches a call that matches the recorded one and returns its ``(out, lse)``; None (nothing
+        launched) for any other call."""
+        if step is not self.step or return_lse != self.return_lse or len(inputs) != len(self.facts):
+            return None
+        for t, f in zip(inputs, self.facts):
+            if (type(t), t.shape, t.stride(), t.dtype, t.device) != f:
+                return None
+        if out is None:
+            if not self.alloc_out:
+                return None
+            _, shape, _, dtype, device = self.out_facts
+            out = (torch.zeros if self.out_zeroed else torch.empty)(shape, dtype=dtype, device=device)
+        elif self.alloc_out or facts(out) != self.out_facts:
+            return None
+        if lse is None:
+            if self.lse_facts is not None:
+                if not self.alloc_lse:
+                    return None
+                _, shape, _, dtype, device = self.lse_facts
+                lse = torch.empty(shape, dtype=dtype, device=device)
+        elif self.alloc_lse or facts(lse) != self.lse_facts:
+            return None
+        args = inputs + (lse, out)  # (OUT = -1, LSE = -2)
+        ptrs = [offset if i is None else args[i].data_ptr() + offset for i, offset in self.sources]
+        call = self.call
+        box_ptrs = [offset if i is None else args[i].data_ptr() + offset for i, offset in self.box_sources] \
+            if call.boxes else None
+        # every address 16-byte aligned, as the recorded call's were (the kernel's specialisation, and
+        # the TMA boxes' bases the full path's route checks)
+        aligned = 0
+        for p in ptrs:
+            aligned |= p
+        for p in box_ptrs or ():
+            aligned |= p
+        if aligned & 15 or _launch._current_index() != call.launch.device or not _launch._no_hooks():
+            return None
+        call.launch(ptrs, call.ints, call.floats, call.boxes, box_ptrs=box_ptrs)
+        return out, lse
