@@ -216,3 +216,59 @@ def test_one_tensor_as_two_arguments_is_not_recorded(replays):
         for _ in range(3):
             s.run(inputs, out=inputs[0])
         assert s.w._replay is None and not any(replays)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["decode", "decode-tuple", "paged", "ragged"])
+def test_gpu_replayed_layers_match_reference(kind, replays):
+    """On the GPU: one plan run over three layers (each its own query, cache or K/V, of the same shapes),
+    twice, as an engine runs a step; the runs after the first recorded one are replays, and every layer's
+    output is its reference's. Long bf16 prefill at head_dim 128 takes the Gluon kernel on an H200."""
+    from tritoninfer import reference
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    g = torch.Generator().manual_seed(3)
+    ws = testing.make_workspace(128 << 20, "cuda")
+    decode = kind.startswith("decode")
+    lens = [3000, 40, 1500] if decode else [2048, 1100]
+    rows = len(lens) if decode else sum(lens)
+    kv = testing.make_paged_kv(lens, PAGE, HK, D, dtype=torch.bfloat16, device="cuda", generator=g,
+                               form="tuple" if kind == "decode-tuple" else "5d")
+    qo_indptr = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32, device="cuda")
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to("cuda", torch.bfloat16)
+
+    layers = []  # (q, the run's K/V arguments): one page table, each layer's own cache contents
+    for _ in range(3):
+        if kind == "ragged":
+            kv_args = (rand(sum(lens), HK, D), rand(sum(lens), HK, D))
+        elif kind == "decode-tuple":
+            kv_args = ((rand(*kv.cache[0].shape), rand(*kv.cache[1].shape)),)
+        else:
+            kv_args = (rand(*kv.cache.shape),)
+        layers.append((rand(rows, HQ, D), kv_args))
+    if decode:
+        w = BatchDecodeWithPagedKVCacheWrapper(ws)
+        w.plan(kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, HQ, HK, D, PAGE, q_data_type=torch.bfloat16)
+    elif kind == "paged":
+        w = BatchPrefillWithPagedKVCacheWrapper(ws)
+        w.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, HQ, HK, D, PAGE, causal=True,
+               q_data_type=torch.bfloat16)
+    else:
+        w = BatchPrefillWithRaggedKVCacheWrapper(ws)
+        w.plan(qo_indptr, qo_indptr, HQ, HK, D, causal=True, q_data_type=torch.bfloat16)
+    for _ in range(2):  # (the first run compiles on Triton's path, the second is recorded, the rest replay)
+        for q, kv_args in layers:
+            out = w.run(q, *kv_args)
+            if kind == "ragged":
+                ref = reference.batch_prefill_with_ragged_kv_cache(q, *kv_args, qo_indptr, qo_indptr, causal=True)
+            elif kind == "paged":
+                ref = reference.batch_prefill_with_paged_kv_cache(q, qo_indptr, kv_args[0], kv.kv_indptr, kv.kv_indices,
+                                                                  kv.kv_last_page_len, "NHD", causal=True)
+            else:
+                ref = reference.batch_decode_with_paged_kv_cache(q, kv_args[0], kv.kv_indptr, kv.kv_indices,
+                                                                 kv.kv_last_page_len, "NHD")
+            testing.assert_close(out, ref[0] if isinstance(ref, tuple) else ref, torch.bfloat16)
+    assert replays.count(True) >= 4, replays
