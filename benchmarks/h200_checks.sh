@@ -21,7 +21,8 @@
 #   host         benchmarks/host_path.py, every decode and prefill row, FlashInfer in the same process
 #   host-ab      ... the quick rows, with OLD=<dir holding an older tritoninfer> beside (e.g. OLD=.ab/pre18)
 #   tests-launch pytest -m gpu on the launch path: driver launches, bound launches rebound by a new plan,
-#                CUDA-graph capture (test_launch.py, and decode/prefill's launch and graph tests)
+#                CUDA-graph capture, replayed runs (test_launch.py, test_replay.py, and decode/prefill's launch
+#                and graph tests)
 #   fit          FlashInfer's own tests for sampling and the logits processor (FIT_PER_TEST=20, 4 workers:
 #                the sampling tests synchronise after every call, and many processes time-slice the GPU);
 #                FIT_K="softmax or min_p" passes -k to pytest (any fit part)
@@ -171,8 +172,8 @@ case "$part" in
       --old "pre=${OLD:?OLD=dir of the older tritoninfer}" --out "$out/host-ab.md" > "$out/host-ab.log" 2>&1 || true ;;
   tests-launch)
     PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=10 \
-      tests/test_launch.py tests/test_decode.py tests/test_prefill.py -k "driver or bound or rebind or graph or launch" \
-      > "$out/$part.log" 2>&1 || true ;;
+      tests/test_launch.py tests/test_decode.py tests/test_prefill.py tests/test_replay.py \
+      -k "driver or bound or rebind or graph or launch or replay" > "$out/$part.log" 2>&1 || true ;;
   host)
     PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 benchmarks/host_path.py --profile --out "$out/host-path.md" \
       > "$out/host-path.log" 2>&1 || true ;;
