@@ -342,10 +342,14 @@ def test_a_new_plan_rebinds_the_gluon_prefill_launch(paged):
                 w.run(q, *args)
             plan, tiles = w._step.device_plan, w._step.route_work
             seen += [launch for key, launch in plan.attention_launches.items() if key[0] == "hopper"]
-            # (host page ids: run() checked them against the cache, so no page-id check kernel launches)
-            assert len(record.compiles) == 1, record.compiles
+            # (host page ids: run() checked them against the cache, so no page-id check kernel launches;
+            # the first plan compiles unless an earlier test in this process compiled that specialisation)
+            if step == 0:
+                compiled = len(record.compiles)
+                assert compiled <= 1, record.compiles
+            assert len(record.compiles) == compiled, record.compiles
             hopper_launches = [entry for entry in record.launches if len(entry[1]) == 35]
-            assert len(hopper_launches) == len(record.launches) == (1 if step == 0 else 2)
+            assert len(hopper_launches) == len(record.launches) == (2 - compiled if step == 0 else 2)
             grid, params = hopper_launches[-1]
             assert grid == (min(tiles.shape[1] * hq, _device.num_sms("cpu")), 1, 1)
             for t in (plan.qo_indptr, w._step.kv_indptr, plan.kv_len, tiles[0], tiles[1]):

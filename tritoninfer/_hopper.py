@@ -273,6 +273,7 @@ class _HopperLaunch:
         # its rows per page
         self.plan_of: Optional[tuple] = None
         self._lse: Optional[torch.Tensor] = None
+        self._lse_rows: Optional[torch.Tensor] = None
 
     def bind_plan(self, qo_indptr, kv_indptr, kv_len, tiles, kv_indices, rows_per_page: int) -> None:
         hq = self.num_qo_heads
@@ -287,10 +288,14 @@ class _HopperLaunch:
         self.plan_of = (tiles, kv_indices, kv_indptr, qo_indptr, kv_len, rows_per_page)
 
     def lse_scratch(self, tokens: int) -> torch.Tensor:
-        """float32 [tokens, H_qo] the kernel may write (rows of a buffer grown as plans need)."""
+        """float32 [tokens, H_qo] the kernel may write (rows of a buffer grown as plans need; the same view
+        object while ``tokens`` stays: a replayed run finds it by identity, ``_replay.py``)."""
         if self._lse is None or self._lse.shape[0] < tokens:
             self._lse = torch.empty((max(tokens, 1), self.num_qo_heads), dtype=torch.float32, device=self.device)
-        return self._lse[:tokens]
+            self._lse_rows = None
+        if self._lse_rows is None or self._lse_rows.shape[0] != tokens:
+            self._lse_rows = self._lse[:tokens]
+        return self._lse_rows
 
 
 def decode_launch(q: torch.Tensor, kv_descriptors: KVBoxes, out: torch.Tensor, lse: Optional[torch.Tensor], plan,

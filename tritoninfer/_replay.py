@@ -30,6 +30,15 @@ def facts(t: Optional[torch.Tensor]) -> Optional[tuple]:
     return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
 
 
+def _same_fixed(previous: "RunReplay", call: DriverCall) -> bool:
+    """Whether ``call`` passes the launch-owned tensors of ``previous`` (the same objects) where it did."""
+    tensors = list(call.tensors) + [b.tensor for b in call.boxes]
+    if len(tensors) != len(previous.sources) + len(previous.box_sources):
+        return False
+    own = [t for t, (i, _) in zip(tensors, previous.sources + previous.box_sources) if i is None]
+    return len(own) == len(previous.fixed) and all(a is b for a, b in zip(own, previous.fixed))
+
+
 class RunReplay:
     """The last eager call of a wrapper's ``run()`` (``record``), launched again for a matching call
     (``run``). ``inputs``: the call's input tensors in the wrapper's fixed order (query, then the cache
@@ -42,11 +51,20 @@ class RunReplay:
     @staticmethod
     def record(step, inputs: tuple, out_arg: Optional[torch.Tensor], lse_arg: Optional[torch.Tensor],
                out: torch.Tensor, lse: Optional[torch.Tensor], return_lse: bool, out_zeroed: bool,
-               call: Optional[DriverCall]) -> Optional["RunReplay"]:
+               call: Optional[DriverCall], previous: Optional["RunReplay"] = None) -> Optional["RunReplay"]:
         """The replay of a call the full path launched through ``call``, or None (Triton's path, or a
-        launched address that no argument alone holds, other than a launch's own scratch)."""
+        launched address that no argument alone holds, other than a launch's own scratch). ``previous``:
+        the wrapper's last replay; where this call is of its kind through the same driver launch (a new
+        plan's first run), the addresses come from the same arguments and only the step and call change."""
         if call is None or any(type(t) is not torch.Tensor for t in inputs):
             return None
+        if (previous is not None and previous.call.launch is call.launch and _same_fixed(previous, call)
+                and previous.return_lse == return_lse and previous.alloc_out == (out_arg is None)
+                and previous.out_zeroed == out_zeroed and previous.alloc_lse == (lse_arg is None and lse is not None)
+                and previous.facts == tuple(facts(t) for t in inputs) and previous.out_facts == facts(out)
+                and previous.lse_facts == facts(lse)):
+            previous.step, previous.call = step, call
+            return previous
         args = list(enumerate(inputs)) + [(OUT, out)] + ([(LSE, lse)] if lse is not None else [])
         bases: Optional[list] = None  # the arguments' storages, found when a launched tensor is a view
         fixed = []  # launch-owned tensors (a scratch LSE): the same address at every call of the step
