@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from tritoninfer import (BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper,
-                         BatchPrefillWithRaggedKVCacheWrapper, _driver, _replay, testing)
+from tritoninfer import (BatchDecodeWithPagedKVCacheWrapper, BatchMLAPagedAttentionWrapper,
+                         BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper, _driver, _replay,
+                         testing)
 
 HQ, HK, D, PAGE = 8, 2, 128, 16
 PARAMS = 64  # parameter slots read per launch (the Gluon prefill's TMA maps hold their base address here)
@@ -74,6 +75,19 @@ class Setup:
             self.w.plan(qo_indptr, *_page_table(lens, self.num_pages, g), HQ, HK, D, PAGE, causal=True,
                         q_data_type=torch.bfloat16)
             self.rows = sum(lens)
+        elif kind.startswith("mla"):
+            # (one long request: the plan splits, so a run launches the kernel and its merge pass)
+            lens = [9000] if kind == "mla-split" else [200] * 20
+            pages = [-(-n // 64) for n in lens]
+            self.num_pages = 300
+            self.w = BatchMLAPagedAttentionWrapper(ws)
+            self.w.plan(torch.arange(len(lens) + 1, dtype=torch.int32),
+                        torch.tensor([0, *np.cumsum(pages)], dtype=torch.int32),
+                        torch.randperm(self.num_pages, generator=g)[:sum(pages)].to(torch.int32),
+                        torch.tensor(lens, dtype=torch.int32), 16, 512, 64, 64, False, 0.1, torch.bfloat16,
+                        torch.bfloat16)
+            self.rows = len(lens)
+            assert self.w._step.device_plan.has_splits == (kind == "mla-split")
         else:
             lens = [1300, 1500]
             self.w = BatchPrefillWithRaggedKVCacheWrapper(ws)
@@ -83,6 +97,10 @@ class Setup:
         assert self.w._step.route.is_core != kind.endswith("gluon")
 
     def inputs(self) -> tuple:
+        if self.kind.startswith("mla"):
+            return (torch.zeros(self.rows, 16, 512, dtype=torch.bfloat16), torch.zeros(self.rows, 16, 64, dtype=torch.bfloat16),
+                    torch.zeros(self.num_pages, 64, 512, dtype=torch.bfloat16),
+                    torch.zeros(self.num_pages, 64, 64, dtype=torch.bfloat16))
         q = torch.zeros(self.rows, HQ, D, dtype=torch.bfloat16)
         if self.kind.startswith("decode") or self.kind.startswith("paged"):
             if self.kind == "decode-tuple":
@@ -93,11 +111,17 @@ class Setup:
         kv = torch.zeros(self.rows, 2, HK, D, dtype=torch.bfloat16)  # K and V: views of one tensor
         return q, kv[:, 0], kv[:, 1]
 
+    def outputs(self, with_lse: bool) -> dict:
+        heads, dim = (16, 512) if self.kind.startswith("mla") else (HQ, D)
+        out = torch.empty(self.rows, heads, dim, dtype=torch.bfloat16)
+        return dict(out=out, lse=torch.empty(self.rows, heads)) if with_lse else dict(out=out)
+
     def run(self, inputs, **kwargs):
         return self.w.run(*inputs, **kwargs)
 
 
-KINDS = ["decode-5d", "decode-tuple", "decode-hnd", "paged", "ragged", "paged-gluon", "ragged-gluon"]
+KINDS = ["decode-5d", "decode-tuple", "decode-hnd", "paged", "ragged", "paged-gluon", "ragged-gluon", "mla", "mla-split",
+         "mla-gluon"]
 
 
 @pytest.mark.parametrize("with_lse", [False, True], ids=["out", "out-lse"])
@@ -108,28 +132,27 @@ def test_replayed_launch_is_the_full_paths(kind, with_lse, replays, monkeypatch)
     one the full path makes for that call."""
     with fake_driver(monkeypatch, kind.endswith("gluon")) as record:
         s = Setup(kind)
-
-        def outputs():
-            out = torch.empty(s.rows, HQ, D, dtype=torch.bfloat16)
-            return dict(out=out, lse=torch.empty(s.rows, HQ)) if with_lse else dict(out=out)
-
         first = s.inputs()
-        s.run(first, **outputs(), return_lse=with_lse)
-        s.run(first, **outputs(), return_lse=with_lse)  # (the first call compiled on Triton's path; this one is recorded)
-        second, kwargs = s.inputs(), outputs()
+        s.run(first, **s.outputs(with_lse), return_lse=with_lse)
+        s.run(first, **s.outputs(with_lse), return_lse=with_lse)  # (the first call compiled; this one is recorded)
+        second, kwargs = s.inputs(), s.outputs(with_lse)
         record.launches.clear()
         result = s.run(second, **kwargs, return_lse=with_lse)
         assert replays[-1], "the second call was not replayed"
-        replayed = record.launches[-1]
+        replayed = list(record.launches)
+        assert len(replayed) == 1 + (kind == "mla-split")  # (+ the merge pass)
         s.w._replay = None
         attempts = len(replays)
+        record.launches.clear()
         s.run(second, **kwargs, return_lse=with_lse)
-        assert len(replays) == attempts and len(record.launches) == 2  # (the full path)
-        full = record.launches[-1]
-        # (a 4-byte slot read as 8 bytes ends in whatever follows it: its low half is the value)
-        assert replayed[0] == full[0] and [v & 0xFFFFFFFF for v in replayed[1]] == [v & 0xFFFFFFFF for v in full[1]]
+        assert len(replays) == attempts  # (the full path)
+        full = list(record.launches)
+        assert len(full) == len(replayed)
+        for (grid, params), (full_grid, full_params) in zip(replayed, full):
+            # (a 4-byte slot read as 8 bytes ends in whatever follows it: its low half is the value)
+            assert grid == full_grid and [v & 0xFFFFFFFF for v in params] == [v & 0xFFFFFFFF for v in full_params]
         for t in (second[0], kwargs["out"]) + ((kwargs["lse"],) if with_lse else ()):
-            assert t.data_ptr() in replayed[1] and t.data_ptr() in full[1]
+            assert t.data_ptr() in replayed[0][1] and t.data_ptr() in full[0][1]
         assert (result[0] if with_lse else result) is kwargs["out"]
 
 
@@ -148,27 +171,30 @@ def test_replay_allocates_the_outputs_the_full_path_would(kind, replays):
 
 def _other_calls(s: Setup):
     """(what differs, the call's inputs, its keyword arguments, the error the full path raises or None)."""
-    q, *kv = s.inputs()
-    out = torch.empty(s.rows, HQ, D, dtype=torch.bfloat16)
+    q, *rest = s.inputs()
+    out = s.outputs(False)["out"]
     big = torch.zeros(q.numel() + 8, dtype=torch.bfloat16)
+    wide = torch.zeros(*q.shape[:-1], q.shape[-1] + 8, dtype=torch.bfloat16)[..., :q.shape[-1]]
     calls = [
-        ("q's dtype", (q.half(), *kv), dict(out=out), ValueError),
-        ("q's shape", (q[:-1], *kv), dict(out=out[:-1]), ValueError),
-        ("q's strides", (torch.zeros(s.rows, HQ, D + 8, dtype=torch.bfloat16)[..., :D], *kv), dict(out=out), None),
-        ("q's address not 16-byte aligned", (big[1:1 + q.numel()].view(q.shape), *kv), dict(out=out), None),
-        ("a tensor subclass", (torch.nn.Parameter(q, requires_grad=False), *kv), dict(out=out), None),
-        ("out's dtype", (q, *kv), dict(out=out.float()), ValueError),
-        ("out not given", (q, *kv), dict(), None),
-        ("return_lse", (q, *kv), dict(out=out, return_lse=True), None),
+        ("q's dtype", (q.half(), *rest), dict(out=out), ValueError),
+        ("q's shape", (q[:-1], *rest), dict(out=out[:-1]), ValueError),
+        ("q's strides", (wide, *rest), dict(out=out), None),
+        ("q's address not 16-byte aligned", (big[1:1 + q.numel()].view(q.shape), *rest), dict(out=out), None),
+        ("a tensor subclass", (torch.nn.Parameter(q, requires_grad=False), *rest), dict(out=out), None),
+        ("out's dtype", (q, *rest), dict(out=out.float()), ValueError),
+        ("out not given", (q, *rest), dict(), None),
+        ("return_lse", (q, *rest), dict(out=out, return_lse=True), None),
     ]
-    if not s.kind.startswith("ragged"):  # (the ragged run() takes no scales)
-        calls.append(("a scale", (q, *kv), dict(out=out, v_scale=0.5), None))
     if s.kind.startswith("decode") or s.kind.startswith("paged"):
-        cache = kv[0]
-        if type(cache) is tuple:
-            calls.append(("the cache's pages", (q, (cache[0][:-1], cache[1][:-1])), dict(out=out), None))
-        else:
-            calls.append(("the cache's pages", (q, cache[:-1]), dict(out=out), None))
+        calls.append(("a scale", (q, *rest), dict(out=out, v_scale=0.5), None))
+        cache = rest[0]
+        more = tuple(torch.cat([c, c[:1]]) for c in cache) if type(cache) is tuple else torch.cat([cache, cache[:1]])
+        calls.append(("the cache's pages", (q, more), dict(out=out), None))
+    if s.kind.startswith("mla"):
+        q_pe, ckv, kpe = rest
+        calls.append(("the LSE's base", (q, *rest), dict(out=out, return_lse=True, return_lse_base_on_e=True), None))
+        calls.append(("the cache's pages", (q, q_pe, torch.cat([ckv, ckv[:1]]), torch.cat([kpe, kpe[:1]])),
+                      dict(out=out), None))
     return calls
 
 
@@ -179,7 +205,7 @@ def test_calls_of_another_kind_take_the_full_path(kind, replays):
     with testing.fake_driver_launches(params_read=PARAMS, hopper=kind.endswith("gluon")):
         s = Setup(kind)
         for what, inputs, kwargs, error in _other_calls(s):
-            out = torch.empty(s.rows, HQ, D, dtype=torch.bfloat16)
+            out = s.outputs(False)["out"]
             for _ in range(2):
                 s.run(s.inputs(), out=out)
             assert s.w._replay is not None
@@ -216,6 +242,38 @@ def test_one_tensor_as_two_arguments_is_not_recorded(replays):
         for _ in range(3):
             s.run(inputs, out=inputs[0])
         assert s.w._replay is None and not any(replays)
+
+
+@pytest.mark.gpu
+def test_gpu_replayed_mla_layers_match_reference(replays):
+    """The same for the MLA wrapper (DeepSeek's dims, 128 heads, page 64; one long request, so the plan
+    splits and a run is the kernel and its merge pass; the Gluon kernel on an H200)."""
+    from tritoninfer import reference
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    g = torch.Generator().manual_seed(4)
+    lens, heads, page, num_pages = [9000, 300, 17], 128, 64, 400
+    pages = [-(-n // page) for n in lens]
+    qo_indptr = torch.arange(len(lens) + 1, dtype=torch.int32, device="cuda")
+    kv_indptr = torch.tensor([0, *np.cumsum(pages)], dtype=torch.int32, device="cuda")
+    kv_indices = torch.randperm(num_pages, generator=g)[:sum(pages)].to("cuda", torch.int32)
+    kv_len = torch.tensor(lens, dtype=torch.int32, device="cuda")
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to("cuda", torch.bfloat16)
+
+    layers = [(rand(len(lens), heads, 512), rand(len(lens), heads, 64), rand(num_pages, page, 512),
+               rand(num_pages, page, 64)) for _ in range(3)]
+    w = BatchMLAPagedAttentionWrapper(testing.make_workspace(128 << 20, "cuda"))
+    w.plan(qo_indptr, kv_indptr, kv_indices, kv_len, heads, 512, 64, page, False, 0.1, torch.bfloat16, torch.bfloat16)
+    assert w._step.device_plan.has_splits
+    for _ in range(2):
+        for q_nope, q_pe, ckv, kpe in layers:
+            out = w.run(q_nope, q_pe, ckv, kpe)
+            ref, _ = reference.mla_paged_attention(q_nope, q_pe, ckv, kpe, qo_indptr, kv_indptr, kv_indices, kv_len, 0.1)
+            testing.assert_close(out, ref, torch.bfloat16)
+    assert replays.count(True) >= 4, replays
 
 
 @pytest.mark.gpu

@@ -30,40 +30,46 @@ def facts(t: Optional[torch.Tensor]) -> Optional[tuple]:
     return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
 
 
-def _same_fixed(previous: "RunReplay", call: DriverCall) -> bool:
-    """Whether ``call`` passes the launch-owned tensors of ``previous`` (the same objects) where it did."""
-    tensors = list(call.tensors) + [b.tensor for b in call.boxes]
-    if len(tensors) != len(previous.sources) + len(previous.box_sources):
-        return False
-    own = [t for t, (i, _) in zip(tensors, previous.sources + previous.box_sources) if i is None]
+def _same_fixed(previous: "RunReplay", calls: tuple) -> bool:
+    """Whether ``calls`` pass the launch-owned tensors of ``previous`` (the same objects) where it did."""
+    own = []
+    for call, (sources, box_sources) in zip(calls, previous.sources):
+        tensors = list(call.tensors) + [b.tensor for b in call.boxes]
+        if len(tensors) != len(sources) + len(box_sources):
+            return False
+        own += [t for t, (i, _) in zip(tensors, sources + box_sources) if i is None]
     return len(own) == len(previous.fixed) and all(a is b for a, b in zip(own, previous.fixed))
 
 
 class RunReplay:
     """The last eager call of a wrapper's ``run()`` (``record``), launched again for a matching call
     (``run``). ``inputs``: the call's input tensors in the wrapper's fixed order (query, then the cache
-    or K and V); ``out``/``lse``: the tensors the launch wrote (allocated by the full path when the
-    caller passed none: ``out_zeroed`` says how)."""
+    or K and V); ``out``/``lse``: the tensors the launches wrote (allocated by the full path when the
+    caller passed none: ``out_zeroed`` says how); ``calls``: its driver launches, in order (a kernel
+    and its merge pass, MLA's)."""
 
     __slots__ = ("step", "facts", "out_facts", "lse_facts", "alloc_out", "out_zeroed", "alloc_lse", "return_lse",
-                 "call", "sources", "box_sources", "fixed")
+                 "calls", "sources", "fixed", "flat_sources", "spans")
 
     @staticmethod
     def record(step, inputs: tuple, out_arg: Optional[torch.Tensor], lse_arg: Optional[torch.Tensor],
                out: torch.Tensor, lse: Optional[torch.Tensor], return_lse: bool, out_zeroed: bool,
-               call: Optional[DriverCall], previous: Optional["RunReplay"] = None) -> Optional["RunReplay"]:
-        """The replay of a call the full path launched through ``call``, or None (Triton's path, or a
-        launched address that no argument alone holds, other than a launch's own scratch). ``previous``:
-        the wrapper's last replay; where this call is of its kind through the same driver launch (a new
-        plan's first run), the addresses come from the same arguments and only the step and call change."""
-        if call is None or any(type(t) is not torch.Tensor for t in inputs):
+               calls: tuple, previous: Optional["RunReplay"] = None) -> Optional["RunReplay"]:
+        """The replay of a call the full path launched through ``calls``, or None (one took Triton's path,
+        or a launched address that no argument alone holds, other than a launch's own scratch).
+        ``previous``: the wrapper's last replay; where this call is of its kind through the same driver
+        launches (a new plan's first run), the addresses come from the same arguments and only the step
+        and the calls change."""
+        if (not calls or None in calls or any(type(t) is not torch.Tensor for t in inputs)
+                or any(call.launch.device != calls[0].launch.device for call in calls)):
             return None
-        if (previous is not None and previous.call.launch is call.launch and _same_fixed(previous, call)
+        if (previous is not None and len(previous.calls) == len(calls)
+                and all([a.launch is b.launch for a, b in zip(previous.calls, calls)]) and _same_fixed(previous, calls)
                 and previous.return_lse == return_lse and previous.alloc_out == (out_arg is None)
                 and previous.out_zeroed == out_zeroed and previous.alloc_lse == (lse_arg is None and lse is not None)
                 and previous.facts == tuple(facts(t) for t in inputs) and previous.out_facts == facts(out)
                 and previous.lse_facts == facts(lse)):
-            previous.step, previous.call = step, call
+            previous.step, previous.calls = step, calls
             return previous
         args = list(enumerate(inputs)) + [(OUT, out)] + ([(LSE, lse)] if lse is not None else [])
         bases: Optional[list] = None  # the arguments' storages, found when a launched tensor is a view
@@ -89,12 +95,21 @@ class RunReplay:
             i, x = holders[0]
             return i, t.data_ptr() - x.data_ptr()  # a view of one argument (K or V of a paged cache)
 
-        sources = [source(t) for t in call.tensors]
-        box_sources = [source(b.tensor) for b in call.boxes]
-        if None in sources or None in box_sources:
-            return None
+        sources = []
+        for call in calls:
+            tensor_sources = [source(t) for t in call.tensors]
+            box_sources = [source(b.tensor) for b in call.boxes]
+            if None in tensor_sources or None in box_sources:
+                return None
+            sources.append((tensor_sources, box_sources))
         self = RunReplay()
-        self.step, self.call, self.sources, self.box_sources, self.fixed = step, call, sources, box_sources, fixed
+        self.step, self.calls, self.sources, self.fixed = step, calls, sources, fixed
+        # the sources of every call's tensors then boxes, in one list; each call's (start, boxes, end) in it
+        self.flat_sources, self.spans = [], []
+        for tensor_sources, box_sources in sources:
+            start = len(self.flat_sources)
+            self.flat_sources += tensor_sources + box_sources
+            self.spans.append((start, start + len(tensor_sources), len(self.flat_sources)))
         self.facts = tuple(facts(t) for t in inputs)
         self.alloc_out, self.out_zeroed, self.out_facts = out_arg is None, out_zeroed, facts(out)
         self.alloc_lse, self.lse_facts = lse_arg is None and lse is not None, facts(lse)
@@ -126,18 +141,15 @@ class RunReplay:
         elif self.alloc_lse or facts(lse) != self.lse_facts:
             return None
         args = inputs + (lse, out)  # (OUT = -1, LSE = -2)
-        ptrs = [offset if i is None else args[i].data_ptr() + offset for i, offset in self.sources]
-        call = self.call
-        box_ptrs = [offset if i is None else args[i].data_ptr() + offset for i, offset in self.box_sources] \
-            if call.boxes else None
-        # every address 16-byte aligned, as the recorded call's were (the kernel's specialisation, and
-        # the TMA boxes' bases the full path's route checks)
+        addresses = [offset if i is None else args[i].data_ptr() + offset for i, offset in self.flat_sources]
+        # every address 16-byte aligned, as the recorded call's were (the kernels' specialisation, and the
+        # TMA boxes' bases the full path's route checks)
         aligned = 0
-        for p in ptrs:
+        for p in addresses:
             aligned |= p
-        for p in box_ptrs or ():
-            aligned |= p
-        if aligned & 15 or _launch._current_index() != call.launch.device or not _launch._no_hooks():
+        if aligned & 15 or _launch._current_index() != self.calls[0].launch.device or not _launch._no_hooks():
             return None
-        call.launch(ptrs, call.ints, call.floats, call.boxes, box_ptrs=box_ptrs)
+        for call, (start, boxes_at, end) in zip(self.calls, self.spans):
+            call.launch(addresses[start:boxes_at], call.ints, call.floats, call.boxes,
+                        box_ptrs=addresses[boxes_at:end] if call.boxes else None)
         return out, lse

@@ -513,7 +513,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             q_len_per_req=L, state_mult=L, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks, route_kv=kv,
         )
         if plain:
-            self._replay = RunReplay.record(step, inputs, out_arg, lse_arg, out, lse, return_lse, False, call,
+            self._replay = RunReplay.record(step, inputs, out_arg, lse_arg, out, lse, return_lse, False, (call,),
                                             self._replay)
         return (out, lse) if return_lse else out
 

@@ -34,7 +34,7 @@ import torch
 from . import _device, _hopper, _ops
 from ._attention import DevicePlan, dot_dtype
 from ._errors import fault_record
-from ._launch import CachedLauncher, TmaBox
+from ._launch import CachedLauncher, DriverCall, TmaBox
 from ._kvcache import check_graph_plan, copy_graph_page_table, init_graph_page_table
 from ._options import (
     FP8_DTYPES,
@@ -49,6 +49,7 @@ from ._options import (
     host_index,
 )
 from ._plan import Tiles, canonical, cdiv, next_pow2
+from ._replay import RunReplay
 from ._route import MLA as MLA_ROUTE
 from ._route import Route, core
 from ._step import init_planned_wrapper, plan_work, upload_plan
@@ -316,7 +317,9 @@ class MLALaunch:
         return tail[:2] + tail[3:9] + tail[11:]
 
     def __call__(self, q_nope, q_pe, ckv, kpe, out, lse, sm_scale_log2: float, lse_scale: float,
-                 q_pe_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                 q_pe_scale: float = 1.0, v_scale: float = 1.0) -> tuple:
+        """Launches the kernel and, with splits, its merge pass; returns their driver launches
+        (``_launch.DriverCall``, None where one took Triton's path)."""
         if self.needs_pages and ckv.shape[0] == 0:
             raise ValueError("ckv_cache: the cache has no pages, but the plan reads KV from it")
         lse_args = (lse, lse.stride(0), lse.stride(1)) if lse is not None else (self.dummy, 0, 0)
@@ -335,13 +338,15 @@ class MLALaunch:
             if self._core_plan is not None:
                 self.launch.rebind(*self._core_plan)
                 self._core_plan = None
-            self.launch(*head)
+            calls = (self.launch(*head),)
         else:
-            self._launch_hopper(q_nope, q_pe, ckv, kpe, out, lse_args, sm_scale_log2, lse_scale)
+            calls = (self._launch_hopper(q_nope, q_pe, ckv, kpe, out, lse_args, sm_scale_log2, lse_scale),)
         if self.merge is not None:
-            self.merge(*head)
+            calls += (self.merge(*head),)
+        return calls
 
-    def _launch_hopper(self, q_nope, q_pe, ckv, kpe, out, lse_args, sm_scale_log2: float, lse_scale: float) -> None:
+    def _launch_hopper(self, q_nope, q_pe, ckv, kpe, out, lse_args, sm_scale_log2: float,
+                       lse_scale: float) -> Optional[DriverCall]:
         """The Gluon kernel: q as [tokens * H, D] (rows ``_hopper.row_stride`` apart) in boxes of 64 rows,
         the caches as [pages * page, D] in boxes of a page (or of a tile's share of a larger page), or,
         for pages TMA cannot box (``_hopper.mla_gather_pages``), gathered row by row (the descriptors
@@ -360,7 +365,7 @@ class MLALaunch:
         box_layout = _hopper.smem_layout(box, 64, q_nope.dtype)
         cache_rows = max(num_pages * step.page_size, box)
         q_row, qpe_row, ckv_row, kpe_row = (_hopper.row_stride(t) for t in (q_nope, q_pe, ckv, kpe))
-        self.hopper(TmaBox(q_nope, (rows * heads, step.head_dim_ckv), (q_row, 1), (64, 64), layout),
+        return self.hopper(TmaBox(q_nope, (rows * heads, step.head_dim_ckv), (q_row, 1), (64, 64), layout),
                     TmaBox(q_pe, (rows * heads, step.head_dim_kpe), (qpe_row, 1), (64, 64), layout),
                     TmaBox(ckv, (cache_rows, step.head_dim_ckv), (ckv_row, 1), (box, 64), box_layout),
                     TmaBox(kpe, (cache_rows, step.head_dim_kpe), (kpe_row, 1), (box, 64), box_layout),
@@ -528,8 +533,16 @@ class _MLAPlanner:
                   scale: float = 1.0, names=("ckv_cache", "kpe_cache"), q_pe_scale: float = 1.0,
                   v_scale: float = 1.0):
         """The launch; ``scale`` multiplies ``sm_scale``, ``q_pe_scale`` q_pe (read with an fp8 cache
-        only), ``v_scale`` the output (all checked by the caller)."""
+        only), ``v_scale`` the output (all checked by the caller). A call with the defaults whose tensors
+        match the last such call's in all but their addresses replays its launches (``_replay.py``)."""
         step = self._step
+        inputs = None
+        if scale == 1.0 and q_pe_scale == 1.0 and v_scale == 1.0 and not lse_base_e:
+            inputs = (q_nope, q_pe, ckv_cache, kpe_cache)
+            replay = self._replay
+            done = replay.run(step, inputs, out, lse, return_lse) if replay is not None else None
+            if done is not None:
+                return done if return_lse else done[0]
         if step is None:
             raise ValueError("run() was called before plan()")
         ckv_name, kpe_name = names
@@ -568,6 +581,7 @@ class _MLAPlanner:
         if step.max_page_id is not None and step.max_page_id >= ckv_cache.shape[0]:
             raise ValueError(f"kv_indices: page id {step.max_page_id} is outside the cache's "
                              f"[0, {ckv_cache.shape[0]}) pages")
+        out_arg, lse_arg = out, lse
         out = check_out(out, tuple(q_nope.shape), out_dtype(step.q_dtype), dev, "out")
         if lse is not None or return_lse:
             # a caller's lse buffer is written whether or not it is returned, as in FlashInfer
@@ -582,8 +596,11 @@ class _MLAPlanner:
             launch = launches[key] = MLALaunch(step, workspace, lse is not None, dot_dtype(step.q_dtype, step.kv_dtype))
         elif launch.step is not step:
             launch.bind_plan(step)
-        launch(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, step.sm_scale / _LN2 * scale,
-               _LN2 if lse_base_e else 1.0, q_pe_scale, v_scale)
+        calls = launch(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, step.sm_scale / _LN2 * scale,
+                       _LN2 if lse_base_e else 1.0, q_pe_scale, v_scale)
+        if inputs is not None:
+            self._replay = RunReplay.record(step, inputs, out_arg, lse_arg, out, lse, return_lse, False, calls,
+                                            self._replay)
         return (out, lse) if return_lse else out
 
 

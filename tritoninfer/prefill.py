@@ -452,7 +452,7 @@ class _BatchPrefillBase:
         call = run_step(step, q=q, kv=kv, out=out, lse=lse, workspace=self._float_workspace_buffer, route_kv=route_kv,
                         q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks)
         if inputs is not None:
-            self._replay = RunReplay.record(step, inputs, out_arg, lse_arg, out, lse, return_lse, zeroed, call,
+            self._replay = RunReplay.record(step, inputs, out_arg, lse_arg, out, lse, return_lse, zeroed, (call,),
                                             self._replay)
         return (out, lse) if return_lse else out
 
