@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -255,9 +255,11 @@ def check_page_ids(step: PlannedStep, kv: KVSource) -> None:
 def plan_single(device: torch.device, *, settings: Settings, params: ScoreParams, q_dtype: torch.dtype,
                 kv_dtype: torch.dtype, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, head_dim_vo: int,
                 qo_len: int, kv_len: int, tiles: Tiles, q_len_per_req: int,
-                packed_mask: Optional[torch.Tensor] = None, route: Route = NO_ROUTE) -> PlannedStep:
+                packed_mask: Optional[torch.Tensor] = None, route: Route = NO_ROUTE,
+                route_of: Optional[Callable[[], Route]] = None, layout=None) -> PlannedStep:
     """The step of one request over contiguous K/V, for the single-request functions: planned on the
     device's scratch workspace and uploaded by the device's own uploader (they have no wrapper).
+    ``route_of``: the route, asked only for a step not kept (its facts beside ``layout`` are in the key).
 
     A model calls these once per layer with the same shapes, so a step without a custom mask is kept
     (``_SINGLE_STEPS``, least recently used out) and the next layer's call reuses it, with the launches
@@ -267,11 +269,13 @@ def plan_single(device: torch.device, *, settings: Settings, params: ScoreParams
     key = None
     if packed_mask is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         key = (device, settings, params, q_dtype, kv_dtype, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo,
-               qo_len, kv_len, tiles, q_len_per_req, route.kernel)
+               qo_len, kv_len, tiles, q_len_per_req, route.kernel if route_of is None else layout)
         hit = _SINGLE_STEPS.get(key)
         if hit is not None:
             _SINGLE_STEPS.move_to_end(key)
             return hit
+    if route_of is not None:
+        route = route_of()
     step = _plan_single(device, settings=settings, params=params, q_dtype=q_dtype, kv_dtype=kv_dtype,
                         num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk,
                         head_dim_vo=head_dim_vo, qo_len=qo_len, kv_len=kv_len, tiles=tiles,

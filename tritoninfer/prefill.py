@@ -1098,8 +1098,8 @@ def single_prefill_with_kv_cache(
     o_dtype = q.dtype if o_dtype is None else check_dtype_in(canonicalize_dtype(o_dtype, "o_dtype"), O_DTYPES, "o_dtype")
     _device.check_launchable(device, "single_prefill_with_kv_cache")
     packed = None
-    bit_indptr, byte_indptr = _mask_layout(np.array([qo_len]), np.array([kv_len]))
     if packed_custom_mask is not None:
+        _, byte_indptr = _mask_layout(np.array([qo_len]), np.array([kv_len]))
         packed = _check_packed_mask(packed_custom_mask, byte_indptr, "packed_custom_mask", "qo_len*kv_len bits").to(device)
     elif custom_mask is not None:
         # any shape of qo_len * kv_len entries, read row-major (FlashInfer flattens it too: its multi-item
@@ -1108,18 +1108,17 @@ def single_prefill_with_kv_cache(
         if custom_mask.numel() != qo_len * kv_len:
             raise ValueError(f"custom_mask: expected qo_len * kv_len = {qo_len} * {kv_len} entries (e.g. shape "
                              f"({qo_len}, {kv_len})), got shape {tuple(custom_mask.shape)}")
-        packed = _pack_mask(custom_mask.reshape(-1), bit_indptr).to(device)
+        packed = _pack_mask(custom_mask.reshape(-1), np.array([0, qo_len * kv_len], np.int64)).to(device)
     settings, params = _scores(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
                                head_dim_qk, causal, packed is not None)
     tiles = prefill_tiles(group, max(head_dim_qk, head_dim_vo), qo_len * group, k.element_size())
-    route = PREFILL.at_plan(PlanFacts(
-        device=device, q_dtype=q.dtype, kv_dtype=k.dtype, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
-        layout=layout, use_cuda_graph=False, has_mask=packed is not None, params=params,
-        qo_lens=np.array([qo_len]), kv_lens=np.array([kv_len]), page_size=0))
     step = plan_single(device, settings=settings, params=params, q_dtype=q.dtype, kv_dtype=k.dtype,
                        num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk,
                        head_dim_vo=head_dim_vo, qo_len=qo_len, kv_len=kv_len, tiles=tiles, q_len_per_req=0,
-                       packed_mask=packed, route=route)
+                       packed_mask=packed, layout=layout, route_of=lambda: PREFILL.at_plan(PlanFacts(
+                           device=device, q_dtype=q.dtype, kv_dtype=k.dtype, head_dim_qk=head_dim_qk,
+                           head_dim_vo=head_dim_vo, layout=layout, use_cuda_graph=False, has_mask=packed is not None,
+                           params=params, qo_lens=np.array([qo_len]), kv_lens=np.array([kv_len]), page_size=0)))
     source.kv_indptr = step.kv_indptr
     head_scales = _head_scales(scale_q, scale_k, scale_v, num_qo_heads, num_kv_heads, device)
     out = torch.empty((qo_len, num_qo_heads, head_dim_vo), dtype=o_dtype, device=device)
