@@ -363,6 +363,11 @@ class DriverCall(NamedTuple):
     boxes: tuple
 
 
+def box_values_of(boxes: tuple) -> list:
+    """The TMA boxes' shapes and strides as a launch's parameters take them, box after box."""
+    return [x for b in boxes for x in (*b.shape, *b.strides)]
+
+
 def _box_key(boxes: tuple) -> tuple:
     """What Triton specialises a TMA descriptor argument on: its dtype, block and layout (by identity:
     hashing a Gluon layout runs Python code; ``DriverLaunch.keep`` holds the layouts of its key, so
@@ -590,13 +595,13 @@ class DriverLaunch:
         self.grid = grid
 
     def __call__(self, ptrs: list, ints: tuple, floats: tuple, boxes: tuple, grid: Optional[tuple] = None,
-                 box_ptrs: Optional[list] = None) -> None:
+                 box_ptrs: Optional[list] = None, box_values: Optional[list] = None) -> None:
         """``grid``: this call's (3-D) grid, else the one it was built with. ``box_ptrs``: the boxes' base
-        addresses, when not their tensors' (a replayed call's, ``_replay.py``)."""
+        addresses, when not their tensors' (a replayed call's, ``_replay.py``); ``box_values``: the boxes'
+        shapes and strides in the order the parameters take them (``box_values(boxes)``), when known."""
         if boxes:
             self._set_maps(boxes, box_ptrs or [b.tensor.data_ptr() for b in boxes])
-            self.head_format.pack_into(self.head_buffer, 0, *ptrs, *ints, *floats,
-                                       *[x for b in boxes for x in (*b.shape, *b.strides)])
+            self.head_format.pack_into(self.head_buffer, 0, *ptrs, *ints, *floats, *(box_values or box_values_of(boxes)))
         else:
             self.head_format.pack_into(self.head_buffer, 0, *ptrs, *ints, *floats)
         gx, gy, gz = grid or self.grid

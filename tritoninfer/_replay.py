@@ -20,7 +20,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import _launch
-from ._launch import DriverCall
+from ._launch import DriverCall, box_values_of
 
 OUT, LSE = -1, -2  # sources of a launch address besides the inputs: the output and the LSE
 
@@ -49,7 +49,7 @@ class RunReplay:
     and its merge pass, MLA's)."""
 
     __slots__ = ("step", "facts", "out_facts", "lse_facts", "alloc_out", "out_zeroed", "alloc_lse", "return_lse",
-                 "calls", "sources", "fixed", "flat_sources", "spans")
+                 "calls", "sources", "fixed", "flat_sources", "spans", "box_values")
 
     @staticmethod
     def record(step, inputs: tuple, out_arg: Optional[torch.Tensor], lse_arg: Optional[torch.Tensor],
@@ -70,6 +70,7 @@ class RunReplay:
                 and previous.facts == tuple(facts(t) for t in inputs) and previous.out_facts == facts(out)
                 and previous.lse_facts == facts(lse)):
             previous.step, previous.calls = step, calls
+            previous.box_values = [box_values_of(call.boxes) if call.boxes else None for call in calls]
             return previous
         args = list(enumerate(inputs)) + [(OUT, out)] + ([(LSE, lse)] if lse is not None else [])
         bases: Optional[list] = None  # the arguments' storages, found when a launched tensor is a view
@@ -106,6 +107,7 @@ class RunReplay:
         self.step, self.calls, self.sources, self.fixed = step, calls, sources, fixed
         # the sources of every call's tensors then boxes, in one list; each call's (start, boxes, end) in it
         self.flat_sources, self.spans = [], []
+        self.box_values = [box_values_of(call.boxes) if call.boxes else None for call in calls]
         for tensor_sources, box_sources in sources:
             start = len(self.flat_sources)
             self.flat_sources += tensor_sources + box_sources
@@ -149,7 +151,7 @@ class RunReplay:
             aligned |= p
         if aligned & 15 or _launch._current_index() != self.calls[0].launch.device or not _launch._no_hooks():
             return None
-        for call, (start, boxes_at, end) in zip(self.calls, self.spans):
+        for call, (start, boxes_at, end), box_values in zip(self.calls, self.spans, self.box_values):
             call.launch(addresses[start:boxes_at], call.ints, call.floats, call.boxes,
-                        box_ptrs=addresses[boxes_at:end] if call.boxes else None)
+                        box_ptrs=addresses[boxes_at:end] if call.boxes else None, box_values=box_values)
         return out, lse
