@@ -30,6 +30,13 @@ def facts(t: Optional[torch.Tensor]) -> Optional[tuple]:
     return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
 
 
+def _kept(calls: tuple) -> tuple:
+    """The driver calls as a replay keeps them: without the recorded call's tensors (which would keep a
+    layer's activations alive until the next record), the boxes with their views but no tensor."""
+    return tuple(call._replace(tensors=(), boxes=tuple(box._replace(tensor=None) for box in call.boxes))
+                 for call in calls)
+
+
 def _same_fixed(previous: "RunReplay", calls: tuple) -> bool:
     """Whether ``calls`` pass the launch-owned tensors of ``previous`` (the same objects) where it did."""
     own = []
@@ -69,7 +76,7 @@ class RunReplay:
                 and previous.out_zeroed == out_zeroed and previous.alloc_lse == (lse_arg is None and lse is not None)
                 and previous.facts == tuple(facts(t) for t in inputs) and previous.out_facts == facts(out)
                 and previous.lse_facts == facts(lse)):
-            previous.step, previous.calls = step, calls
+            previous.step, previous.calls = step, _kept(calls)
             previous.box_values = [box_values_of(call.boxes) if call.boxes else None for call in calls]
             return previous
         args = list(enumerate(inputs)) + [(OUT, out)] + ([(LSE, lse)] if lse is not None else [])
@@ -104,7 +111,7 @@ class RunReplay:
                 return None
             sources.append((tensor_sources, box_sources))
         self = RunReplay()
-        self.step, self.calls, self.sources, self.fixed = step, calls, sources, fixed
+        self.step, self.calls, self.sources, self.fixed = step, _kept(calls), sources, fixed
         # the sources of every call's tensors then boxes, in one list; each call's (start, boxes, end) in it
         self.flat_sources, self.spans = [], []
         self.box_values = [box_values_of(call.boxes) if call.boxes else None for call in calls]
