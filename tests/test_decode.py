@@ -609,3 +609,33 @@ def test_gpu_matches_flashinfer():
         ours = BatchDecodeWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
         _plan(ours, case, kv)
         testing.assert_close(ours.run(q, kv.cache), ref.float(), torch.bfloat16)
+
+
+def test_caches_made_per_call_are_not_kept_alive():
+    """A run() keeps nothing of a cache object it met once (a cache a caller makes per call: a view of a
+    bigger buffer, a cache grown by concatenation): a PyTorch view keeps its base, so remembering one
+    would hold the cache's memory. A cache passed again is remembered, its views made once."""
+    import gc
+    import weakref
+
+    g = torch.Generator().manual_seed(7)
+    kv = testing.make_paged_kv([40, 7], 4, 2, 16, dtype=torch.float16, device=DEVICE, generator=g)
+    q = torch.randn(2, 4, 16, generator=g).to(DEVICE, torch.float16)
+    w = BatchDecodeWithPagedKVCacheWrapper(testing.make_workspace(1 << 20, DEVICE))
+    w.plan(kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 4, 2, 16, 4, q_data_type=torch.float16)
+    refs = []
+    for form in ("5d", "tuple"):
+        for _ in range(3):
+            cache = kv.cache.clone() if form == "5d" else tuple(t.clone() for t in kv.cache.unbind(1))
+            w.run(q, cache)
+            refs += [weakref.ref(t) for t in ((cache,) if form == "5d" else cache)]
+            del cache
+    gc.collect()
+    assert all(r() is None for r in refs)
+    kept = kv.cache.clone()
+    for _ in range(3):
+        w.run(q, kept)
+    (entry,) = w._caches._entries.values()
+    views = entry.kv.k
+    w.run(q, kept)
+    assert w._caches._entries[id(kept)].kv.k is views

@@ -114,14 +114,20 @@ class CacheViews:
     same cache tensors (a layer's cache, or a ``(k, v)`` pair of them) every step, so the views and
     the checks against the plan are made once per cache and step, and a call compares the object's
     identity, address, shape and strides (a cache changed in place in any of these is unpacked
-    again). An entry holds views of the cache, so it goes away with the cache object (a weak
-    reference's callback); at most ``LIMIT`` are kept."""
+    again).
+
+    An entry holds the cache's views (or, for a pair, its tensors), and a PyTorch view keeps its base
+    alive, so an entry keeps its cache and the cache's memory: a cache is remembered only from the
+    second call that passes that same object (weakly noted at the first), so caches a caller makes per
+    call (a view of a bigger buffer, a cache grown by concatenation) are never held. At most ``LIMIT``
+    caches are remembered (then all are dropped)."""
 
     LIMIT = 256
 
     def __init__(self, layout: TensorLayout) -> None:
         self.layout = layout
         self._entries: dict = {}
+        self._seen: dict = {}  # key -> weak references of a cache met once (nothing of it held)
 
     def source(self, cache: PagedKVCache, step, build: Callable[[PagedKV], Any]) -> Tuple[PagedKV, Any]:
         """The unpacked cache and ``build(kv)`` (the checks against ``step`` and the kernel's source),
@@ -144,6 +150,12 @@ class CacheViews:
             return kv, build(kv)
         if not hit:
             kv = unpack_paged_kv_cache(cache, self.layout)
+            seen = self._seen.pop(key, None)
+            if seen is None or any(ref() is not t for ref, t in zip(seen, parts)):
+                if len(self._seen) >= self.LIMIT:
+                    self._seen.clear()
+                self._seen[key] = tuple(weakref.ref(t, _forget(self._seen, key)) for t in parts)
+                return kv, build(kv)
             if len(self._entries) >= self.LIMIT:
                 self._entries.clear()
             forget = _forget(self._entries, key)
