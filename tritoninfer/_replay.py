@@ -33,8 +33,9 @@ def facts(t: Optional[torch.Tensor]) -> Optional[tuple]:
 def _kept(calls: tuple) -> tuple:
     """The driver calls as a replay keeps them: without the recorded call's tensors (which would keep a
     layer's activations alive until the next record), the boxes with their views but no tensor."""
-    return tuple(call._replace(tensors=(), boxes=tuple(box._replace(tensor=None) for box in call.boxes))
-                 for call in calls)
+    return tuple([DriverCall(call.launch, (), call.ints, call.floats,
+                             tuple([box._replace(tensor=None) for box in call.boxes]) if call.boxes else ())
+                  for call in calls])
 
 
 def _same_fixed(previous: "RunReplay", calls: tuple) -> bool:
@@ -67,11 +68,16 @@ class RunReplay:
         ``previous``: the wrapper's last replay; where this call is of its kind through the same driver
         launches (a new plan's first run), the addresses come from the same arguments and only the step
         and the calls change."""
-        if (not calls or None in calls or any(type(t) is not torch.Tensor for t in inputs)
-                or any(call.launch.device != calls[0].launch.device for call in calls)):
+        if not calls or None in calls:
+            return None
+        for t in inputs:
+            if type(t) is not torch.Tensor:
+                return None
+        if len(calls) > 1 and any(call.launch.device != calls[0].launch.device for call in calls):
             return None
         if (previous is not None and len(previous.calls) == len(calls)
-                and all([a.launch is b.launch for a, b in zip(previous.calls, calls)]) and _same_fixed(previous, calls)
+                and all([a.launch is b.launch for a, b in zip(previous.calls, calls)])
+                and (not previous.fixed or _same_fixed(previous, calls))
                 and previous.return_lse == return_lse and previous.alloc_out == (out_arg is None)
                 and previous.out_zeroed == out_zeroed and previous.alloc_lse == (lse_arg is None and lse is not None)
                 and previous.facts == tuple(facts(t) for t in inputs) and previous.out_facts == facts(out)
