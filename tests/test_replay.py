@@ -5,6 +5,7 @@ takes the full path."""
 
 import contextlib
 import ctypes
+import struct
 
 import numpy as np
 import pytest
@@ -124,18 +125,30 @@ KINDS = ["decode-5d", "decode-tuple", "decode-hnd", "paged", "ragged", "paged-gl
          "mla-gluon"]
 
 
+def _scales(kind: str, scale) -> dict:
+    """vLLM's scales (it passes its layer's k_scale and v_scale, 1.0 for a 16-bit cache, at every run)."""
+    if scale is None or kind.startswith("ragged"):  # (the ragged run() takes none)
+        return {}
+    return dict(ckv_scale=scale, kpe_scale=scale) if kind.startswith("mla") else dict(k_scale=scale, v_scale=scale)
+
+
+@pytest.mark.parametrize("scale", [None, 1.0], ids=["no-scales", "scales"])
 @pytest.mark.parametrize("with_lse", [False, True], ids=["out", "out-lse"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_replayed_launch_is_the_full_paths(kind, with_lse, replays, monkeypatch):
-    """A second call with new tensors of the same kind is replayed; its launch (grid and parameters: the
-    new tensors' addresses, K and V at their offsets into a paged cache, the boxes' bases) equals the
-    one the full path makes for that call."""
+def test_replayed_launch_is_the_full_paths(kind, with_lse, scale, replays, monkeypatch):
+    """A second call with new tensors of the same kind (and the same scales) is replayed; its launch (grid
+    and parameters: the new tensors' addresses, K and V at their offsets into a paged cache, the boxes'
+    bases) equals the one the full path makes for that call."""
+    if kind.startswith("mla") and scale is not None:
+        pytest.skip("MLA's scales are for an fp8 cache (a 16-bit one refuses them)")
     with fake_driver(monkeypatch, kind.endswith("gluon")) as record:
         s = Setup(kind)
         first = s.inputs()
-        s.run(first, **s.outputs(with_lse), return_lse=with_lse)
-        s.run(first, **s.outputs(with_lse), return_lse=with_lse)  # (the first call compiled; this one is recorded)
+        scales = _scales(kind, scale)
+        s.run(first, **s.outputs(with_lse), return_lse=with_lse, **scales)
+        s.run(first, **s.outputs(with_lse), return_lse=with_lse, **scales)  # (the first compiled; this is recorded)
         second, kwargs = s.inputs(), s.outputs(with_lse)
+        kwargs.update(scales)
         record.launches.clear()
         result = s.run(second, **kwargs, return_lse=with_lse)
         assert replays[-1], "the second call was not replayed"
@@ -187,6 +200,8 @@ def _other_calls(s: Setup):
     ]
     if s.kind.startswith("decode") or s.kind.startswith("paged"):
         calls.append(("a scale", (q, *rest), dict(out=out, v_scale=0.5), None))
+        calls.append(("a scale of another value", (q, *rest), dict(out=out, k_scale=1.0, v_scale=0.5), None))
+        calls.append(("a tensor scale", (q, *rest), dict(out=out, k_scale=torch.tensor(1.0)), None))
         cache = rest[0]
         more = tuple(torch.cat([c, c[:1]]) for c in cache) if type(cache) is tuple else torch.cat([cache, cache[:1]])
         calls.append(("the cache's pages", (q, more), dict(out=out), None))
@@ -349,3 +364,22 @@ def test_a_replay_keeps_no_argument_alive(kind):
         del inputs, kwargs
         gc.collect()
         assert all(r() is None for r in refs)
+
+
+@pytest.mark.parametrize("kind", ["decode-5d", "paged"])
+def test_other_scale_values_take_the_full_path(kind, replays):
+    """A call recorded with scales (vLLM passes its layer's) is replayed only for the same values: the
+    launch's floats were computed from them."""
+    with testing.fake_driver_launches(params_read=PARAMS) as record:
+        s = Setup(kind)
+        for _ in range(2):
+            s.run(s.inputs(), **s.outputs(False), k_scale=1.0, v_scale=1.0)
+        s.run(s.inputs(), **s.outputs(False), k_scale=1.0, v_scale=1.0)
+        assert replays[-1]
+        replayed = record.launches[-1][1]
+        s.run(s.inputs(), **s.outputs(False), k_scale=1.0, v_scale=0.5)
+        assert not replays[-1]
+        s.run(s.inputs(), **s.outputs(False), k_scale=1.0, v_scale=0.5)
+        half = struct.unpack("I", struct.pack("f", 0.5))[0]  # v_scale, a float32 parameter
+        assert replays[-1] and any(v & 0xFFFFFFFF == half for v in record.launches[-1][1])
+        assert not any(v & 0xFFFFFFFF == half for v in replayed)

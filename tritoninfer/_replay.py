@@ -25,6 +25,15 @@ from ._launch import DriverCall, box_values_of
 OUT, LSE = -1, -2  # sources of a launch address besides the inputs: the output and the LSE
 
 
+def scalar_options(*values) -> bool:
+    """Whether a call's scalar options (scales) can be matched by value: each None or a Python number (a
+    tensor scale would be read from the device to compare)."""
+    for value in values:
+        if value is not None and type(value) is not float and type(value) is not int:
+            return False
+    return True
+
+
 def facts(t: Optional[torch.Tensor]) -> Optional[tuple]:
     """What the full path checks of a tensor argument, all but its address."""
     return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
@@ -52,15 +61,15 @@ def _same_fixed(previous: "RunReplay", calls: tuple) -> bool:
 class RunReplay:
     """The last eager call of a wrapper's ``run()`` (``record``), launched again for a matching call
     (``run``). ``inputs``: the call's input tensors in the wrapper's fixed order (query, then the cache
-    or K and V); ``out``/``lse``: the tensors the launches wrote (allocated by the full path when the
+    or K and V); ``options``: its scalar options (the scales); ``out``/``lse``: the tensors the launches wrote (allocated by the full path when the
     caller passed none: ``out_zeroed`` says how); ``calls``: its driver launches, in order (a kernel
     and its merge pass, MLA's)."""
 
-    __slots__ = ("step", "facts", "out_facts", "lse_facts", "alloc_out", "out_zeroed", "alloc_lse", "return_lse",
+    __slots__ = ("step", "options", "facts", "out_facts", "lse_facts", "alloc_out", "out_zeroed", "alloc_lse", "return_lse",
                  "calls", "sources", "fixed", "flat_sources", "spans", "box_values")
 
     @staticmethod
-    def record(step, inputs: tuple, out_arg: Optional[torch.Tensor], lse_arg: Optional[torch.Tensor],
+    def record(step, inputs: tuple, options: tuple, out_arg: Optional[torch.Tensor], lse_arg: Optional[torch.Tensor],
                out: torch.Tensor, lse: Optional[torch.Tensor], return_lse: bool, out_zeroed: bool,
                calls: tuple, previous: Optional["RunReplay"] = None) -> Optional["RunReplay"]:
         """The replay of a call the full path launched through ``calls``, or None (one took Triton's path,
@@ -75,7 +84,7 @@ class RunReplay:
                 return None
         if len(calls) > 1 and any(call.launch.device != calls[0].launch.device for call in calls):
             return None
-        if (previous is not None and len(previous.calls) == len(calls)
+        if (previous is not None and previous.options == options and len(previous.calls) == len(calls)
                 and all([a.launch is b.launch for a, b in zip(previous.calls, calls)])
                 and (not previous.fixed or _same_fixed(previous, calls))
                 and previous.return_lse == return_lse and previous.alloc_out == (out_arg is None)
@@ -117,7 +126,7 @@ class RunReplay:
                 return None
             sources.append((tensor_sources, box_sources))
         self = RunReplay()
-        self.step, self.calls, self.sources, self.fixed = step, _kept(calls), sources, fixed
+        self.step, self.options, self.calls, self.sources, self.fixed = step, options, _kept(calls), sources, fixed
         # the sources of every call's tensors then boxes, in one list; each call's (start, boxes, end) in it
         self.flat_sources, self.spans = [], []
         self.box_values = [box_values_of(call.boxes) if call.boxes else None for call in calls]
@@ -131,11 +140,13 @@ class RunReplay:
         self.return_lse = return_lse
         return self
 
-    def run(self, step, inputs: tuple, out: Optional[torch.Tensor], lse: Optional[torch.Tensor],
+    def run(self, step, inputs: tuple, options: tuple, out: Optional[torch.Tensor], lse: Optional[torch.Tensor],
             return_lse: bool) -> Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """Launches a call that matches the recorded one and returns its ``(out, lse)``; None (nothing
-        launched) for any other call."""
-        if step is not self.step or return_lse != self.return_lse or len(inputs) != len(self.facts):
+        launched) for any other call. ``options``: the call's scalar options (scales, see
+        ``scalar_options``), matched by value: the launches' floats were computed from them."""
+        if (step is not self.step or options != self.options or return_lse != self.return_lse
+                or len(inputs) != len(self.facts)):
             return None
         for t, f in zip(inputs, self.facts):
             if (type(t), t.shape, t.stride(), t.dtype, t.device) != f:

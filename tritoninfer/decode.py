@@ -18,7 +18,7 @@ import torch
 
 from . import _device, _ops, _route
 from ._attention import KVSource, PlanUploader, score_params, scratch_workspace
-from ._replay import RunReplay
+from ._replay import RunReplay, scalar_options
 from ._kvcache import (
     CacheViews,
     HostPageTable,
@@ -474,13 +474,15 @@ class BatchDecodeWithPagedKVCacheWrapper:
         """``run()``'s work (``_ops.wrapper_run`` calls this, never the ``run`` attribute, which a caller
         may have wrapped in ``torch.compile``)."""
         step = self._step
-        # the common call (no scales, sinks or options): the last one's launch if it matches (_replay.py)
-        plain = (q_scale is None and k_scale is None and v_scale is None and sinks is None and window_left is None
-                 and (q_len_per_req == 1 or q_len_per_req is None))
+        # the common call (no sinks or window, one query token, scales as numbers): the last such call's
+        # launch if it matches (_replay.py)
+        plain = (sinks is None and window_left is None and (q_len_per_req == 1 or q_len_per_req is None)
+                 and scalar_options(q_scale, k_scale, v_scale))
         if plain:
             inputs = (q, *paged_kv_cache) if type(paged_kv_cache) is tuple else (q, paged_kv_cache)
+            options = (q_scale, k_scale, v_scale)
             replay = self._replay
-            done = replay.run(step, inputs, out, lse, return_lse) if replay is not None else None
+            done = replay.run(step, inputs, options, out, lse, return_lse) if replay is not None else None
             if done is not None:
                 return done if return_lse else done[0]
         if step is None:
@@ -513,7 +515,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             q_len_per_req=L, state_mult=L, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks, route_kv=kv,
         )
         if plain:
-            self._replay = RunReplay.record(step, inputs, out_arg, lse_arg, out, lse, return_lse, False, (call,),
+            self._replay = RunReplay.record(step, inputs, options, out_arg, lse_arg, out, lse, return_lse, False, (call,),
                                             self._replay)
         return (out, lse) if return_lse else out
 

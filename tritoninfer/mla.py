@@ -49,7 +49,7 @@ from ._options import (
     host_index,
 )
 from ._plan import Tiles, canonical, cdiv, next_pow2
-from ._replay import RunReplay
+from ._replay import RunReplay, scalar_options
 from ._route import MLA as MLA_ROUTE
 from ._route import Route, core
 from ._step import init_planned_wrapper, plan_work, upload_plan
@@ -533,14 +533,14 @@ class _MLAPlanner:
                   scale: float = 1.0, names=("ckv_cache", "kpe_cache"), q_pe_scale: float = 1.0,
                   v_scale: float = 1.0):
         """The launch; ``scale`` multiplies ``sm_scale``, ``q_pe_scale`` q_pe (read with an fp8 cache
-        only), ``v_scale`` the output (all checked by the caller). A call with the defaults whose tensors
-        match the last such call's in all but their addresses replays its launches (``_replay.py``)."""
+        only), ``v_scale`` the output (all checked by the caller). A call whose tensors match the last
+        call's in all but their addresses, with the same scales, replays its launches (``_replay.py``)."""
         step = self._step
-        inputs = None
-        if scale == 1.0 and q_pe_scale == 1.0 and v_scale == 1.0 and not lse_base_e:
+        inputs, options = None, (scale, q_pe_scale, v_scale, lse_base_e)
+        if scalar_options(scale, q_pe_scale, v_scale):
             inputs = (q_nope, q_pe, ckv_cache, kpe_cache)
             replay = self._replay
-            done = replay.run(step, inputs, out, lse, return_lse) if replay is not None else None
+            done = replay.run(step, inputs, options, out, lse, return_lse) if replay is not None else None
             if done is not None:
                 return done if return_lse else done[0]
         if step is None:
@@ -599,7 +599,7 @@ class _MLAPlanner:
         calls = launch(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, step.sm_scale / _LN2 * scale,
                        _LN2 if lse_base_e else 1.0, q_pe_scale, v_scale)
         if inputs is not None:
-            self._replay = RunReplay.record(step, inputs, out_arg, lse_arg, out, lse, return_lse, False, calls,
+            self._replay = RunReplay.record(step, inputs, options, out_arg, lse_arg, out, lse, return_lse, False, calls,
                                             self._replay)
         return (out, lse) if return_lse else out
 

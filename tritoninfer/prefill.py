@@ -22,7 +22,7 @@ import torch
 
 from . import _device, _errors, _hopper, _ops, _variants
 from ._attention import KVSource, PlanUploader, score_params, scratch_workspace
-from ._replay import RunReplay
+from ._replay import RunReplay, scalar_options
 from ._route import PREFILL, PlanFacts, core
 from ._step import GraphBuffers, PlannedStep, Settings, plan_single, plan_work, run_step, upload_plan
 from ._kvcache import CacheViews, PagedKVCache, host_page_table, page_table_from_block_tables
@@ -404,20 +404,21 @@ class _BatchPrefillBase:
                                    step.head_dim_qk, causal, step.packed_mask is not None)
         self._step = step.with_scores(settings, _multi_item_scores(params, step.params.multi_item))
 
-    def _replayed(self, inputs: tuple, out, lse, return_lse):
+    def _replayed(self, inputs: tuple, options: tuple, out, lse, return_lse):
         """The last run's launch for a call of the same kind (``_replay.py``): its result, or None."""
         replay = self._replay
-        done = replay.run(self._step, inputs, out, lse, return_lse) if replay is not None else None
+        done = replay.run(self._step, inputs, options, out, lse, return_lse) if replay is not None else None
         if done is None:
             return None
         return done if return_lse else done[0]
 
     def _run_common(self, q, kv: KVSource, kv_dtype, head_dim_qk, head_dim_vo, out, lse, return_lse, *,
                     route_kv=None, q_scale=None, k_scale=None, v_scale=None, sinks=None, window_left=None,
-                    inputs: Optional[tuple] = None):
+                    inputs: Optional[tuple] = None, options: tuple = ()):
         """Checks of ``q``, ``out`` and ``lse`` against the plan, then the step's kernel (``route_kv``:
         the K/V as the route's ``at_run`` takes them). ``inputs``: the call's input tensors, for a call
-        without scales, sinks or options, whose launch the next such call may replay (``_replay.py``)."""
+        without sinks or window and with scales as numbers (``options``), whose launch the next such call
+        may replay (``_replay.py``)."""
         step = self._step
         if window_left is not None and window_left != step.settings.window_left:
             raise ValueError(f"window_left: run() got {window_left} but plan() used {step.settings.window_left}")
@@ -452,7 +453,7 @@ class _BatchPrefillBase:
         call = run_step(step, q=q, kv=kv, out=out, lse=lse, workspace=self._float_workspace_buffer, route_kv=route_kv,
                         q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks)
         if inputs is not None:
-            self._replay = RunReplay.record(step, inputs, out_arg, lse_arg, out, lse, return_lse, zeroed, (call,),
+            self._replay = RunReplay.record(step, inputs, options, out_arg, lse_arg, out, lse, return_lse, zeroed, (call,),
                                             self._replay)
         return (out, lse) if return_lse else out
 
@@ -735,10 +736,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
     def _run(self, q, paged_kv_cache, q_scale, k_scale, v_scale, out, lse, return_lse, window_left, sinks):
         """``run()``'s work (``_ops.wrapper_run`` calls this, never the ``run`` attribute, which a caller
         may have wrapped in ``torch.compile``)."""
-        inputs = None
-        if q_scale is None and k_scale is None and v_scale is None and sinks is None and window_left is None:
+        inputs, options = None, (q_scale, k_scale, v_scale)
+        if sinks is None and window_left is None and scalar_options(*options):
             inputs = (q, *paged_kv_cache) if type(paged_kv_cache) is tuple else (q, paged_kv_cache)
-            done = self._replayed(inputs, out, lse, return_lse)
+            done = self._replayed(inputs, options, out, lse, return_lse)
             if done is not None:
                 return done
         step = self._step
@@ -747,7 +748,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         kv, source = self._caches.source(paged_kv_cache, step, self._kv_source)
         return self._run_common(q, source, kv.dtype, kv.head_dim_qk, kv.head_dim_vo, out, lse, return_lse,
                                 route_kv=kv, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
-                                window_left=window_left, inputs=inputs)
+                                window_left=window_left, inputs=inputs, options=options)
 
     def _kv_source(self, kv) -> KVSource:
         """The checks of a cache against the plan, and the kernel's view of it (once per cache and
@@ -961,10 +962,10 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
     def _run(self, q, k, v, out, lse, return_lse, **scores):
         """``run()``'s work (``_ops.wrapper_run`` calls this, never the ``run`` attribute, which a caller
         may have wrapped in ``torch.compile``)."""
-        inputs = None
-        if not any(value is not None for value in scores.values()):
+        inputs, options = None, tuple(scores.get(name) for name in ("q_scale", "k_scale", "v_scale"))
+        if scores.get("sinks") is None and scalar_options(*options):
             inputs = (q, k, v)
-            done = self._replayed(inputs, out, lse, return_lse)
+            done = self._replayed(inputs, options, out, lse, return_lse)
             if done is not None:
                 return done
         step = self._step
@@ -974,7 +975,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         if heads != step.num_kv_heads or (nnz < step.total_kv if self._use_cuda_graph else nnz != step.total_kv):
             raise ValueError(f"k: expected {step.total_kv} rows (kv_indptr[-1]) of {step.num_kv_heads} heads, got {tuple(k.shape)}")
         return self._run_common(q, source, k.dtype, dqk, dvo, out, lse, return_lse, route_kv=(k, v), inputs=inputs,
-                                **scores)
+                                options=options, **scores)
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
 
