@@ -383,3 +383,19 @@ def test_other_scale_values_take_the_full_path(kind, replays):
         half = struct.unpack("I", struct.pack("f", 0.5))[0]  # v_scale, a float32 parameter
         assert replays[-1] and any(v & 0xFFFFFFFF == half for v in record.launches[-1][1])
         assert not any(v & 0xFFFFFFFF == half for v in replayed)
+
+
+@pytest.mark.parametrize("kind", ["decode-5d", "paged"])
+def test_forward_with_the_same_scores_is_replayed(kind, replays):
+    """SGLang calls the deprecated ``forward()`` at every layer with the planned scores given again: the
+    step stays (so its replay does); other scores replace the step, as FlashInfer's ``forward()`` does."""
+    with testing.fake_driver_launches(params_read=PARAMS):
+        s = Setup(kind)
+        extra = {} if kind.startswith("decode") else dict(causal=True)
+        for _ in range(3):
+            s.w.forward(*s.inputs(), sm_scale=0.1, logits_soft_cap=0.0, **extra)
+        step = s.w._step
+        s.w.forward(*s.inputs(), sm_scale=0.1, logits_soft_cap=0.0, **extra)
+        assert replays[-2:] == [True, True] and s.w._step is step
+        s.w.forward(*s.inputs(), sm_scale=0.2, logits_soft_cap=0.0, **extra)
+        assert s.w._step is not step and s.w._step.params.sm_scale == 0.2 and not replays[-1]

@@ -589,7 +589,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         tiles = _decode_tiles(self._step.group, 1, self._step.head_dim_qk, self._step.kv_dtype.itemsize,
                               _lanes_ok(params))
         settings = Settings(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta)
-        self._step = dataclasses.replace(self._step.with_scores(settings, params), tiles=tiles)
+        step = self._step
+        if params is step.params and tiles is step.tiles and settings == step.settings:
+            return  # (SGLang calls forward() with the same scores every layer: the step, and its replay, stay)
+        self._step = dataclasses.replace(step.with_scores(settings, params), tiles=tiles)
 
     def end_forward(self) -> None:
         """No-op, kept for compatibility."""
