@@ -6,11 +6,12 @@ argument against the plan, finds the cache views, the kernel variant and the bou
 in one ``DriverLaunch`` call (``_launch.py``). ``RunReplay`` keeps that call: the step it ran, what
 the full path checked of each argument tensor (type, shape, strides, dtype, device: all but the
 address) and, for each address the launch passed, the argument it comes from and the byte offset
-into it (K and V are views of a paged cache). A call with the same step, the default options and
-arguments that match in all of that passes the same checks, so it is launched at once with its own
-addresses. Anything else (another plan or scores, a tensor of another shape, strides, dtype or
-device, a subclass, scales, sinks, an address that is not 16-byte aligned, a profiler's launch hook,
-another current device) takes the full path, which records the call again.
+into it (K and V are views of a paged cache). A call with the same step, the same scalar options
+(scales given as Python numbers, compared by value), no sinks or window, and arguments that match in
+all of that passes the same checks, so it is launched at once with its own addresses. Anything else
+(another plan or scores, a tensor of another shape, strides, dtype or device, a subclass, other or
+tensor scales, sinks, an address that is not 16-byte aligned, a profiler's launch hook, another current
+device) takes the full path, which records the call again.
 """
 
 from __future__ import annotations
