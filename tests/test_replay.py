@@ -399,3 +399,72 @@ def test_forward_with_the_same_scores_is_replayed(kind, replays):
         assert replays[-2:] == [True, True] and s.w._step is step
         s.w.forward(*s.inputs(), sm_scale=0.2, logits_soft_cap=0.0, **extra)
         assert s.w._step is not step and s.w._step.params.sm_scale == 0.2 and not replays[-1]
+
+
+def _single(kind: str):
+    """A single-request function and a maker of one call's tensors (new each time, the same kinds)."""
+    import tritoninfer
+
+    if kind == "single-decode":
+        return tritoninfer.single_decode_with_kv_cache, lambda: (
+            torch.zeros(HQ, D, dtype=torch.bfloat16), torch.zeros(3000, HK, D, dtype=torch.bfloat16),
+            torch.zeros(3000, HK, D, dtype=torch.bfloat16))
+    rows = 4096 if kind == "single-prefill-gluon" else 300  # (causal on the Gluon kernel from 4K tokens)
+    return tritoninfer.single_prefill_with_kv_cache, lambda: (
+        torch.zeros(rows, HQ, D, dtype=torch.bfloat16), torch.zeros(rows, HK, D, dtype=torch.bfloat16),
+        torch.zeros(rows, HK, D, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("with_lse", [False, True], ids=["out", "out-lse"])
+@pytest.mark.parametrize("kind", ["single-decode", "single-prefill", "single-prefill-gluon"])
+def test_single_functions_replay_what_the_full_path_launches(kind, with_lse, replays, monkeypatch):
+    """The single-request functions keep their last call the same way (one slot each): a call with new
+    tensors of the same kinds and the same options is replayed, and launches what the full path does."""
+    from tritoninfer import decode, prefill
+
+    fn, make = _single(kind)
+    opts = {} if kind == "single-decode" else dict(causal=True)
+    slot = (decode if kind == "single-decode" else prefill)._SINGLE_REPLAY
+    with fake_driver(monkeypatch, kind.endswith("gluon")) as record:
+        for _ in range(2):
+            fn(*make(), return_lse=with_lse, **opts)
+        record.launches.clear()
+        inputs = make()
+        result = fn(*inputs, return_lse=with_lse, **opts)
+        assert replays[-1]
+        replayed = record.launches[-1]
+        slot[0] = None
+        full = fn(*inputs, return_lse=with_lse, **opts)
+        out = (result[0] if with_lse else result)
+        full_out = (full[0] if with_lse else full)
+        assert out.shape == full_out.shape and out.dtype == full_out.dtype
+        # (each call allocates its output: compare the launches with the outputs' addresses masked)
+        outs = {out.data_ptr() & 0xFFFFFFFF, full_out.data_ptr() & 0xFFFFFFFF}
+        if with_lse:
+            outs |= {result[1].data_ptr() & 0xFFFFFFFF, full[1].data_ptr() & 0xFFFFFFFF}
+        low = [[v & 0xFFFFFFFF for v in params] for _, params in (replayed, record.launches[-1])]
+        assert replayed[0] == record.launches[-1][0]
+        assert [v for v in low[0] if v not in outs] == [v for v in low[1] if v not in outs]
+        assert inputs[0].data_ptr() in replayed[1] or kind.endswith("gluon")  # (Gluon: q through its TMA map)
+
+
+def test_single_functions_take_the_full_path_for_other_calls(replays, monkeypatch):
+    """Other options (a scale, a mask) or a route switch flipped between calls: the full path."""
+    from tritoninfer import _route
+
+    fn, make = _single("single-prefill-gluon")
+    with fake_driver(monkeypatch, True):
+        for _ in range(3):
+            fn(*make(), causal=True)
+        assert replays[-1]
+        q, k, v = make()
+        for kwargs in (dict(causal=True, sm_scale=0.05), dict(causal=False),
+                       dict(causal=True, custom_mask=torch.ones(q.shape[0], k.shape[0], dtype=torch.bool))):
+            replays.clear()
+            fn(q, k, v, **kwargs)
+            assert not any(replays), kwargs
+        fn(q, k, v, causal=True)
+        monkeypatch.setattr(_route, "HOPPER_PREFILL", False)
+        replays.clear()
+        fn(q, k, v, causal=True)
+        assert not any(replays)

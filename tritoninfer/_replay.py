@@ -35,6 +35,12 @@ def scalar_options(*values) -> bool:
     return True
 
 
+def capturing(t: torch.Tensor) -> bool:
+    """A CUDA graph is being captured on ``t``'s device: the single-request functions then neither replay nor
+    record (``_step.plan_single`` plans such calls apart, into memory the graph owns)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def facts(t: Optional[torch.Tensor]) -> Optional[tuple]:
     """What the full path checks of a tensor argument, all but its address."""
     return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
@@ -67,17 +73,18 @@ class RunReplay:
     and its merge pass, MLA's)."""
 
     __slots__ = ("step", "options", "facts", "out_facts", "lse_facts", "alloc_out", "out_zeroed", "alloc_lse", "return_lse",
-                 "calls", "sources", "fixed", "flat_sources", "spans", "box_values")
+                 "calls", "sources", "fixed", "flat_sources", "spans", "box_values", "keep")
 
     @staticmethod
     def record(step, inputs: tuple, options: tuple, out_arg: Optional[torch.Tensor], lse_arg: Optional[torch.Tensor],
                out: torch.Tensor, lse: Optional[torch.Tensor], return_lse: bool, out_zeroed: bool,
-               calls: tuple, previous: Optional["RunReplay"] = None) -> Optional["RunReplay"]:
+               calls: tuple, previous: Optional["RunReplay"] = None, keep=None) -> Optional["RunReplay"]:
         """The replay of a call the full path launched through ``calls``, or None (one took Triton's path,
         or a launched address that no argument alone holds, other than a launch's own scratch).
         ``previous``: the wrapper's last replay; where this call is of its kind through the same driver
         launches (a new plan's first run), the addresses come from the same arguments and only the step
-        and the calls change."""
+        and the calls change. ``keep``: an object the launches read through and the replay keeps alive (a
+        single-request function's step, whose device plan the launches' arguments point into)."""
         if not calls or None in calls:
             return None
         for t in inputs:
@@ -92,7 +99,7 @@ class RunReplay:
                 and previous.out_zeroed == out_zeroed and previous.alloc_lse == (lse_arg is None and lse is not None)
                 and previous.facts == tuple(facts(t) for t in inputs) and previous.out_facts == facts(out)
                 and previous.lse_facts == facts(lse)):
-            previous.step, previous.calls = step, _kept(calls)
+            previous.step, previous.calls, previous.keep = step, _kept(calls), keep
             previous.box_values = [box_values_of(call.boxes) if call.boxes else None for call in calls]
             return previous
         args = list(enumerate(inputs)) + [(OUT, out)] + ([(LSE, lse)] if lse is not None else [])
@@ -128,6 +135,7 @@ class RunReplay:
             sources.append((tensor_sources, box_sources))
         self = RunReplay()
         self.step, self.options, self.calls, self.sources, self.fixed = step, options, _kept(calls), sources, fixed
+        self.keep = keep
         # the sources of every call's tensors then boxes, in one list; each call's (start, boxes, end) in it
         self.flat_sources, self.spans = [], []
         self.box_values = [box_values_of(call.boxes) if call.boxes else None for call in calls]

@@ -209,6 +209,13 @@ class PrefillRoute:
 PREFILL = PrefillRoute()
 
 
+def prefill_switches() -> tuple:
+    """The module switches ``PREFILL.at_plan`` reads, for a caller that keeps a route's decision per shape
+    (``single_prefill_with_kv_cache``'s kept steps and replays): set before any call in serving; tests and
+    benchmarks that flip one between calls get a new decision."""
+    return HOPPER_PREFILL, HOPPER_FORCE, HOPPER_FP8, HOPPER_GATHER, id(HOPPER_MIN_LEN)
+
+
 class DecodeRoute:
     """Paged decode (one query token per request): the Gluon fp8 decode for e4m3 caches under GQA on sm_90
     (``DECODE_HOPPER_FP8``), the attention core elsewhere."""

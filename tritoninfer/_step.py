@@ -259,7 +259,8 @@ def plan_single(device: torch.device, *, settings: Settings, params: ScoreParams
                 route_of: Optional[Callable[[], Route]] = None, layout=None) -> PlannedStep:
     """The step of one request over contiguous K/V, for the single-request functions: planned on the
     device's scratch workspace and uploaded by the device's own uploader (they have no wrapper).
-    ``route_of``: the route, asked only for a step not kept (its facts beside ``layout`` are in the key).
+    ``route_of``: the route, asked only for a step not kept (its facts beside ``layout``, which also holds
+    the route's switches, are in the key).
 
     A model calls these once per layer with the same shapes, so a step without a custom mask is kept
     (``_SINGLE_STEPS``, least recently used out) and the next layer's call reuses it, with the launches

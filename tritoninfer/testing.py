@@ -657,6 +657,19 @@ def _fake_compiled(kernel, args: tuple, kwargs: dict):
     return SimpleNamespace(src=SimpleNamespace(signature=signature), metadata=meta, function=0xF00), constexprs
 
 
+_FAKE_LAUNCH_INTO: list = [None]  # (the open fake_driver_launches block's record, its params_read)
+
+
+def _fake_launch_kernel(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra) -> int:
+    """``cuLaunchKernel`` as ``fake_driver_launches`` fakes it: the grid and the first parameters recorded."""
+    into = _FAKE_LAUNCH_INTO[0]
+    if into is not None:
+        record, params_read = into
+        record.launches.append(((gx, gy, gz), [ctypes.c_uint64.from_address(params[k]).value
+                                               for k in range(min(params_read, len(params)))]))
+    return 0
+
+
 @contextlib.contextmanager
 def fake_driver_launches(params_read: int = 0, hopper: bool = False) -> Iterator[DriverRecord]:
     """Within the block, kernels launch as on a GPU, but on CPU tensors and without running: the
@@ -666,14 +679,12 @@ def fake_driver_launches(params_read: int = 0, hopper: bool = False) -> Iterator
     ``plan()``/``run()`` on a machine without a GPU (the CPU tensors' device, -1, plays the current
     CUDA device). ``hopper``: the routes see an sm_90 GPU, so plans they send to the Gluon kernels
     launch those. The planner's cached choices made inside (GPU tiles) are dropped at exit."""
-    from . import _device, _driver, _hopper, _launch, _route, decode
+    from . import _device, _driver, _hopper, _launch, _route, decode, prefill
 
     record = DriverRecord()
-
-    def launch_kernel(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
-        record.launches.append(((gx, gy, gz), [ctypes.c_uint64.from_address(params[k]).value
-                                               for k in range(min(params_read, len(params)))]))
-        return 0
+    # driver launches built in an earlier block (the single-request functions' launches live on) keep the
+    # function they got; it records into the block open now
+    _FAKE_LAUNCH_INTO[0] = (record, params_read)
 
     def compile_and_launch(self, grid, args, kwargs):
         record.compiles.append(grid)
@@ -682,7 +693,7 @@ def fake_driver_launches(params_read: int = 0, hopper: bool = False) -> Iterator
     patches = [(_device, "is_interpreter", lambda: False), (_device, "check_launchable", lambda *a: None),
                (_launch, "_current_device", lambda: -1), (_launch, "_current_index", lambda: -1),
                (_launch, "_run", lambda *a: None), (_driver, "available", lambda: True),
-               (_driver, "launch_kernel", lambda: launch_kernel),
+               (_driver, "launch_kernel", lambda: _fake_launch_kernel),
                (torch._C, "_cuda_getCurrentRawStream", lambda device: 77),
                (_launch.CachedLauncher, "compile_and_launch", compile_and_launch),
                (_driver, "encode_tiled", lambda *a: None)]
@@ -691,6 +702,8 @@ def fake_driver_launches(params_read: int = 0, hopper: bool = False) -> Iterator
     saved = [(owner, name, owner.__dict__.get(name, None), name in owner.__dict__) for owner, name, _ in patches]
     for owner, name, value in patches:
         setattr(owner, name, value)
+    # the single-request functions' replays hold launches of the launch path they were made on
+    decode._SINGLE_REPLAY[0] = prefill._SINGLE_REPLAY[0] = None
     try:
         yield record
     finally:
@@ -699,5 +712,7 @@ def fake_driver_launches(params_read: int = 0, hopper: bool = False) -> Iterator
                 setattr(owner, name, value)
             else:
                 delattr(owner, name)
+        decode._SINGLE_REPLAY[0] = prefill._SINGLE_REPLAY[0] = None
+        _FAKE_LAUNCH_INTO[0] = None
         decode._decode_config.cache_clear()
         decode._decode_tiles.cache_clear()
