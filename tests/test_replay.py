@@ -468,3 +468,26 @@ def test_single_functions_take_the_full_path_for_other_calls(replays, monkeypatc
         replays.clear()
         fn(q, k, v, causal=True)
         assert not any(replays)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["single-decode", "single-prefill", "single-prefill-gluon"])
+def test_gpu_replayed_single_calls_match_reference(kind, replays):
+    """On the GPU: a single-request function called for three layers (each its own q, K, V), twice, as
+    transformers' integration calls it; the calls after the recorded one are replays, each matching the
+    reference (4,096 causal tokens take the Gluon kernel on an H200)."""
+    from tritoninfer import reference
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    g = torch.Generator().manual_seed(5)
+    fn, make = _single(kind)
+    layers = [tuple(torch.randn(*t.shape, generator=g).to("cuda", torch.bfloat16) for t in make()) for _ in range(3)]
+    ref_fn = reference.single_decode_with_kv_cache if kind == "single-decode" else reference.single_prefill_with_kv_cache
+    opts = {} if kind == "single-decode" else dict(causal=True)
+    for _ in range(2):
+        for q, k, v in layers:
+            out = fn(q, k, v, **opts)
+            ref = ref_fn(q, k, v, **opts)
+            testing.assert_close(out, ref[0] if isinstance(ref, tuple) else ref, torch.bfloat16)
+    assert replays.count(True) >= 4, replays
