@@ -46,6 +46,7 @@ class PairLaunch:
         self.first, self.second = first, second
         self._bound: dict = {}
         self.bound_to: Optional[tuple] = None  # the caller's identities of the plans bound (``bind_plans``)
+        self.keep: tuple = ()  # objects whose identities are in the caller's key (POD's scores)
         self._set_grid()
 
     def _set_grid(self) -> None:
