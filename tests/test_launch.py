@@ -128,7 +128,12 @@ def test_driver_launch_lays_out_parameters_as_tritons_launcher(monkeypatch):
     encoded = []
 
     def fake_launch(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
-        seen.append(((function, gx, gy, gz, bx, shared, stream), params))
+        # the driver call has no argument types (_driver.launch_kernel): ctypes converts by Python type,
+        # so the pointers must come as c_void_p and the unsigned ints as Python ints that fit a C int
+        assert type(function) is ctypes.c_void_p and type(stream) is ctypes.c_void_p and extra is None
+        assert all(type(x) is int and 0 <= x < 2**31 for x in (gx, gy, gz, bx, by, bz, shared))
+        assert isinstance(params, ctypes.Array)
+        seen.append(((function.value, gx, gy, gz, bx, shared, stream.value), params))
         return 0
 
     monkeypatch.setattr(_driver, "available", lambda: True)
@@ -161,6 +166,20 @@ def test_driver_launch_lays_out_parameters_as_tritons_launcher(monkeypatch):
     values = _decode(seen[1][1], codes)
     assert values[0] == q2.data_ptr() and values[1] == 8192 and values[7] == 2.0 and values[10] == work.data_ptr()
     assert len(encoded) == 1
+    # a replay (_replay.py) passes the head values after the addresses, the boxes' bases and view ids; a
+    # box of another view at the same address is encoded anew, even after the table of view ids is cleared
+    views = _launch.box_views_of((box,))
+    monkeypatch.setattr(_launch, "_VIEW_IDS", {})
+    other = _launch.TmaBox(kv, (16, 256), (256, 1), (64, 128), None)
+    other_views = _launch.box_views_of((other,))
+    assert other_views != views
+    launch.replay([q.data_ptr()], (4096, 1, 1 << 40, 0.125, 16, 256, 256, 1), (other,), [kv.data_ptr()], other_views)
+    assert len(encoded) == 2 and encoded[1][3:5] == ((16, 256), (256, 1))
+    assert params[2] == encoded[1][0] and _decode(seen[2][1], codes)[3:7] == [16, 256, 256, 1]
+    launch.replay([q2.data_ptr()], (4096, 1, 1 << 40, 0.125, 32, 128, 128, 1), (box,), [kv.data_ptr()], views)
+    assert len(encoded) == 2 and params[2] == map_address
+    values = _decode(seen[3][1], codes)
+    assert values[:2] == [q2.data_ptr(), 4096] and values[3:7] == [32, 128, 128, 1]
 
 
 def test_driver_launch_refuses_what_it_cannot_pass(monkeypatch):

@@ -35,6 +35,7 @@ calls take Triton's path); under the interpreter every call takes the ordinary p
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import operator
 import struct
@@ -368,6 +369,27 @@ def box_values_of(boxes: tuple) -> list:
     return [x for b in boxes for x in (*b.shape, *b.strides)]
 
 
+# an id for each TMA box view (its position in the head, shape, strides and block) met lately; ids are
+# never reused, so an id a replay kept names the same view however often this table is cleared
+_VIEW_IDS: Dict[tuple, int] = {}
+_NEXT_VIEW_ID = itertools.count()
+
+
+def box_views_of(boxes: tuple) -> list:
+    """Each box's view id: a launch keeps its encoded TMA maps by view id and address (two ints: cheaper
+    to hash than the view itself, and a replayed call passes the ids it took at its record)."""
+    ids = []
+    for n, b in enumerate(boxes):
+        key = (n, b.shape, b.strides, b.block)
+        view = _VIEW_IDS.get(key)
+        if view is None:
+            if len(_VIEW_IDS) >= 4096:
+                _VIEW_IDS.clear()
+            view = _VIEW_IDS[key] = next(_NEXT_VIEW_ID)
+        ids.append(view)
+    return ids
+
+
 def _box_key(boxes: tuple) -> tuple:
     """What Triton specialises a TMA descriptor argument on: its dtype, block and layout (by identity:
     hashing a Gluon layout runs Python code; ``DriverLaunch.keep`` holds the layouts of its key, so
@@ -583,6 +605,7 @@ class DriverLaunch:
         self.box_meta = layout.box_meta
         self.device = device
         self.function = compiled.function
+        self.function_arg = ctypes.c_void_p(compiled.function)
         self.block = 32 * meta.num_warps
         self.shared = meta.shared
         self.launch = _driver.launch_kernel()
@@ -594,40 +617,58 @@ class DriverLaunch:
         self.layout.tail_format.pack_into(self.tail_buffer, 0, *self.layout.tail_values(values))
         self.grid = grid
 
-    def __call__(self, ptrs: list, ints: tuple, floats: tuple, boxes: tuple, grid: Optional[tuple] = None,
-                 box_ptrs: Optional[list] = None, box_values: Optional[list] = None) -> None:
-        """``grid``: this call's (3-D) grid, else the one it was built with. ``box_ptrs``: the boxes' base
-        addresses, when not their tensors' (a replayed call's, ``_replay.py``); ``box_values``: the boxes'
-        shapes and strides in the order the parameters take them (``box_values(boxes)``), when known."""
+    def __call__(self, ptrs: list, ints: tuple, floats: tuple, boxes: tuple, grid: Optional[tuple] = None) -> None:
+        """``grid``: this call's (3-D) grid, else the one it was built with."""
         if boxes:
-            self._set_maps(boxes, box_ptrs or [b.tensor.data_ptr() for b in boxes])
-            self.head_format.pack_into(self.head_buffer, 0, *ptrs, *ints, *floats, *(box_values or box_values_of(boxes)))
+            self._set_maps(boxes, [b.tensor.data_ptr() for b in boxes], box_views_of(boxes))
+            self.head_format.pack_into(self.head_buffer, 0, *ptrs, *ints, *floats, *box_values_of(boxes))
         else:
             self.head_format.pack_into(self.head_buffer, 0, *ptrs, *ints, *floats)
-        gx, gy, gz = grid or self.grid
+        self._launch(grid or self.grid)
+
+    def replay(self, ptrs: list, values: tuple, boxes: tuple, box_ptrs: list, box_views: list) -> None:
+        """A call made before (``_replay.py``) again with other addresses: ``values`` its ints, floats and
+        boxes' shapes and strides (in the head's order), ``box_ptrs`` the boxes' bases and ``box_views``
+        their ids (``box_views_of``) at that call."""
+        if boxes:
+            self._set_maps(boxes, box_ptrs, box_views)
+        self.head_format.pack_into(self.head_buffer, 0, *ptrs, *values)
+        self._launch(self.grid)
+
+    def _launch(self, grid: tuple) -> None:
+        gx, gy, gz = grid
         if gx * gy * gz == 0:
             return
-        result = self.launch(self.function, gx, gy, gz, self.block, 1, 1, self.shared,
-                             torch._C._cuda_getCurrentRawStream(self.device), self.params, None)
+        raw = torch._C._cuda_getCurrentRawStream(self.device)
+        stream = _STREAM_ARGS.get(raw)
+        if stream is None:
+            if len(_STREAM_ARGS) >= 64:
+                _STREAM_ARGS.clear()
+            stream = _STREAM_ARGS[raw] = ctypes.c_void_p(raw)
+        result = self.launch(self.function_arg, gx, gy, gz, self.block, 1, 1, self.shared, stream, self.params, None)
         if result:
             _driver.check(result, "cuLaunchKernel")
 
-    def _set_maps(self, boxes: tuple, addresses: list) -> None:
+    def _set_maps(self, boxes: tuple, addresses: list, views: list) -> None:
         """Each box's encoded TMA map (of its view at its base address) into its parameter slot; encodings
-        are kept per address and view (bounded), so a layer's K/V and a reused activation buffer are
+        are kept per view and address (bounded), so a layer's K/V and a reused activation buffer are
         encoded once."""
-        for n, (box, address) in enumerate(zip(boxes, addresses)):
-            key = (n, address, box.shape, box.strides, box.block)
-            tensor_map = self.maps.get(key)
+        maps = self.maps
+        for n, (address, view) in enumerate(zip(addresses, views)):
+            tensor_map = maps.get((view, address))
             if tensor_map is None:
-                if len(self.maps) >= 512:
-                    self.maps.clear()
-                meta = self.box_meta[n]
+                if len(maps) >= 512:
+                    maps.clear()
+                box, meta = boxes[n], self.box_meta[n]
                 tensor_map = _driver.TensorMap()
                 _driver.encode_tiled(tensor_map, _TMA_DTYPE[meta["elem_type"]], address, box.shape,
                                      box.strides, meta["block_size"], meta["elem_size"], meta["swizzle"], False)
-                self.maps[key] = tensor_map
+                maps[(view, address)] = tensor_map
             self.params[self.box_slots[n]] = tensor_map.address
+
+
+# the driver call's stream argument per raw stream handle (a ctypes object costs ~0.2 µs to make)
+_STREAM_ARGS: Dict[int, ctypes.c_void_p] = {}
 
 
 def _current_index() -> int:

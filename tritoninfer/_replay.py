@@ -21,9 +21,10 @@ from typing import Optional, Tuple
 import torch
 
 from . import _launch
-from ._launch import DriverCall, box_values_of
+from ._launch import box_values_of, box_views_of
 
 OUT, LSE = -1, -2  # sources of a launch address besides the inputs: the output and the LSE
+NO_SCALES = (None, None, None)  # a call's (q_scale, k_scale, v_scale) when it passes none
 
 
 def scalar_options(*values) -> bool:
@@ -46,12 +47,12 @@ def facts(t: Optional[torch.Tensor]) -> Optional[tuple]:
     return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
 
 
-def _kept(calls: tuple) -> tuple:
-    """The driver calls as a replay keeps them: without the recorded call's tensors (which would keep a
-    layer's activations alive until the next record), the boxes with their views but no tensor."""
-    return tuple([DriverCall(call.launch, (), call.ints, call.floats,
-                             tuple([box._replace(tensor=None) for box in call.boxes]) if call.boxes else ())
-                  for call in calls])
+def _launched(calls: tuple) -> list:
+    """What each driver call is replayed with (``DriverLaunch.replay``): the launch, the head values after
+    the addresses (ints, floats, the boxes' shapes and strides), the boxes without their tensors and the
+    boxes' view ids."""
+    return [(call.launch, call.ints + call.floats + tuple(box_values_of(call.boxes)),
+             tuple([box._replace(tensor=None) for box in call.boxes]), box_views_of(call.boxes)) for call in calls]
 
 
 def _same_fixed(previous: "RunReplay", calls: tuple) -> bool:
@@ -73,7 +74,7 @@ class RunReplay:
     and its merge pass, MLA's)."""
 
     __slots__ = ("step", "options", "facts", "out_facts", "lse_facts", "alloc_out", "out_zeroed", "alloc_lse", "return_lse",
-                 "calls", "sources", "fixed", "flat_sources", "spans", "box_values", "keep")
+                 "sources", "fixed", "args_used", "has_fixed", "flat_sources", "spans", "launched", "keep")
 
     @staticmethod
     def record(step, inputs: tuple, options: tuple, out_arg: Optional[torch.Tensor], lse_arg: Optional[torch.Tensor],
@@ -92,15 +93,14 @@ class RunReplay:
                 return None
         if len(calls) > 1 and any(call.launch.device != calls[0].launch.device for call in calls):
             return None
-        if (previous is not None and previous.options == options and len(previous.calls) == len(calls)
-                and all([a.launch is b.launch for a, b in zip(previous.calls, calls)])
+        if (previous is not None and previous.options == options and len(previous.launched) == len(calls)
+                and all([a[0] is b.launch for a, b in zip(previous.launched, calls)])
                 and (not previous.fixed or _same_fixed(previous, calls))
                 and previous.return_lse == return_lse and previous.alloc_out == (out_arg is None)
                 and previous.out_zeroed == out_zeroed and previous.alloc_lse == (lse_arg is None and lse is not None)
                 and previous.facts == tuple(facts(t) for t in inputs) and previous.out_facts == facts(out)
                 and previous.lse_facts == facts(lse)):
-            previous.step, previous.calls, previous.keep = step, _kept(calls), keep
-            previous.box_values = [box_values_of(call.boxes) if call.boxes else None for call in calls]
+            previous.step, previous.launched, previous.keep = step, _launched(calls), keep
             return previous
         args = list(enumerate(inputs)) + [(OUT, out)] + ([(LSE, lse)] if lse is not None else [])
         bases: Optional[list] = None  # the arguments' storages, found when a launched tensor is a view
@@ -134,15 +134,27 @@ class RunReplay:
                 return None
             sources.append((tensor_sources, box_sources))
         self = RunReplay()
-        self.step, self.options, self.calls, self.sources, self.fixed = step, options, _kept(calls), sources, fixed
+        self.step, self.options, self.sources, self.fixed = step, options, sources, fixed
         self.keep = keep
-        # the sources of every call's tensors then boxes, in one list; each call's (start, boxes, end) in it
+        # the addresses a run computes: the distinct arguments' (``args_used``: inputs' positions, OUT,
+        # LSE), then a 0 for launch-owned tensors (their sources hold the address); each
+        # source as (that position, byte offset), every call's tensors then boxes in one list, and each
+        # call's (start, boxes, end) in it
+        used = list(dict.fromkeys(i for ts, bs in sources for i, _ in ts + bs if i is not None))
+        position = {i: k for k, i in enumerate(used)}
+        self.args_used = tuple(used)
+        self.has_fixed = bool(fixed)
         self.flat_sources, self.spans = [], []
-        self.box_values = [box_values_of(call.boxes) if call.boxes else None for call in calls]
         for tensor_sources, box_sources in sources:
             start = len(self.flat_sources)
-            self.flat_sources += tensor_sources + box_sources
+            for i, offset in tensor_sources + box_sources:
+                self.flat_sources.append((len(used) if i is None else position[i], offset))
             self.spans.append((start, start + len(tensor_sources), len(self.flat_sources)))
+        # every address was 16-byte aligned (the driver path takes no other): a run's are where its
+        # arguments' addresses are too (a view's offset is a multiple of 16)
+        if any(offset & 15 for _, offset in self.flat_sources):
+            return None
+        self.launched = _launched(calls)  # (the recorded call's tensors are not kept: a layer's activations)
         self.facts = tuple(facts(t) for t in inputs)
         self.alloc_out, self.out_zeroed, self.out_facts = out_arg is None, out_zeroed, facts(out)
         self.alloc_lse, self.lse_facts = lse_arg is None and lse is not None, facts(lse)
@@ -165,7 +177,7 @@ class RunReplay:
                 return None
             _, shape, _, dtype, device = self.out_facts
             out = (torch.zeros if self.out_zeroed else torch.empty)(shape, dtype=dtype, device=device)
-        elif self.alloc_out or facts(out) != self.out_facts:
+        elif self.alloc_out or (type(out), out.shape, out.stride(), out.dtype, out.device) != self.out_facts:
             return None
         if lse is None:
             if self.lse_facts is not None:
@@ -176,15 +188,17 @@ class RunReplay:
         elif self.alloc_lse or facts(lse) != self.lse_facts:
             return None
         args = inputs + (lse, out)  # (OUT = -1, LSE = -2)
-        addresses = [offset if i is None else args[i].data_ptr() + offset for i, offset in self.flat_sources]
+        bases = [args[i].data_ptr() for i in self.args_used]
         # every address 16-byte aligned, as the recorded call's were (the kernels' specialisation, and the
         # TMA boxes' bases the full path's route checks)
         aligned = 0
-        for p in addresses:
+        for p in bases:
             aligned |= p
-        if aligned & 15 or _launch._current_index() != self.calls[0].launch.device or not _launch._no_hooks():
+        if aligned & 15 or _launch._current_index() != self.launched[0][0].device or not _launch._no_hooks():
             return None
-        for call, (start, boxes_at, end), box_values in zip(self.calls, self.spans, self.box_values):
-            call.launch(addresses[start:boxes_at], call.ints, call.floats, call.boxes,
-                        box_ptrs=addresses[boxes_at:end] if call.boxes else None, box_values=box_values)
+        if self.has_fixed:
+            bases.append(0)
+        addresses = [bases[k] + offset for k, offset in self.flat_sources]
+        for (launch, values, boxes, box_views), (start, boxes_at, end) in zip(self.launched, self.spans):
+            launch.replay(addresses[start:boxes_at], values, boxes, addresses[boxes_at:end], box_views)
         return out, lse

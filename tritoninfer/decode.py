@@ -497,11 +497,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         step = self._step
         # the common call (no sinks or window, one query token, scales as numbers): the last such call's
         # launch if it matches (_replay.py)
+        options = (q_scale, k_scale, v_scale)
         plain = (sinks is None and window_left is None and (q_len_per_req == 1 or q_len_per_req is None)
-                 and scalar_options(q_scale, k_scale, v_scale))
+                 and ((q_scale is None and k_scale is None and v_scale is None) or scalar_options(*options)))
         if plain:
             inputs = (q, *paged_kv_cache) if type(paged_kv_cache) is tuple else (q, paged_kv_cache)
-            options = (q_scale, k_scale, v_scale)
             replay = self._replay
             done = replay.run(step, inputs, options, out, lse, return_lse) if replay is not None else None
             if done is not None:

@@ -22,7 +22,7 @@ import torch
 
 from . import _device, _errors, _hopper, _ops, _variants
 from ._attention import KVSource, PlanUploader, score_params, scratch_workspace
-from ._replay import RunReplay, capturing, scalar_options
+from ._replay import NO_SCALES, RunReplay, capturing, scalar_options
 from ._route import PREFILL, PlanFacts, core, prefill_switches
 from ._step import GraphBuffers, PlannedStep, Settings, plan_single, plan_work, run_step, upload_plan
 from ._kvcache import CacheViews, PagedKVCache, host_page_table, page_table_from_block_tables
@@ -407,14 +407,6 @@ class _BatchPrefillBase:
             return  # (SGLang calls forward() with the same scores every layer: the step, and its replay, stay)
         self._step = step.with_scores(settings, params)
 
-    def _replayed(self, inputs: tuple, options: tuple, out, lse, return_lse):
-        """The last run's launch for a call of the same kind (``_replay.py``): its result, or None."""
-        replay = self._replay
-        done = replay.run(self._step, inputs, options, out, lse, return_lse) if replay is not None else None
-        if done is None:
-            return None
-        return done if return_lse else done[0]
-
     def _run_common(self, q, kv: KVSource, kv_dtype, head_dim_qk, head_dim_vo, out, lse, return_lse, *,
                     route_kv=None, q_scale=None, k_scale=None, v_scale=None, sinks=None, window_left=None,
                     inputs: Optional[tuple] = None, options: tuple = ()):
@@ -740,11 +732,12 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         """``run()``'s work (``_ops.wrapper_run`` calls this, never the ``run`` attribute, which a caller
         may have wrapped in ``torch.compile``)."""
         inputs, options = None, (q_scale, k_scale, v_scale)
-        if sinks is None and window_left is None and scalar_options(*options):
+        if sinks is None and window_left is None and ((q_scale is None and k_scale is None and v_scale is None) or scalar_options(*options)):
             inputs = (q, *paged_kv_cache) if type(paged_kv_cache) is tuple else (q, paged_kv_cache)
-            done = self._replayed(inputs, options, out, lse, return_lse)
+            replay = self._replay
+            done = replay.run(self._step, inputs, options, out, lse, return_lse) if replay is not None else None
             if done is not None:
-                return done
+                return done if return_lse else done[0]
         step = self._step
         if step is None:
             raise ValueError("run() was called before plan()")
@@ -965,12 +958,15 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
     def _run(self, q, k, v, out, lse, return_lse, **scores):
         """``run()``'s work (``_ops.wrapper_run`` calls this, never the ``run`` attribute, which a caller
         may have wrapped in ``torch.compile``)."""
-        inputs, options = None, tuple(scores.get(name) for name in ("q_scale", "k_scale", "v_scale"))
-        if scores.get("sinks") is None and scalar_options(*options):
+        inputs, options = None, NO_SCALES
+        if scores:
+            options = (scores.get("q_scale"), scores.get("k_scale"), scores.get("v_scale"))
+        if not scores or (scores.get("sinks") is None and scalar_options(*options)):
             inputs = (q, k, v)
-            done = self._replayed(inputs, options, out, lse, return_lse)
+            replay = self._replay
+            done = replay.run(self._step, inputs, options, out, lse, return_lse) if replay is not None else None
             if done is not None:
-                return done
+                return done if return_lse else done[0]
         step = self._step
         if step is None:
             raise ValueError("run() was called before plan()")

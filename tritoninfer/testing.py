@@ -661,7 +661,10 @@ _FAKE_LAUNCH_INTO: list = [None]  # (the open fake_driver_launches block's recor
 
 
 def _fake_launch_kernel(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra) -> int:
-    """``cuLaunchKernel`` as ``fake_driver_launches`` fakes it: the grid and the first parameters recorded."""
+    """``cuLaunchKernel`` as ``fake_driver_launches`` fakes it: the grid and the first parameters recorded.
+    The arguments are checked as the real call (no ctypes argument types) needs them."""
+    if type(function) is not ctypes.c_void_p or type(stream) is not ctypes.c_void_p or extra is not None:
+        raise TypeError("cuLaunchKernel: function and stream must be ctypes.c_void_p, extra None")
     into = _FAKE_LAUNCH_INTO[0]
     if into is not None:
         record, params_read = into
