@@ -177,3 +177,52 @@ def test_build_work_capped_splits_start_on_aligned_positions():
     assert (w[:, 5] <= 16).all()
     assert (w[np.isin(w[:, 0], [0, 3]), 2] % 32 == 0).all()
     assert w[w[:, 0] == 2, 3].tolist()[:2] == [48, 96]  # 15 splits of 48: under the cap
+
+
+@pytest.mark.parametrize("chunk_size", [None, 6])
+def test_build_work_of_decode_covers_every_request(chunk_size):
+    """Decode (``q_lens`` None: one query row a request) with and without splits, empty requests included."""
+    kv_lens = np.array([5, 0, 13, 9, 1])
+    work = _plan.build_work(None, kv_lens, 1, chunk_size)
+    covered(work, kv_lens, [1] * kv_lens.size, 1)
+    assert work.work[:, 1].tolist() == [0] * work.work.shape[0]
+
+
+def _table(indptr, last, indices_len=None, page=4):
+    import torch
+
+    from tritoninfer._kvcache import host_page_table
+
+    indptr = torch.tensor(indptr, dtype=torch.int32)
+    n = int(indptr[-1]) if indices_len is None else indices_len
+    return host_page_table(indptr, torch.tensor(last, dtype=torch.int32), torch.arange(n, dtype=torch.int32), page)
+
+
+def test_host_page_table_lengths_match_the_definition():
+    """kv_len = (pages - 1) * page_size + last_page_len, 0 for a request without pages (whatever its
+    last_page_len holds); an indptr may start past 0 (a slice of a larger table)."""
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        pages = rng.integers(0, 5, size=rng.integers(1, 9))
+        start = int(rng.integers(0, 3))
+        indptr = [start, *(start + np.cumsum(pages))]
+        last = [int(rng.integers(1, 5)) if p else int(rng.integers(0, 9)) for p in pages]
+        table = _table(indptr, last)
+        assert table.kv_lens.tolist() == [(p - 1) * 4 + lp if p else 0 for p, lp in zip(pages, last)]
+        assert table.num_pages_used == indptr[-1]
+        if indptr[-1] > start:
+            assert table.max_page_id == indptr[-1] - 1  # (the ids are 0..n-1: the checked ones are the used slice)
+
+
+@pytest.mark.parametrize("indptr, last, indices_len, message", [
+    ([0, 2, 3], [0, 1], None, r"last_page_len: request 0 has 0, expected 1\.\.page_size \(4\)"),
+    ([0, 2, 3], [4, 5], None, r"last_page_len: request 1 has 5"),
+    ([0, 0, 3], [9, 5], None, r"last_page_len: request 1 has 5"),  # (request 0 has no pages: anything goes)
+    ([0, 3, 2], [1, 1], None, "indptr: expected a non-decreasing array"),
+    ([-1, 2], [1], None, "indptr: expected a non-decreasing array"),
+    ([0, 2, 3], [1, 1], 2, r"indices: indptr\[-1\] is 3 but indices has only 2 elements"),
+    ([0, 2], [1, 1], None, r"last_page_len: expected 1 elements \(batch_size\), got 2"),
+])
+def test_host_page_table_refuses_bad_tables(indptr, last, indices_len, message):
+    with pytest.raises(ValueError, match=message):
+        _table(indptr, last, indices_len)

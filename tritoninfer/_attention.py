@@ -193,6 +193,9 @@ class PlanUploader:
         self._plan: Optional["DevicePlan"] = None  # the last plan kept, with its views and facts
         self._plan_of: tuple = (None, None)
         self._host: List[Optional[torch.Tensor]] = [None] * slots
+        self._host_np: list = [None] * slots  # numpy views of the pinned buffers
+        self._copy_of: tuple = ()  # the (host, device, entries) of the last copy
+        self._copy_views: tuple = ()  # ... and its (device, host) slices
         self._done: List[Optional[torch.cuda.Event]] = [None] * slots
         self._next = 0
         self.counters = SplitCounters(self.device)
@@ -240,15 +243,25 @@ class PlanUploader:
                 if host is None or host.numel() < total:
                     host = self._host[slot] = torch.empty(max(total, 1024), dtype=torch.int32,
                                                           pin_memory=_device.can_pin_memory())
+                    self._host_np[slot] = host.numpy()
                 if done is None:
                     done = self._done[slot] = torch.cuda.Event()
-            host_np = host.numpy()
+            host_np = host.numpy() if capturing else self._host_np[slot]
             for a, n, pos in zip(arrays, sizes, starts):
                 host_np[pos:pos + n] = a.reshape(-1)
             # a graph captured around this copy keeps writing its buffer at every replay: a fresh one
             dev = out if out is not None else self._buffer(total) if self._reuse and not capturing else \
                 torch.empty(total, dtype=torch.int32, device=self.device)
-            dev[:total].copy_(host[:total], non_blocking=non_blocking or capturing)
+            # (a wrapper's plans are mostly of one size: the slices of the last copy are kept, ~1 µs each)
+            last = self._copy_of
+            if capturing:
+                dst, src = dev[:total], host[:total]
+            elif last and last[0] is host and last[1] is dev and last[2] == total:
+                dst, src = self._copy_views
+            else:
+                dst, src = self._copy_views = dev[:total], host[:total]
+                self._copy_of = (host, dev, total)
+            dst.copy_(src, non_blocking=non_blocking or capturing)
             if done is not None:
                 done.record(_current_stream(self.device))
         if dev is self._views_of[0] and sizes == self._views_of[1]:

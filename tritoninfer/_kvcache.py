@@ -265,11 +265,11 @@ def host_page_table(indptr_host: torch.Tensor, last_page_len_host: torch.Tensor,
     """Checks a CSR page table whose indptr and last_page_len are on the host (argument names are
     ``prefix + "indptr"`` etc.) and derives the KV lengths: ``(pages - 1) * page_size + last_page_len``,
     0 for a request with no pages. The indptr may start past 0 (a slice of a larger table)."""
-    name = prefix + "indptr"
-    if indptr_host.numel() < 1:
-        raise ValueError(f"{name}: expected at least one element (batch_size + 1)")
+    entries = indptr_host.numel()
+    if entries < 1:
+        raise ValueError(f"{prefix}indptr: expected at least one element (batch_size + 1)")
     check_int_index_tensor(indices, prefix + "indices")
-    batch = indptr_host.numel() - 1
+    batch = entries - 1
     if last_page_len_host.numel() != batch:
         raise ValueError(f"{prefix}last_page_len: expected {batch} elements (batch_size), got {last_page_len_host.numel()}")
     # plan() runs every step: few numpy calls (each costs ~1-2 µs of host time), the common case
@@ -277,29 +277,35 @@ def host_page_table(indptr_host: torch.Tensor, last_page_len_host: torch.Tensor,
     ind = indptr_host.numpy().astype(np.int64)
     pages = ind[1:] - ind[:-1]
     fewest = int(pages.min()) if batch else 1
-    if ind[0] < 0 or fewest < 0:
-        raise ValueError(f"{name}: expected a non-decreasing array")
+    first = int(ind[0])
+    if first < 0 or fewest < 0:
+        raise ValueError(f"{prefix}indptr: expected a non-decreasing array")
     num_pages_used = int(ind[-1])
     if indices.numel() < num_pages_used:
         raise ValueError(f"{prefix}indices: {prefix}indptr[-1] is {num_pages_used} but {prefix}indices has only "
                          f"{indices.numel()} elements")
     lpl = last_page_len_host.numpy().astype(np.int64)
-    # 1 <= lpl <= page_size, as one unsigned comparison; requests without pages may hold anything
-    bad = (lpl - 1).astype(np.uint64) >= page_size
-    if fewest == 0:
+    # 1 <= lpl <= page_size where a request has pages (requests without pages may hold anything)
+    if fewest > 0:
+        bad = batch and (int(lpl.min()) < 1 or int(lpl.max()) > page_size)
+    else:
+        bad = (lpl - 1).astype(np.uint64) >= page_size  # (one unsigned comparison)
         bad &= pages > 0
-    if bad.any():
-        i = int(np.argmax(bad))
+        bad = bad.any()
+    if bad:
+        i = int(np.argmax(((lpl < 1) | (lpl > page_size)) & (pages > 0)))
         raise ValueError(f"{prefix}last_page_len: request {i} has {int(lpl[i])}, expected 1..page_size ({page_size})")
-    kv_lens = pages * page_size + (lpl - page_size)
+    kv_lens = pages * page_size
+    kv_lens += lpl
+    kv_lens -= page_size
     if fewest == 0:
         kv_lens[pages == 0] = 0
     table = HostPageTable(ind, lpl, kv_lens, num_pages_used, prefix=prefix)
-    if indices.device.type == "cpu" and num_pages_used > ind[0]:
+    if indices.is_cpu and num_pages_used > first:
         # ids on the host are checked here and against the cache at run(); ids on the GPU are bounded
         # by the kernels (kernels/faults.py)
         # a copy: run() judges the ids the plan saw, whatever the caller does to its tensor afterwards
-        ids = indices.reshape(-1)[int(ind[0]):num_pages_used].numpy().copy()
+        ids = indices.reshape(-1)[first:num_pages_used].numpy().copy()
         table.page_ids = ids
         # one reduction: as unsigned integers the negative ids are the largest
         largest = int(ids.view(np.uint32 if ids.dtype == np.int32 else np.uint64).max())

@@ -235,9 +235,13 @@ def same_device(a, b) -> bool:
     return (current if a.index is None else a.index) == (current if b.index is None else b.index)
 
 
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
 def check_int_index_tensor(t, name: str, *, length: Optional[int] = None) -> torch.Tensor:
     """1-D int32/int64 index tensor (page tables, indptrs)."""
-    check_tensor(t, name, ndim=1, dtype=(torch.int32, torch.int64))
+    if type(t) is not torch.Tensor or t.dim() != 1 or (t.dtype is not torch.int32 and t.dtype is not torch.int64):
+        check_tensor(t, name, ndim=1, dtype=_INDEX_DTYPES)  # (plan() runs every step: its message, when it fails)
     if length is not None and t.numel() != length:
         raise ValueError(f"{name}: expected {length} elements, got {t.numel()}")
     return t
@@ -292,7 +296,7 @@ def check_sinks(sinks: Optional[torch.Tensor], num_qo_heads: int, device) -> Opt
 def host_index(t: torch.Tensor, name: str) -> torch.Tensor:
     """Host copy of a small index tensor (a device tensor costs one device-to-host copy)."""
     check_int_index_tensor(t, name)
-    return t if t.device.type == "cpu" else t.to("cpu")
+    return t if t.is_cpu else t.to("cpu")
 
 
 def copy_into(buf: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:

@@ -198,7 +198,9 @@ def kv_split_chunk(
     # every request that has programs is as long as the longest (no third reduction for it)
     equal = total == longest * all_pairs
     best, best_time = None, max(longest, -(-all_pairs // slots) * total / all_pairs)
-    chunks = [max(2 * block_n, -(-total // (waves * slots))) for waves in range(1, 9)]
+    # (the candidates shrink with the waves: none cuts when the last does not, a large batch's case)
+    last_cut = -(-max(2 * block_n, -(-total // (8 * slots))) // block_n) * block_n
+    chunks = [] if last_cut >= longest else [max(2 * block_n, -(-total // (waves * slots))) for waves in range(1, 9)]
     if merge_positions:
         chunks += [-(-longest // pieces) for pieces in (2, 4, 8, 16, 32, 64)]
     for chunk in chunks:
@@ -235,19 +237,21 @@ def build_work(
     if chunk is None:
         num_splits = None
     else:
-        req_chunk = np.full(kv_lens.size, chunk, np.int64)
+        req_chunk = chunk  # (one for every request, unless a capacity grows some: fewer numpy calls)
         if max_splits is not None:
             grown = -(-(-(-kv_lens // max_splits)) // align) * align
-            req_chunk = np.where(-(-kv_lens // chunk) > max_splits, np.maximum(req_chunk, grown), req_chunk)
+            req_chunk = np.where(-(-kv_lens // chunk) > max_splits, np.maximum(chunk, grown), chunk)
         num_splits = np.maximum(1, -(-kv_lens // req_chunk))
     layout = _work_layout(q_lens, num_splits, tile_tokens, kv_lens.size)
     work = layout.work.copy()
     if chunk is None:
-        work[:, 3] = kv_lens[layout.req]
+        # (decode: one item a request, in order)
+        work[:, 3] = kv_lens if q_lens is None else kv_lens[layout.req]
     else:
-        kv_start = layout.split * req_chunk[layout.req]
+        item_chunk = req_chunk if max_splits is None else req_chunk[layout.req]
+        kv_start = layout.split * item_chunk
         work[:, 2] = kv_start
-        work[:, 3] = np.minimum(kv_start + req_chunk[layout.req], kv_lens[layout.req])
+        work[:, 3] = np.minimum(kv_start + item_chunk, kv_lens[layout.req])
     return WorkPlan(work, layout.state_offset, layout.num_states, layout.has_splits)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
@@ -81,7 +82,7 @@ class PlannedStep:
     batch: int
     total_rows: int  # query rows the plan covers (qo_indptr[-1]; decode: the batch)
     total_kv: int  # ragged K/V rows (kv_indptr[-1]); paged: 0
-    min_kv_len: int
+    kv_lens: np.ndarray  # int64 [batch], on the host
     tiles: Tiles
     device_plan: DevicePlan
     kv_indptr: torch.Tensor
@@ -95,6 +96,11 @@ class PlannedStep:
     @property
     def group(self) -> int:
         return self.num_qo_heads // self.num_kv_heads
+
+    @functools.cached_property
+    def min_kv_len(self) -> int:
+        """(on demand: only decode's multi-token runs read it, and plan() runs every step)"""
+        return int(self.kv_lens.min()) if self.kv_lens.size else 0
 
     def with_scores(self, settings: Settings, params: ScoreParams) -> "PlannedStep":
         """This step with other scores (the deprecated ``forward()``): same work list, the route
@@ -313,7 +319,7 @@ def _plan_single(device: torch.device, *, settings: Settings, params: ScoreParam
     return PlannedStep(
         settings=settings, params=params, q_dtype=q_dtype, kv_dtype=kv_dtype, num_qo_heads=num_qo_heads,
         num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, page_size=0, batch=1,
-        total_rows=qo_len, total_kv=kv_len, min_kv_len=kv_len, tiles=tiles, device_plan=plan, kv_indptr=views[0],
+        total_rows=qo_len, total_kv=kv_len, kv_lens=kv_lens, tiles=tiles, device_plan=plan, kv_indptr=views[0],
         packed_mask=packed_mask, mask_indptr=views[1] if packed_mask is not None else None, route=route,
         route_work=_hopper.tiles_view(views[-1], route.work) if not route.is_core else None,
     )

@@ -233,11 +233,12 @@ def plan_paged_decode(wrapper, uploader: PlanUploader, workspace_bytes: int, tab
         kv_indptr_d, kv_indices_d = wrapper._paged_kv_indptr_buf, wrapper._paged_kv_indices_buf
     else:
         kv_indptr_d = indptr_d
-        kv_indices_d = indices.to(wrapper.device, non_blocking=non_blocking).to(torch.int32)
+        kv_indices_d = indices if indices.dtype is torch.int32 and indices.device == wrapper.device else \
+            indices.to(wrapper.device, torch.int32, non_blocking=non_blocking)
     return PlannedStep(
         settings=settings, params=params, q_dtype=q_dtype, kv_dtype=kv_dtype, num_qo_heads=num_qo_heads,
         num_kv_heads=num_kv_heads, head_dim_qk=head_dim, head_dim_vo=head_dim, page_size=page_size, batch=batch,
-        total_rows=batch, total_kv=0, min_kv_len=int(kv_lens.min()) if batch else 0, tiles=tiles, device_plan=plan,
+        total_rows=batch, total_kv=0, kv_lens=kv_lens, tiles=tiles, device_plan=plan,
         kv_indptr=kv_indptr_d, kv_indices=kv_indices_d, page_table=table, route=route)
 
 

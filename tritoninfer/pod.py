@@ -81,7 +81,7 @@ def _plan_half(uploader: PlanUploader, device: torch.device, workspace_bytes: in
     plan, views = upload_plan(uploader, None, work, kv_lens, qo, extra, non_blocking)
     fields = dict(settings=settings, params=params, q_dtype=q_dtype, kv_dtype=kv_dtype, num_qo_heads=num_qo_heads,
                   num_kv_heads=num_kv_heads, head_dim_qk=head_dim, head_dim_vo=head_dim, page_size=page_size,
-                  batch=batch, total_rows=total_rows, min_kv_len=int(kv_lens.min()) if batch else 0, tiles=tiles,
+                  batch=batch, total_rows=total_rows, kv_lens=kv_lens, tiles=tiles,
                   device_plan=plan, route=route, route_work=None if route.is_core else _hopper.tiles_view(views[-1], route.work))
     n = len(kv_host)
     return fields, views[:n], views[n]

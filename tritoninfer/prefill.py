@@ -107,7 +107,7 @@ def _step_fields(facts: PlanFacts, settings: Settings, tiles, num_qo_heads: int,
         settings=settings, params=facts.params, q_dtype=facts.q_dtype, kv_dtype=facts.kv_dtype,
         num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=facts.head_dim_qk,
         head_dim_vo=facts.head_dim_vo, page_size=facts.page_size, batch=batch, total_rows=total_rows,
-        min_kv_len=int(facts.kv_lens.min()) if batch else 0, tiles=tiles, device_plan=device_plan,
+        kv_lens=facts.kv_lens, tiles=tiles, device_plan=device_plan,
         packed_mask=packed_mask, mask_indptr=mask_indptr if packed_mask is not None else None, route=route,
         route_work=None if route.is_core else _hopper.tiles_view(route_view, route.work),
     )
