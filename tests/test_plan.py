@@ -226,3 +226,42 @@ def test_host_page_table_lengths_match_the_definition():
 def test_host_page_table_refuses_bad_tables(indptr, last, indices_len, message):
     with pytest.raises(ValueError, match=message):
         _table(indptr, last, indices_len)
+
+
+def _split_by_every_candidate(kv_lens, q_tiles, heads, sms, block_n, per_sm, merge_positions):
+    """``kv_split_chunk``'s choice made the plain way: every candidate, in order, tried in full."""
+    slots = per_sm * sms
+    kv = np.asarray(kv_lens, np.int64)
+    pairs = (np.ones(kv.size, np.int64) if q_tiles is None else np.asarray(q_tiles, np.int64)) * heads
+    total, all_pairs, longest = int((kv * pairs).sum()), int(pairs.sum()), int(kv.max())
+    if total == 0:
+        return None
+    equal = total == longest * all_pairs
+    best, best_time = None, max(longest, -(-all_pairs // slots) * total / all_pairs)
+    chunks = [max(2 * block_n, -(-total // (waves * slots))) for waves in range(1, 9)]
+    chunks += [-(-longest // pieces) for pieces in (2, 4, 8, 16, 32, 64)] if merge_positions else []
+    for c in chunks:
+        c = -(-c // block_n) * block_n
+        if c >= longest:
+            continue
+        items = all_pairs * -(-longest // c) if equal else -(-total // c) + all_pairs
+        merge = -(-longest // c) * merge_positions if merge_positions else block_n
+        t = max(c, -(-items // slots) * total / items) + merge
+        if t < best_time * 0.97:
+            best, best_time = c, t
+    return best
+
+
+def test_split_choice_skips_only_candidates_that_cannot_win():
+    """The pruned search (waves that cannot cut skipped, repeated candidates tried once) picks what trying
+    every candidate picks, over random batches of equal and unequal lengths."""
+    rng = np.random.default_rng(1)
+    for trial in range(1500):
+        b = int(rng.integers(1, 300))
+        kv = rng.integers(0, 40000, size=b) if trial % 2 else np.full(b, int(rng.integers(1, 40000)))
+        q_tiles = None if trial % 3 else rng.integers(1, 4, size=b)
+        heads, block_n, per_sm = int(rng.integers(1, 9)), int(rng.choice([32, 64, 128])), int(rng.integers(1, 4))
+        for merge in (0, 114):
+            expected = _split_by_every_candidate(kv, q_tiles, heads, 132, block_n, per_sm, merge)
+            got = _plan.kv_split_chunk(kv.astype(np.int64), q_tiles, heads, 132, block_n, 16, None, False, per_sm, merge)
+            assert got == expected, (trial, merge)

@@ -198,17 +198,23 @@ def kv_split_chunk(
     # every request that has programs is as long as the longest (no third reduction for it)
     equal = total == longest * all_pairs
     best, best_time = None, max(longest, -(-all_pairs // slots) * total / all_pairs)
-    # (the candidates shrink with the waves: none cuts when the last does not, a large batch's case)
-    last_cut = -(-max(2 * block_n, -(-total // (8 * slots))) // block_n) * block_n
-    chunks = [] if last_cut >= longest else [max(2 * block_n, -(-total // (waves * slots))) for waves in range(1, 9)]
+    # the candidates, rounded to tiles and shorter than the longest request, in the order they are
+    # tried (the first of equal times wins), each once (plan() runs every step): they shrink with the
+    # waves, so the waves that would not cut (total >= waves * slots * longest) are skipped, and they
+    # stop at the two-tile floor
+    floor = 2 * block_n
+    chunks = []
+    for waves in range(total // (slots * longest) + 1, 9):
+        chunk = -(-max(floor, -(-total // (waves * slots))) // block_n) * block_n
+        if chunk < longest and (not chunks or chunk != chunks[-1]):
+            chunks.append(chunk)
+        if chunk == floor:
+            break
     if merge_positions:
-        chunks += [-(-longest // pieces) for pieces in (2, 4, 8, 16, 32, 64)]
+        chunks += [c for c in (-(-(-(-longest // pieces)) // block_n) * block_n for pieces in (2, 4, 8, 16, 32, 64))
+                   if c < longest]
     for chunk in chunks:
-        chunk = -(-chunk // block_n) * block_n
-        if chunk >= longest:
-            continue
-        # programs after the cut: exact for equal lengths, an upper bound otherwise (host time
-        # matters here: plan() runs every step)
+        # programs after the cut: exact for equal lengths, an upper bound otherwise
         items = all_pairs * -(-longest // chunk) if equal else -(-total // chunk) + all_pairs
         # + a merge: about one tile, or the merging program's reads of every split's state
         merge = -(-longest // chunk) * merge_positions if merge_positions else block_n
