@@ -88,10 +88,10 @@ class CachedLauncher:
 
     def __init__(self, kernel: triton.runtime.JITFunction) -> None:
         self.kernel = kernel
-        self._compiled: Dict[Tuple, Tuple[Any, tuple]] = {}
-        # per specialisation key: (DriverLaunch, HeadKinds), or None where the driver path cannot
-        # take the kernel or its arguments (built at the key's second call)
-        self._driver: Dict[Tuple, Optional[Tuple["DriverLaunch", "HeadKinds"]]] = {}
+        # per specialisation key: [the compiled kernel and its constexprs, the driver path's
+        # (DriverLaunch, HeadKinds) or None where it cannot take the kernel or its arguments (built at the
+        # key's second call)]: one lookup a launch
+        self._hits: Dict[Tuple, list] = {}
         # bound launches' compiled kernels by specialisation of the whole call (``shared_key``), with
         # the TMA layouts whose identities the key holds: a plan's new bound launch finds what the
         # previous plan's compiled instead of taking Triton's ``kernel[grid]`` path (~90 µs)
@@ -136,26 +136,34 @@ class CachedLauncher:
         if _device.is_interpreter():
             self.kernel[grid](*args, **kwargs)
             return
-        device = _current_device()
+        try:
+            device = _current_index()  # (Triton's get_current_device, without its Python wrappers)
+        except (AttributeError, RuntimeError):  # no CUDA: Triton's, which says so
+            device = _current_device()
         key = (device, tuple(kwargs.items()), _args_key(args))
-        hit = self._compiled.get(key)
-        if hit is None:
-            if len(self._compiled) >= 256:
-                self._compiled.clear()
-                self._driver.clear()
-            self._compiled[key] = self.compile_and_launch(grid, args, kwargs)
+        entry = self._hits.get(key)
+        if entry is None:
+            if len(self._hits) >= 256:
+                self._hits.clear()
+            self._hits[key] = [self.compile_and_launch(grid, args, kwargs), _UNBUILT]
             return
-        fast = self._driver.get(key, _UNBUILT) if CACHED_DRIVER_PATH else None
-        if fast is _UNBUILT:
-            fast = self._driver[key] = self._driver_launch(hit, grid, args, device)
+        hit, fast = entry
+        if not CACHED_DRIVER_PATH:
+            fast = None
+        elif fast is _UNBUILT:
+            fast = entry[1] = self._driver_launch(hit, grid, args, device)
         if fast is not None and type(grid) is tuple and _no_hooks():
             launch, kinds = fast
             tensors = kinds.tensors(args)
             # a tensor on another device (a CPU one by mistake) keeps Triton's launcher, which refuses
             # it: the key does not hold devices, and the driver would take any address
-            if all(t.get_device() == device for t in tensors):
-                launch([t.data_ptr() for t in tensors], kinds.ints(args), kinds.floats(args), (),
-                       grid + (1,) * (3 - len(grid)))
+            ptrs = []
+            for t in tensors:
+                if t.get_device() != device:
+                    break
+                ptrs.append(t.data_ptr())
+            else:
+                launch(ptrs, kinds.ints(args), kinds.floats(args), (), grid + (1,) * (3 - len(grid)))
                 return
         compiled, tail = hit
         _run(compiled, grid, device, args, args, tail)
