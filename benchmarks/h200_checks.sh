@@ -20,7 +20,7 @@
 #                the stacks if it hangs
 #   host         benchmarks/host_path.py, every decode and prefill row, FlashInfer in the same process
 #   host-ab      ... the quick rows, with OLD=<dir holding an older tritoninfer> beside (e.g. OLD=.ab/pre18)
-#   tests-launch pytest -m gpu on the launch path: driver launches, bound launches rebound by a new plan,
+#   tests-launch pytest -m gpu on the launch path: driver launches, bound launches rebound by a new plan, re-plans,
 #                CUDA-graph capture, replayed runs (test_launch.py, test_replay.py, and decode/prefill's launch
 #                and graph tests)
 #   fit          FlashInfer's own tests for sampling and the logits processor (FIT_PER_TEST=20, 4 workers:
@@ -173,7 +173,7 @@ case "$part" in
   tests-launch)
     PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=10 \
       tests/test_launch.py tests/test_decode.py tests/test_prefill.py tests/test_replay.py \
-      -k "driver or bound or rebind or graph or launch or replay" > "$out/$part.log" 2>&1 || true ;;
+      -k "driver or bound or rebind or graph or launch or replay or replans" > "$out/$part.log" 2>&1 || true ;;
   host)
     PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 benchmarks/host_path.py --profile --out "$out/host-path.md" \
       > "$out/host-path.log" 2>&1 || true ;;

@@ -639,3 +639,30 @@ def test_caches_made_per_call_are_not_kept_alive():
     views = entry.kv.k
     w.run(q, kept)
     assert w._caches._entries[id(kept)].kv.k is views
+
+
+def test_decode_loop_replans_of_one_size_read_each_plans_lengths():
+    """A decode loop: each step's plan has the last one's batch and page counts (so its upload reuses the
+    same buffers, copy slices and device plan) and one more token a request; each step's run (two layers:
+    the second replayed on a GPU) matches the reference for that step's lengths. A stale upload would
+    attend to the last step's lengths, whose next entry holds random values."""
+    g = torch.Generator().manual_seed(5)
+    heads, head_dim = ((32, 8), 128) if DEVICE == "cuda" else ((4, 2), 64)
+    kv = testing.make_paged_kv([112, 48, 512], 16, heads[1], head_dim, dtype=torch.bfloat16, device=DEVICE,
+                               generator=g)
+    pages = [7, 3, 32]
+    w = BatchDecodeWithPagedKVCacheWrapper(testing.make_workspace(64 << 20, DEVICE))
+    for step in range(4):
+        lens = [n + step for n in (100, 37, 500)]  # (the page counts stay 7, 3 and 32)
+        last = torch.tensor([n - 16 * (p - 1) for n, p in zip(lens, pages)], dtype=torch.int32)
+        w.plan(kv.kv_indptr.cpu(), kv.kv_indices, last, heads[0], heads[1], head_dim, 16, q_data_type=torch.bfloat16)
+        for _ in range(2):
+            q = testing.randn((3, heads[0], head_dim), torch.bfloat16, DEVICE, g)
+            expected = reference.batch_decode_with_paged_kv_cache(q, kv.cache, kv.kv_indptr, kv.kv_indices,
+                                                                  last.to(DEVICE), "NHD")[0]
+            testing.assert_close(w.run(q, kv.cache), expected, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_loop_replans_of_one_size():
+    test_decode_loop_replans_of_one_size_read_each_plans_lengths()
