@@ -665,6 +665,9 @@ def _fake_launch_kernel(function, gx, gy, gz, bx, by, bz, shared, stream, params
     The arguments are checked as the real call (no ctypes argument types) needs them."""
     if type(function) is not ctypes.c_void_p or type(stream) is not ctypes.c_void_p or extra is not None:
         raise TypeError("cuLaunchKernel: function and stream must be ctypes.c_void_p, extra None")
+    for x in (gx, gy, gz, bx, by, bz, shared):  # (ctypes converts nothing else, a numpy int included)
+        if type(x) is not int or not 0 <= x < 2 ** 31:
+            raise TypeError(f"cuLaunchKernel: grid, block and shared memory must be Python ints, got {x!r}")
     into = _FAKE_LAUNCH_INTO[0]
     if into is not None:
         record, params_read = into
