@@ -180,6 +180,10 @@ def test_driver_launch_lays_out_parameters_as_tritons_launcher(monkeypatch):
     assert len(encoded) == 2 and params[2] == map_address
     values = _decode(seen[3][1], codes)
     assert values[:2] == [q2.data_ptr(), 4096] and values[3:7] == [32, 128, 128, 1]
+    # a plan's grid may hold numpy ints (work-list sizes): the driver call gets Python ints
+    launch.set_tail(tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in tail), (np.int64(5), np.int32(2), 1))
+    launch([q.data_ptr()], (4096, 1, 1 << 40), (0.125,), (box,))
+    assert seen[4][0][1:4] == (5, 2, 1)
 
 
 def test_driver_launch_refuses_what_it_cannot_pass(monkeypatch):

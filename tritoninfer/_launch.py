@@ -624,7 +624,7 @@ class DriverLaunch:
         """Packs a tail's values (tensors as addresses) into the tail buffer the parameter array points
         into, and sets the grid of calls that pass none."""
         self.layout.tail_format.pack_into(self.tail_buffer, 0, *self.layout.tail_values(values))
-        self.grid = grid
+        self.grid = tuple([int(g) for g in grid])  # (the driver call takes Python ints only: a plan's may be numpy's)
 
     def __call__(self, ptrs: list, ints: tuple, floats: tuple, boxes: tuple, grid: Optional[tuple] = None) -> None:
         """``grid``: this call's (3-D) grid, else the one it was built with."""
