@@ -494,7 +494,7 @@ class _MLAPlanner:
                              f"{int(kv_lens[b])}; causal MLA needs qo_len <= kv_len (as FlashInfer)")
         graph = self._graph
         route = MLA_ROUTE.at_plan(self.device, q_dtype, kv_dtype, head_dim_ckv, head_dim_kpe, page_size, sm_scale)
-        avg_q_len = float(qo_lens.mean()) if batch else 1.0
+        avg_q_len = (int(qo[-1]) - int(qo[0])) / batch if batch else 1.0  # (the mean of qo_lens, without a numpy call)
         if graph is not None and graph.sized:
             tiles = graph.tiles
         elif not route.is_core:
