@@ -9,7 +9,8 @@ from typing import Any, Callable, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from ._options import TensorLayout, check_graph_buffers, check_int_index_tensor, check_tensor, copy_into, host_index
+from ._options import (INDEX_DTYPES, TensorLayout, check_graph_buffers, check_int_index_tensor, check_tensor, copy_into,
+                       host_index)
 
 PagedKVCache = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 
@@ -214,7 +215,7 @@ def _unpack(paged_kv_cache: PagedKVCache, layout: TensorLayout) -> PagedKV:
 
 def page_table_from_block_tables(block_tables: torch.Tensor, seq_lens: Optional[torch.Tensor], page_size: int):
     """``block_tables`` [batch, max_pages] + ``seq_lens`` [batch] -> (indptr host, indices, last_page_len host)."""
-    check_tensor(block_tables, "block_tables", ndim=2, dtype=(torch.int32, torch.int64))
+    check_tensor(block_tables, "block_tables", ndim=2, dtype=INDEX_DTYPES)
     if seq_lens is None:
         raise ValueError("seq_lens: required with block_tables")
     lens = host_index(seq_lens, "seq_lens").to(torch.int64)

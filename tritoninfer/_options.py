@@ -235,13 +235,13 @@ def same_device(a, b) -> bool:
     return (current if a.index is None else a.index) == (current if b.index is None else b.index)
 
 
-_INDEX_DTYPES = (torch.int32, torch.int64)
+INDEX_DTYPES = (torch.int32, torch.int64)  # page tables, indptrs, positions, indices
 
 
 def check_int_index_tensor(t, name: str, *, length: Optional[int] = None) -> torch.Tensor:
     """1-D int32/int64 index tensor (page tables, indptrs)."""
     if type(t) is not torch.Tensor or t.dim() != 1 or (t.dtype is not torch.int32 and t.dtype is not torch.int64):
-        check_tensor(t, name, ndim=1, dtype=_INDEX_DTYPES)  # (plan() runs every step: its message, when it fails)
+        check_tensor(t, name, ndim=1, dtype=INDEX_DTYPES)  # (plan() runs every step: its message, when it fails)
     if length is not None and t.numel() != length:
         raise ValueError(f"{name}: expected {length} elements, got {t.numel()}")
     return t

@@ -36,6 +36,18 @@ def scalar_options(*values) -> bool:
     return True
 
 
+def replayed(wrapper, inputs: tuple, options: tuple, out: Optional[torch.Tensor], lse: Optional[torch.Tensor],
+             return_lse: bool):
+    """The wrapper's last recorded run (``wrapper._replay``) launched for this call of its planned step
+    (``wrapper._step``): the call's result (``out``, or ``(out, lse)`` with ``return_lse``), or None when
+    the call must take the full path."""
+    replay = wrapper._replay
+    done = replay.run(wrapper._step, inputs, options, out, lse, return_lse) if replay is not None else None
+    if done is None:
+        return None
+    return done if return_lse else done[0]
+
+
 def capturing(t: torch.Tensor) -> bool:
     """A CUDA graph is being captured on ``t``'s device: the single-request functions then neither replay nor
     record (``_step.plan_single`` plans such calls apart, into memory the graph owns)."""

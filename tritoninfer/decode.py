@@ -18,7 +18,7 @@ import torch
 
 from . import _device, _ops, _route
 from ._attention import KVSource, PlanUploader, score_params, scratch_workspace
-from ._replay import RunReplay, capturing, scalar_options
+from ._replay import RunReplay, capturing, replayed, scalar_options
 from ._kvcache import (
     CacheViews,
     HostPageTable,
@@ -500,13 +500,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # launch if it matches (_replay.py)
         options = (q_scale, k_scale, v_scale)
         plain = (sinks is None and window_left is None and (q_len_per_req == 1 or q_len_per_req is None)
-                 and ((q_scale is None and k_scale is None and v_scale is None) or scalar_options(*options)))
+                 and scalar_options(*options))
         if plain:
             inputs = (q, *paged_kv_cache) if type(paged_kv_cache) is tuple else (q, paged_kv_cache)
-            replay = self._replay
-            done = replay.run(step, inputs, options, out, lse, return_lse) if replay is not None else None
+            done = replayed(self, inputs, options, out, lse, return_lse)
             if done is not None:
-                return done if return_lse else done[0]
+                return done
         if step is None:
             raise ValueError("run() was called before plan()")
         if window_left is not None and window_left != step.settings.window_left:

@@ -49,7 +49,7 @@ from ._options import (
     host_index,
 )
 from ._plan import Tiles, canonical, cdiv, next_pow2
-from ._replay import RunReplay, scalar_options
+from ._replay import RunReplay, replayed, scalar_options
 from ._route import MLA as MLA_ROUTE
 from ._route import Route, core
 from ._step import init_planned_wrapper, plan_work, upload_plan
@@ -539,10 +539,9 @@ class _MLAPlanner:
         inputs, options = None, (scale, q_pe_scale, v_scale, lse_base_e)
         if scalar_options(scale, q_pe_scale, v_scale):
             inputs = (q_nope, q_pe, ckv_cache, kpe_cache)
-            replay = self._replay
-            done = replay.run(step, inputs, options, out, lse, return_lse) if replay is not None else None
+            done = replayed(self, inputs, options, out, lse, return_lse)
             if done is not None:
-                return done if return_lse else done[0]
+                return done
         if step is None:
             raise ValueError("run() was called before plan()")
         ckv_name, kpe_name = names

@@ -22,7 +22,7 @@ import torch
 
 from . import _device, _errors, _hopper, _ops, _variants
 from ._attention import KVSource, PlanUploader, score_params, scratch_workspace
-from ._replay import NO_SCALES, RunReplay, capturing, scalar_options
+from ._replay import NO_SCALES, RunReplay, capturing, replayed, scalar_options
 from ._route import PREFILL, PlanFacts, core, prefill_switches
 from ._step import GraphBuffers, PlannedStep, Settings, plan_single, plan_work, run_step, upload_plan
 from ._kvcache import CacheViews, PagedKVCache, host_page_table, page_table_from_block_tables
@@ -732,12 +732,11 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         """``run()``'s work (``_ops.wrapper_run`` calls this, never the ``run`` attribute, which a caller
         may have wrapped in ``torch.compile``)."""
         inputs, options = None, (q_scale, k_scale, v_scale)
-        if sinks is None and window_left is None and ((q_scale is None and k_scale is None and v_scale is None) or scalar_options(*options)):
+        if sinks is None and window_left is None and scalar_options(*options):
             inputs = (q, *paged_kv_cache) if type(paged_kv_cache) is tuple else (q, paged_kv_cache)
-            replay = self._replay
-            done = replay.run(self._step, inputs, options, out, lse, return_lse) if replay is not None else None
+            done = replayed(self, inputs, options, out, lse, return_lse)
             if done is not None:
-                return done if return_lse else done[0]
+                return done
         step = self._step
         if step is None:
             raise ValueError("run() was called before plan()")
@@ -963,10 +962,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
             options = (scores.get("q_scale"), scores.get("k_scale"), scores.get("v_scale"))
         if not scores or (scores.get("sinks") is None and scalar_options(*options)):
             inputs = (q, k, v)
-            replay = self._replay
-            done = replay.run(self._step, inputs, options, out, lse, return_lse) if replay is not None else None
+            done = replayed(self, inputs, options, out, lse, return_lse)
             if done is not None:
-                return done if return_lse else done[0]
+                return done
         step = self._step
         if step is None:
             raise ValueError("run() was called before plan()")

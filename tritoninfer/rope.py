@@ -40,7 +40,7 @@ import torch
 
 from . import _device, _errors, _ops
 from ._launch import CachedLauncher
-from ._options import FP8_DTYPES, TensorLayout, canonicalize_dtype, parse_layout, same_device
+from ._options import FP8_DTYPES, INDEX_DTYPES, TensorLayout, canonicalize_dtype, parse_layout, same_device
 from ._plan import cdiv, next_pow2
 from .kernels.rope import rope_kernel, rope_quantize_kernel
 
@@ -65,7 +65,6 @@ __all__ = [
 ]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,7 +86,7 @@ def _check_index_tensor(t, name: str, length: Optional[int], device: torch.devic
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dim() != 1:
         raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(t.shape)}")
-    if t.dtype not in _INDEX_DTYPES:
+    if t.dtype not in INDEX_DTYPES:
         raise ValueError(f"{name}: expected dtype int32 or int64, got {t.dtype}")
     if length is not None and t.numel() != length:
         raise ValueError(f"{name}: expected {length} elements, got {t.numel()}")

@@ -37,6 +37,7 @@ import torch
 
 from . import _device, _ops
 from ._launch import CachedLauncher
+from ._options import INDEX_DTYPES
 from ._plan import cdiv, next_pow2
 from .kernels import sampling as _k
 
@@ -75,7 +76,6 @@ _SOFTMAX_ROW = CachedLauncher(_k.softmax_row_kernel)
 _CHAIN = CachedLauncher(_k.chain_speculative_kernel)
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_INDEX_DTYPES = (torch.int32, torch.int64)
 _ORDERS = ("top_k_first", "joint")
 # Tiles: the top-p digit pass keeps a [BLOCK, 16] per-lane mass accumulator (64 registers a thread at
 # 512 with 4 warps), so it gets a smaller tile than the streaming passes; the top-k-only passes and the
@@ -206,7 +206,7 @@ def _check_indices(indices, num_rows: int, device: torch.device, check: bool) ->
         raise TypeError(f"indices: expected a torch.Tensor or None, got {type(indices).__name__}")
     if indices.dim() != 1:
         raise ValueError(f"indices: expected a 1-D tensor [batch_size], got shape {tuple(indices.shape)}")
-    if indices.dtype not in _INDEX_DTYPES:
+    if indices.dtype not in INDEX_DTYPES:
         raise ValueError(f"indices: expected dtype int32 or int64, got {indices.dtype}")
     if indices.device != device:
         raise ValueError(f"indices: expected a tensor on {device}, got one on {indices.device}")
@@ -1121,7 +1121,7 @@ def _check_counter(t, name: str, batch: int, device) -> None:
         raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(t).__name__}")
     if t.shape != (batch,):
         raise ValueError(f"{name}: expected shape ({batch},), got {tuple(t.shape)}")
-    if t.dtype not in _INDEX_DTYPES:
+    if t.dtype not in INDEX_DTYPES:
         raise ValueError(f"{name}: expected dtype int32 or int64, got {t.dtype}")
     if t.device != device:
         raise ValueError(f"{name}: expected a tensor on {device}, got one on {t.device}")
@@ -1189,7 +1189,7 @@ def chain_speculative_sampling(
     for t, name in ((draft_probs, "draft_probs"), (target_probs, "target_probs")):
         if t.dtype not in _FLOAT_DTYPES:
             raise ValueError(f"{name}: expected dtype float32, float16 or bfloat16, got {t.dtype}")
-    if draft_token_ids.dtype not in _INDEX_DTYPES:
+    if draft_token_ids.dtype not in INDEX_DTYPES:
         raise ValueError(f"draft_token_ids: expected dtype int32 or int64, got {draft_token_ids.dtype}")
     device = draft_probs.device
     for t, name in ((target_probs, "target_probs"), (draft_token_ids, "draft_token_ids")):

@@ -33,6 +33,7 @@ from ._attention import KVSource, PlanUploader
 from ._kvcache import PagedKV
 from ._options import (
     FP8_DTYPES,
+    INDEX_DTYPES,
     PosEncodingMode,
     TensorLayout,
     canonicalize_dtype,
@@ -531,8 +532,8 @@ class VariableBlockSparseAttentionWrapper(_SparseBase):
         check_head_dim(head_dim, "head_dim")
         q_dtype, kv_dtype = _dtypes(q_data_type, kv_data_type, (torch.float16, torch.bfloat16))
         check_tensor(block_mask_map, "block_mask_map", ndim=3)
-        check_tensor(block_row_sz, "block_row_sz", ndim=2, dtype=(torch.int32, torch.int64))
-        check_tensor(block_col_sz, "block_col_sz", ndim=2, dtype=(torch.int32, torch.int64))
+        check_tensor(block_row_sz, "block_row_sz", ndim=2, dtype=INDEX_DTYPES)
+        check_tensor(block_col_sz, "block_col_sz", ndim=2, dtype=INDEX_DTYPES)
         hk, mb, nb = block_mask_map.shape
         if hk != num_kv_heads:
             raise ValueError(f"block_mask_map: expected num_kv_heads = {num_kv_heads} masks, got shape {(hk, mb, nb)}")
