@@ -56,6 +56,7 @@
 #                the sampling and multi-item cases that failed at e9e8462
 #   tests-s16    pytest -m gpu on session 16's changes: POD's prefill half on the Gluon kernel (test_pod, test_route)
 #   tests-mla    pytest -m gpu tests/test_mla.py (all of it, on the default route)
+#   fit-decode   FlashInfer's decode tests (batch decode, tensor-core decode, non-contiguous, fp8 scales; 4 workers)
 #   fit-mla      FlashInfer's test_deepseek_mla.py and test_mla_page.py (4 workers)
 #   fit-bp-rest  test_batch_prefill_kernels.py's ragged and multi-item cases (fit-hopper's limit cut them, s17)
 #   tests-gluon  pytest -m gpu on both Gluon kernels (prefill incl. gathered pages, MLA incl. gather), -x
@@ -256,6 +257,9 @@ case "$part" in
     fit_run fit-lp-vs 4 tests/utils/test_logits_processor.py -k VsSamplingOps ;;
   fit-multi-item)
     fit_run fit-multi-item 4 tests/attention/test_hopper.py -k multi_item ;;
+  fit-decode)
+    fit_run fit-decode 4 tests/attention/test_batch_decode_kernels.py tests/attention/test_tensor_cores_decode.py \
+      tests/attention/test_non_contiguous_decode.py tests/attention/test_decode_fp8_calibration_scale.py ;;
   fit-mla)
     fit_run fit-mla 4 tests/attention/test_deepseek_mla.py tests/attention/test_mla_page.py ;;
   fit-bp-rest)
