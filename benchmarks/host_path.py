@@ -187,7 +187,8 @@ def prefill_row(providers, hq, hk, batch, qo_len, causal, form, cache, ws):
 
 
 def profile_runs(lib):
-    """cProfile of our run() at decode 1 x 4096 and paged prefill 4 x 4096 (32/8 heads)."""
+    """cProfile of our run() at decode 1 x 4096 and paged prefill 4 x 4096 (32/8 heads), and of decode plan() at
+    1 and 256 x 4096."""
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     cache = torch.randn(POOL_PAGES, 2, PAGE, 8, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     report = io.StringIO()
@@ -214,18 +215,19 @@ def profile_runs(lib):
         report.write(f"\n### cProfile, {label}, 200 run() calls\n\n```\n")
         pstats.Stats(prof, stream=report).sort_stats("tottime").print_stats(22)
         report.write("```\n")
-    indptr, indices, last = paged_table(256, 4096)
-    w = lib.BatchDecodeWithPagedKVCacheWrapper(ws)
-    for _ in range(3):
-        w.plan(indptr, indices, last, 32, 8, HEAD_DIM, PAGE, q_data_type=torch.bfloat16)
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(200):
-        w.plan(indptr, indices, last, 32, 8, HEAD_DIM, PAGE, q_data_type=torch.bfloat16)
-    prof.disable()
-    report.write("\n### cProfile, decode plan() 256 x 4096, 200 calls\n\n```\n")
-    pstats.Stats(prof, stream=report).sort_stats("tottime").print_stats(25)
-    report.write("```\n")
+    for batch in (1, 256):
+        indptr, indices, last = paged_table(batch, 4096)
+        w = lib.BatchDecodeWithPagedKVCacheWrapper(ws)
+        for _ in range(3):
+            w.plan(indptr, indices, last, 32, 8, HEAD_DIM, PAGE, q_data_type=torch.bfloat16)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(200):
+            w.plan(indptr, indices, last, 32, 8, HEAD_DIM, PAGE, q_data_type=torch.bfloat16)
+        prof.disable()
+        report.write(f"\n### cProfile, decode plan() {batch} x 4096, 200 calls\n\n```\n")
+        pstats.Stats(prof, stream=report).sort_stats("tottime").print_stats(25)
+        report.write("```\n")
     return report.getvalue()
 
 
