@@ -494,18 +494,16 @@ HOPPER_FP8_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_as_m", [True, False], ids=["kv-as-m", "heads-as-m"])
 @pytest.mark.parametrize("case", HOPPER_FP8_CASES, ids=Case.id)
-def test_gpu_hopper_fp8_decode(case, kv_as_m, monkeypatch):
-    """With ``_route.DECODE_HOPPER_FP8`` on, e4m3 decode under GQA runs on the Gluon fp8 decode, in either
-    consumer orientation (split requests merged by their last split), and matches the reference, with scales, with and without an LSE, and
-    again after a re-plan with other lengths; sinks take the core."""
+def test_gpu_hopper_fp8_decode(case, monkeypatch):
+    """With ``_route.DECODE_HOPPER_FP8`` on, e4m3 decode under GQA runs on the Gluon fp8 decode (split
+    requests merged by their last split), and matches the reference, with scales, with and without an LSE,
+    and again after a re-plan with other lengths; sinks take the core."""
     from tritoninfer import _hopper, _route
 
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon fp8 decode is for sm_90")
     monkeypatch.setattr(_route, "DECODE_HOPPER_FP8", True)
-    monkeypatch.setattr(_hopper, "DECODE_KV_AS_M", kv_as_m)  # the consumer's orientation (both kept for A/B)
     calls = []
     launch = _hopper.decode_launch
     monkeypatch.setattr(_hopper, "decode_launch", lambda *a, **kw: calls.append(1) or launch(*a, **kw))

@@ -335,10 +335,8 @@ def test_hopper_prefill_kernel_compiles_for_sm90():
     _check_resources(report, lambda case: 32 if "gather" in case else 8 if "fp8" in case else 0)
 
 
-# the Gluon fp8 decode (kernels/decode_hopper.py) as _hopper.decode_launch launches it: (page size, GQA group,
-# the consumer's orientation: KV as the wgmma's M, or the query heads as its 64 rows)
-DECODE_HOPPER_CASES = {"p16-g4": (16, 4, True), "p64-g8": (64, 8, True), "p8-g16": (8, 16, True),
-                       "p16-g4-rows64": (16, 4, False), "p8-g16-rows64": (8, 16, False)}
+# the Gluon fp8 decode (kernels/decode_hopper.py) as _hopper.decode_launch launches it: (page size, GQA group)
+DECODE_HOPPER_CASES = {"p16-g4": (16, 4), "p64-g8": (64, 8), "p8-g16": (8, 16)}
 
 
 def compile_decode_hopper_case(name: str):
@@ -352,9 +350,8 @@ def compile_decode_hopper_case(name: str):
     from tritoninfer import _hopper
     from tritoninfer.kernels.decode_hopper import decode_hopper_kernel
 
-    page, group, kv_as_m = DECODE_HOPPER_CASES[name]
+    page, group = DECODE_HOPPER_CASES[name]
     d = 128
-    _hopper.DECODE_KV_AS_M = kv_as_m  # (a subprocess of its own: _compile_in_subprocess)
 
     def desc(box_rows, dtype):
         rows = torch.empty(1024, 8 * d, dtype=dtype)

@@ -47,10 +47,6 @@ DECODE_STAGES = 3
 DECODE_FP8_STAGES = 6
 DECODE_CONSUMER_REGS = 248
 DECODE_PRODUCER_REGS = 40
-# the consumer's orientation: KV positions as the wgmma's M (S^T = K Q^T over the group rounded up to 8 query
-# heads; written in session 19 after the 64-row form measured 1.9x slower than the core, unrun) or the
-# query heads as its 64 rows (False: the form measured)
-DECODE_KV_AS_M = True
 PERSISTENT = True  # one program per SM running work items in turn (False: one item per program)
 # smallest page the Gluon kernels read by TMA: a box per page lands in an 8-row slice of a 128-byte
 # swizzled stage; Triton 3.6 cannot slice one below its 8-row swizzle pattern
@@ -58,9 +54,8 @@ TMA_MIN_PAGE = 8
 
 
 def decode_q_rows(group: int) -> int:
-    """The rows of the fp8 decode's Q box: the group's heads (64 with ``DECODE_KV_AS_M`` off, a consumer's
-    wgmma M; else the group rounded up to 8, its N)."""
-    return -(-group // 8) * 8 if DECODE_KV_AS_M else 64
+    """The rows of the fp8 decode's Q box: the group's heads rounded up to 8 (the consumer's wgmma N)."""
+    return -(-group // 8) * 8
 
 
 def gather_pages(page_size: int) -> bool:
@@ -91,7 +86,7 @@ def decode_config() -> dict:
     """The Gluon fp8 decode's compile-time constants and ``maxnreg`` (two warpgroups: the launch's limit
     is the mean of the consumer's and the producer's, which ``warp_specialize`` then redistributes)."""
     return dict(BLOCK_N=DECODE_BLOCK_N, STAGES=DECODE_STAGES, FP8_STAGES=DECODE_FP8_STAGES,
-                PRODUCER_REGS=DECODE_PRODUCER_REGS, KV_AS_M=DECODE_KV_AS_M,
+                PRODUCER_REGS=DECODE_PRODUCER_REGS,
                 maxnreg=(DECODE_CONSUMER_REGS + DECODE_PRODUCER_REGS) // 2 // 8 * 8)
 
 

@@ -53,8 +53,9 @@ HOPPER_GATHER = False
 HOPPER_FP8 = False
 # e4m3 paged decode with grouped-query attention on the Gluon fp8 decode (kernels/decode_hopper.py: a
 # producer warpgroup converts each fp8 tile for a wgmma consumer; issue "Speed, part 3", target 2; False:
-# the core). Session 19, H200: the 64-row consumer passes its GPU tests but runs 1.9x slower than the core's
-# fp8 decode; the KV-as-M consumer (_hopper.DECODE_KV_AS_M) is compiled, not yet run: off.
+# the core). Session 22, H200: its GPU tests pass, but it runs ~2.2x slower than the core's fp8 decode (64 x 4096,
+# 32/8 and 64/8 heads: 441-444 µs against 198-202); the producer's page-id loads and one-warp conversion bound it
+# (benchmarks/NOTES.md, sessions 19 and 22): off.
 DECODE_HOPPER_FP8 = False
 
 

@@ -10,14 +10,11 @@ program (one per SM, persistent) runs items in turn, as two partitions (``gl.war
 - a producer warpgroup that brings each tile's pages by TMA into a ring of ``FP8_STAGES`` e4m3 stages
   (a tile's page ids loaded while the tile before it is issued) and converts each into the consumer's
   ring of ``STAGES`` fp16 stages (the prefill kernel's ``_convert_tile``), running on across items;
-- the consumer warpgroup, in one of two orientations (``KV_AS_M``):
-  - KV as the wgmma's M (``_decode_consume_kv_m``): S^T = K Q^T over the GROUP query heads rounded up
-    to 8 (the Q box's rows), the softmax over the tile's positions, O^T += V^T P through a small shared
-    P tile: no padded rows;
-  - the query heads as its 64 rows (``_decode_consume``): Q (one TMA box of 64 (token, head) rows, the
-    rows past GROUP other heads' or TMA's zero fill: computed, never stored) held in registers, S_j
-    issued before PV_{j-1} as the prefill consumers. Measured on the H200 in session 19: correct, but
-    1.9x slower than the core's fp8 decode (the softmax of 64 rows for 4 live ones; benchmarks/NOTES.md).
+- the consumer warpgroup, with KV as the wgmma's M (``_decode_consume_kv_m``): S^T = K Q^T over the GROUP
+  query heads rounded up to 8 (the Q box's rows), the softmax over the tile's positions, O^T += V^T P
+  through a small shared P tile: no padded rows. (A consumer with the query heads as its 64 rows ran
+  4-5 % slower on the H200 in session 22 and was removed; both orientations are ~2.2x slower than the
+  core's fp8 decode, which stays the default route: benchmarks/NOTES.md, session 22.)
 Q (bf16/fp16) is converted to fp16 in place once it lands. An unsplit item writes its rows of the
 output (and LSE); a split item writes its normalised partial state, and the last split of a
 (request, KV head) to arrive (an arrival counter, as the attention core's fused merge) merges them all
@@ -35,10 +32,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
-    warpgroup_mma_wait,
 )
 
-from .prefill_hopper import ROWS, _attend_tiles, _convert_q, _convert_tile, _load_q
+from .prefill_hopper import _convert_q, _convert_tile, _load_q
 
 WORK_FIELDS = gl.constexpr(7)  # _plan.WORK_FIELDS: request, q tile, kv start, kv end, split, splits, group
 
@@ -112,100 +108,11 @@ def _q_row(item, num_items, num_qo_heads, num_kv_heads, work_ptr, group):
 
 
 @gluon.jit
-def _decode_consume(q_desc, q_smem, q_bar, k_smem, v_smem, ready, empty, o_ptr, stride_o_tok, stride_o_head,
-                    lse_ptr, stride_lse_tok, part_o_ptr, part_lse_ptr, counter_ptr, k_mult, v_mult, work_ptr,
-                    state_offset_ptr, num_qo_heads, num_kv_heads, num_items, sm_scale_log2, group):
-    """The consumer warpgroup: every item of the program against its split's KV tiles, Q from registers;
-    the next item's Q loads as soon as this one is in registers. Rows past ``group`` are computed and dropped. (``group``
-    arrives as a value: a constexpr passed through ``warp_specialize``'s argument tuple does.)"""
-    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
-    HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
-    dtype: gl.constexpr = k_smem.dtype
-    q_load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    rows_o = gl.arange(0, ROWS, layout=row_o)
-    rows_s = gl.arange(0, ROWS, layout=row_s)
-
-    my_q = q_smem.index(0)
-    convert_q: gl.constexpr = dtype != q_desc.dtype
-    my_q_mma = my_q._reinterpret(dtype, [ROWS, HEAD_DIM], q_desc.layout) if convert_q else my_q
-    my_bar = q_bar.index(0)
-    scale = sm_scale_log2 * k_mult
-    first = gl.program_id(0)
-    step = gl.num_programs(0)
-    _load_q(q_desc, my_q, my_bar, _q_row(first, num_items, num_qo_heads, num_kv_heads, work_ptr, group), 0,
-            first < num_items)
-    t = 0  # KV tiles of the ring consumed before this item
-    q_phase = 0
-    for item in range(first, num_items, step):
-        req, kv_head, split, num_splits, kv_lo, n_kv = _decode_item(item, num_kv_heads, work_ptr)
-        n_tiles = gl.cdiv(n_kv, BLOCK_N)
-        next_row = _q_row(item + step, num_items, num_qo_heads, num_kv_heads, work_ptr, group)
-        first_masked = n_kv // BLOCK_N  # the tile that holds the split's end
-        mbarrier.wait(my_bar, q_phase)
-        q_phase ^= 1
-        if convert_q:
-            _convert_q(my_q, my_q_mma, q_load_layout)
-        # Q in registers for every S of the item (shared memory serves the K/V tiles), and the next
-        # item's Q on its way once every thread has read this one
-        q_op = my_q_mma.load(q_layout)
-        gl.thread_barrier()
-        _load_q(q_desc, my_q, my_bar, next_row, 0, item + step < num_items)
-        m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)
-        l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
-        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-
-        if n_tiles > 0:
-            o_tok, last, m_i, l_i = _attend_tiles(q_op, k_smem, v_smem, ready, empty, t, n_tiles, m_i, l_i, acc,
-                                                  s_zero, scale, cols0, n_kv, rows_s, first_masked, 0, p_layout,
-                                                  row_o)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
-            mbarrier.arrive(empty.index(last), count=1)
-            t += n_tiles
-
-        # a split that saw no key: output 0, LSE -inf (as the attention core); split items write their
-        # normalised state, unsplit ones the output (both stores always issued, masked: Triton 3.6 fails
-        # to lower a warp-specialised store under a constant-false condition)
-        l_o = gl.convert_layout(l_i, row_o)
-        o = acc / gl.where(l_o > 0, l_o, 1.0)[:, None] * v_mult
-        lse = gl.where(l_i > 0, m_i + gl.log2(gl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        head_o = kv_head * group + rows_o
-        head_s = kv_head * group + rows_s
-        live = req >= 0
-        split_rows = live & (num_splits > 1)
-        whole_rows = live & (num_splits <= 1)
-        state = gl.load(state_offset_ptr + gl.maximum(req, 0)) + split
-        row_ok_o = rows_o < group
-        row_ok_s = rows_s < group
-        gl.store(o_ptr + req.to(gl.int64) * stride_o_tok + head_o[:, None] * stride_o_head + offs_d[None, :],
-                 o.to(o_ptr.dtype.element_ty), mask=(row_ok_o & whole_rows)[:, None])
-        gl.store(lse_ptr + req.to(gl.int64) * stride_lse_tok + head_s, lse, mask=row_ok_s & whole_rows)
-        state_row = state.to(gl.int64) * num_qo_heads
-        gl.store(part_o_ptr + ((state_row + head_o) * HEAD_DIM)[:, None] + offs_d[None, :], o,
-                 mask=(row_ok_o & split_rows)[:, None])
-        gl.store(part_lse_ptr + state_row + head_s, lse, mask=row_ok_s & split_rows)
-        if split_rows:
-            _arrive_and_merge(item, req, kv_head, split, num_splits, state, group, counter_ptr, work_ptr, num_kv_heads,
-                              o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, part_o_ptr, part_lse_ptr,
-                              num_qo_heads, HEAD_DIM)
-
-
-@gluon.jit
 def _decode_consume_kv_m(q_desc, q_smem, q_bar, k_smem, v_smem, ready, empty, o_ptr, stride_o_tok, stride_o_head,
                          lse_ptr, stride_lse_tok, part_o_ptr, part_lse_ptr, counter_ptr, k_mult, v_mult, work_ptr,
                          state_offset_ptr, num_qo_heads, num_kv_heads, num_items, sm_scale_log2,
                          group):
-    """The consumer warpgroup with KV as the wgmma's M (``KV_AS_M``): S^T = K Q^T, [BLOCK_N tokens, Q_ROWS
+    """The consumer warpgroup with KV as the wgmma's M: S^T = K Q^T, [BLOCK_N tokens, Q_ROWS
     heads] (Q_ROWS = the Q box's rows, the group rounded up to 8: no 64-row padding), the softmax over
     the tokens (axis 0), then O^T += V^T P ([D, Q_ROWS]; V^T read transposed from the fp16 stage, P
     through a small shared tile). Every step is small; the tiles run one after another."""
@@ -354,7 +261,7 @@ def decode_hopper_kernel(
     part_o_ptr, part_lse_ptr, counter_ptr, work_ptr, kv_indptr_ptr, kv_indices_ptr, state_offset_ptr, num_qo_heads,
     num_kv_heads, num_items, sm_scale_log2, rows_per_page,
     GROUP: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FP8_STAGES: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr, KV_AS_M: gl.constexpr, num_warps: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """q_desc: q [batch, H_qo, D] (contiguous) as a 2-D view [batch * H_qo, D], box [64, D]; k_desc /
     v_desc: 2-D views [rows, H_kv * D] of the e4m3 K and V pages, box [PAGE, D] (8 to 128 positions,
@@ -390,9 +297,5 @@ def decode_hopper_kernel(
                      state_offset_ptr, num_qo_heads, num_kv_heads, num_items, sm_scale_log2, GROUP)
     producer_args = (k_desc, v_desc, k8_smem, v8_smem, ready8, k_smem, v_smem, ready, empty, work_ptr, kv_indptr_ptr,
                      kv_indices_ptr, rows_per_page, num_kv_heads, num_items)
-    if KV_AS_M:
-        gl.warp_specialize([(_decode_consume_kv_m, consumer_args), (_fp8_decode_partition, producer_args)], [4],
-                           [PRODUCER_REGS])
-    else:
-        gl.warp_specialize([(_decode_consume, consumer_args), (_fp8_decode_partition, producer_args)], [4],
-                           [PRODUCER_REGS])
+    gl.warp_specialize([(_decode_consume_kv_m, consumer_args), (_fp8_decode_partition, producer_args)], [4],
+                       [PRODUCER_REGS])
