@@ -265,8 +265,8 @@ def decode_hopper_kernel(
 ):
     """q_desc: q [batch, H_qo, D] (contiguous) as a 2-D view [batch * H_qo, D], box [Q_ROWS, D]
     (``_hopper.decode_q_rows``: the group rounded up to 8); k_desc / v_desc: 2-D views [rows, H_kv * D] of
-    the e4m3 K and V pages, box [PAGE, D] (8 to 128 positions, dividing BLOCK_N), page p starting at row p * rows_per_page; o: [batch, H_qo, D] (any row and head
-    strides); lse: [batch, H_qo] float32 base 2 (always written: scratch when the caller wants none).
+    the e4m3 K and V pages, box [PAGE, D] (8 to 128 positions, dividing BLOCK_N), page p starting at row
+    p * rows_per_page; o: [batch, H_qo, D] (any row and head strides); lse: [batch, H_qo] float32 base 2 (always written: scratch when the caller wants none).
     ``work``: the decode plan's int32 [items, 7] list (``_plan.build_work``: request, 0, KV start and
     end, split, splits, group), one item per entry and KV head (``num_items`` = entries x H_kv);
     ``kv_indptr`` / ``kv_indices`` the page table; ``state_offset`` int32 [batch] each request's first
