@@ -264,16 +264,16 @@ def decode_hopper_kernel(
     PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """q_desc: q [batch, H_qo, D] (contiguous) as a 2-D view [batch * H_qo, D], box [Q_ROWS, D]
-    (``_hopper.decode_q_rows``: the group rounded up to 8); k_desc / v_desc: 2-D views [rows, H_kv * D] of
-    the e4m3 K and V pages, box [PAGE, D] (8 to 128 positions, dividing BLOCK_N), page p starting at row
-    p * rows_per_page; o: [batch, H_qo, D] (any row and head strides); lse: [batch, H_qo] float32 base 2 (always written: scratch when the caller wants none).
-    ``work``: the decode plan's int32 [items, 7] list (``_plan.build_work``: request, 0, KV start and
-    end, split, splits, group), one item per entry and KV head (``num_items`` = entries x H_kv);
-    ``kv_indptr`` / ``kv_indices`` the page table; ``state_offset`` int32 [batch] each request's first
-    partial state; ``part_o`` float32 [states, H_qo, D] and ``part_lse`` [states, H_qo]: the split
-    items' states. ``k_mult`` multiplies the scores (q_scale * k_scale; with ``sm_scale_log2``, log2
-    units: positive), ``v_mult`` the output. ``num_warps`` is 4: the consumer is the default partition,
-    the producer a warpgroup of ``PRODUCER_REGS`` registers a thread."""
+    (``_hopper.decode_q_rows``: the group rounded up to 8); k_desc / v_desc: 2-D views [rows, H_kv * D] of the e4m3
+    K and V pages, box [PAGE, D] (8 to 128 positions, dividing BLOCK_N), page p starting at row p * rows_per_page;
+    o: [batch, H_qo, D] (any row and head strides); lse: [batch, H_qo] float32 base 2 (always written: scratch when
+    the caller wants none). ``work``: the decode plan's int32 [items, 7] list (``_plan.build_work``: request, 0, KV
+    start and end, split, splits, group), one item per entry and KV head (``num_items`` = entries x H_kv);
+    ``kv_indptr`` / ``kv_indices`` the page table; ``state_offset`` int32 [batch] each request's first partial
+    state; ``part_o`` float32 [states, H_qo, D] and ``part_lse`` [states, H_qo]: the split items' states. ``k_mult``
+    multiplies the scores (q_scale * k_scale; with ``sm_scale_log2``, log2 units: positive), ``v_mult`` the output.
+    ``num_warps`` is 4: the consumer is the default partition, the producer a warpgroup of ``PRODUCER_REGS``
+    registers a thread."""
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [1, q_desc.block_type.shape[0], HEAD_DIM], q_desc.layout)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float16)
