@@ -26,12 +26,13 @@ def main(argv=None):
     ap.add_argument("--shape", default="32/8/64/4096", help="HQ/HK/BATCH/KV_LEN")
     ap.add_argument("--calls", type=int, default=3)
     args = ap.parse_args(argv)
-    kv_as_m, block_n, warps, stages, prefetch, slots = parse_config(args.config)
+    kv_as_m, block_n, warps, stages, prefetch, slots, lanes = parse_config(args.config)
     hq, hk, batch, kv_len = map(int, args.shape.split("/"))
     original = _plan.decode_tiles
+    decode._decode_tiles.cache_clear()
     decode._plan.decode_tiles = lambda *a: dataclasses.replace(
         original(*a), kv_as_m=kv_as_m, block_n=block_n, num_warps=warps, num_stages=stages, prefetch_pages=prefetch,
-        programs_per_sm=slots or original(*a).programs_per_sm)
+        programs_per_sm=slots or original(*a).programs_per_sm, lanes=lanes)
     kv_dtype = getattr(torch, args.kv_dtype)
     kv = gpu_paged_kv(batch, kv_len, hk, 128, 16, kv_dtype, "NHD")
     q = torch.randn((batch, hq, 128), device="cuda").to(torch.bfloat16)
