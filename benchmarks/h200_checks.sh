@@ -217,13 +217,13 @@ case "$part" in
       --timeout 90 tests/test_mla.py -k "${MLA_K:-gluon or graph or without_kv}" > "$out/$part.log" 2>&1 || true ;;
   mla-sets)
     # the rows (and batch 128, 16 x 32K at 16 heads), once per --set of MLA_SETS (space-separated;
-    # "-" for none), FlashInfer beside the first (run warm-mla first)
+    # "-" for none; several settings of one run joined by +), FlashInfer beside the first (run warm-mla first)
     shapes=128:64:1:8192:1,128:64:16:8192:1,128:64:64:8192:1,128:64:128:8192:1,128:64:16:32768:1,128:64:64:4096:4
     shapes=$shapes,128:1:64:4096:1,16:64:64:8192:1,16:64:128:8192:1,16:64:16:32768:1,16:64:64:4096:4,16:1:64:4096:1
     first=1
     for set in ${MLA_SETS:--}; do
       PYTHONPATH=/tmp/site:$PWD timeout $((limit / 2)) python3 -m tritoninfer bench mla --shapes $shapes \
-        $([ $first = 1 ] || echo --backends=) $([ "$set" = - ] || echo --set "$set") --out "$out/mla-$set" \
+        $([ $first = 1 ] || echo --backends=) $([ "$set" = - ] || printf -- '--set %s ' ${set//+/ }) --out "$out/mla-$set" \
         > "$out/mla-$set.log" 2>&1 || true
       first=0
     done ;;
