@@ -541,6 +541,37 @@ def test_gpu_hopper_fp8_prefill(case, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_hopper_ragged_prefill_192_128(causal, monkeypatch):
+    """With ``_route.HOPPER_192_128`` on, DeepSeek's non-absorbed prefill (ragged, head_dim_qk 192 / vo 128,
+    one KV head a query head) runs on the Gluon kernel, Q and K in three 64-column chunks, and matches the
+    reference, LSE included: requests of lengths off the 128-token tile, one of them empty of queries."""
+    from tritoninfer import _route
+
+    _needs_hopper()
+    monkeypatch.setattr(_route, "HOPPER_192_128", True)
+    monkeypatch.setattr(_route, "HOPPER_FORCE", True)  # lengths below the route's threshold
+    calls = _count_hopper_launches(monkeypatch)
+    g = torch.Generator().manual_seed(11)
+    qo_lens, kv_lens, heads = (300, 0, 1100, 77), (300, 40, 1500, 77), 16
+    q, qo_indptr = testing.random_qo(qo_lens, heads, 192, dtype=torch.bfloat16, generator=g)
+    k, kv_indptr = testing.make_ragged(kv_lens, heads, 192, torch.bfloat16, "cpu", g)
+    v, _ = testing.make_ragged(kv_lens, heads, 128, torch.bfloat16, "cpu", g)
+    q, k, v = q.cuda(), k.cuda(), v.cuda()
+    w = BatchPrefillWithRaggedKVCacheWrapper(testing.make_workspace(64 << 20, "cuda"))
+    w.plan(qo_indptr, kv_indptr, heads, heads, 192, head_dim_vo=128, causal=causal, q_data_type=torch.bfloat16)
+    assert w._step.route.kernel == "hopper", w._step.route
+    out = testing.nan_like(q[..., :128])
+    lse = torch.full(q.shape[:2], float("nan"), device="cuda")
+    w.run(q, k, v, out=out, lse=lse)
+    ref_o, ref_lse = reference.batch_prefill_with_ragged_kv_cache(q, k, v, qo_indptr.cuda(), kv_indptr.cuda(),
+                                                                  causal=causal)
+    testing.assert_close(out, ref_o, torch.bfloat16)
+    testing.assert_lse_close(lse, ref_lse, dtype=torch.bfloat16)
+    assert calls
+
+
+@pytest.mark.gpu
 def test_gpu_hopper_paged_fallbacks(monkeypatch):
     """A paged plan in the Gluon kernel's range still takes the core for a run with fp8 scales or sinks
     (which the kernel lacks); the kernel's own run matches the reference with and without an LSE."""

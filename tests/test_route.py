@@ -101,6 +101,29 @@ def test_route_takes_e4m3_kv_when_switched_on(hopper_gpu, monkeypatch):
     assert _route.PREFILL.at_run(route, q, (k8, k8), sinks=torch.zeros(4)) is None
 
 
+def test_route_takes_deepseek_dims_when_switched_on(hopper_gpu, monkeypatch):
+    """``_route.HOPPER_192_128``: DeepSeek's non-absorbed prefill (head_dim_qk 192 / vo 128) takes the kernel
+    over contiguous 16-bit K/V only; off, or paged, or e4m3, it stays on the core. At run, K is read in boxes
+    of 64 columns (TMA boxes are powers of two: ``_hopper.qk_chunk``), V in boxes of its 128."""
+    dims = {"head_dim_qk": 192, "head_dim_vo": 128}
+    assert "HOPPER_192_128" in _route.PREFILL.at_plan(_facts(**dims)).reason
+    monkeypatch.setattr(_route, "HOPPER_192_128", True)
+    monkeypatch.setattr(_route, "HOPPER_FP8", True)
+    assert _route.PREFILL.at_plan(_facts(**dims)).kernel == "hopper"
+    assert _route.PREFILL.at_plan(_facts(causal=True, mean=4096, **dims)).kernel == "hopper"
+    for change in ({"page_size": 16, "mean": 512}, {"kv_dtype": torch.float8_e4m3fn}, {"head_dim_vo": 192},
+                   {"head_dim_qk": 128, "head_dim_vo": 192}):
+        route = _route.PREFILL.at_plan(_facts(**{**dims, **change}))
+        assert route.is_core and "head_dim" in route.reason, (change, route)
+    q = torch.randn(256, 4, 192).to(torch.bfloat16)
+    k = torch.randn(256, 2, 192).to(torch.bfloat16)
+    v = torch.randn(256, 2, 128).to(torch.bfloat16)
+    boxes = _route.PREFILL.at_run(_route.Route("hopper", "forced"), q, (k, v))
+    k_box, v_box = boxes.boxes
+    assert (k_box.shape, k_box.block, v_box.shape, v_box.block) == ((256, 384), (128, 64), (256, 256), (128, 128))
+    assert _hopper.kernel_config(False, 192)["QK_CHUNKS"] == 3 and _hopper.kernel_config(False)["QK_CHUNKS"] == 1
+
+
 def test_route_off_hopper_or_other_triton(hopper_gpu, monkeypatch):
     monkeypatch.setattr(_hopper, "gluon_available", lambda: False)
     assert "Triton 3.6" in _route.PREFILL.at_plan(_facts()).reason

@@ -278,12 +278,15 @@ HOPPER_CASES = {"ragged-causal": (0, True, 4), "ragged": (0, False, 1), "paged16
                 # pages gathered by cp.async (_hopper.gather_pages: page 1, SGLang's)
                 "paged1-gather-causal": (1, True, 4), "paged4-gather": (4, False, 8),
                 # e4m3 K/V converted by the producer warpgroup (_hopper.fp8_config)
-                "fp8-ragged-causal": (0, True, 4), "fp8-paged16-causal": (16, True, 4), "fp8-paged64": (64, False, 8)}
+                "fp8-ragged-causal": (0, True, 4), "fp8-paged16-causal": (16, True, 4), "fp8-paged64": (64, False, 8),
+                # DeepSeek's non-absorbed prefill: head_dim_qk 192 (three 64-column chunks) / head_dim_vo 128
+                "ragged-192-128-causal": (0, True, 1), "ragged-192-128": (0, False, 1)}
 
 
 def compile_hopper_case(name: str):
     """One variant of the Gluon prefill kernel for sm_90: its TMA descriptors' types as
-    ``_hopper.ragged_descriptors`` / ``paged_descriptors`` build them, bf16, head_dim 128."""
+    ``_hopper.ragged_descriptors`` / ``paged_descriptors`` build them, bf16, head_dim 128 (192 / 128 for the
+    ``192-128`` cases: Q and K boxes of ``_hopper.qk_chunk`` columns)."""
     import torch
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -295,22 +298,23 @@ def compile_hopper_case(name: str):
     page, causal, group = HOPPER_CASES[name]
     fp8 = name.startswith("fp8")
     kv_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
-    d = 128
+    d, d_vo = (192, 128) if "192-128" in name else (128, 128)
 
-    def desc(box_rows, dtype):
-        rows = torch.empty(1024, 8 * d, dtype=dtype)
-        return mangle_type(TensorDescriptor(rows, [1024, 8 * d], [8 * d, 1], [box_rows, d],
-                                            _hopper.smem_layout(box_rows, d, dtype)))
+    def desc(box_rows, dtype, width=d, box_cols=_hopper.qk_chunk(d)):
+        rows = torch.empty(1024, 8 * width, dtype=dtype)
+        return mangle_type(TensorDescriptor(rows, [1024, 8 * width], [8 * width, 1], [box_rows, box_cols],
+                                            _hopper.smem_layout(box_rows, box_cols, dtype)))
 
     gather = _hopper.gather_pages(page)
-    config = _hopper.kernel_config(fp8)
+    config = _hopper.kernel_config(fp8, d)
     constexprs = dict(GROUP=group, IS_CAUSAL=causal, PAGE_SIZE=page, GATHER=gather, num_warps=4,
                       **{k: v for k, v in config.items() if k != "maxnreg"})
     sig = {}
     for p in prefill_hopper_kernel.params:
         n = p.name
         sig[n] = ("constexpr" if n in constexprs else desc(64, torch.bfloat16) if n == "q_desc" else
-                  desc(_hopper.TILE if gather or not page else page, kv_dtype) if n in ("k_desc", "v_desc") else
+                  desc(_hopper.TILE if gather or not page else page, kv_dtype) if n == "k_desc" else
+                  desc(_hopper.TILE if gather or not page else page, kv_dtype, d_vo, d_vo) if n == "v_desc" else
                   "*bf16" if n == "o_ptr" else "*fp8e4nv" if fp8 and n in ("k_ptr", "v_ptr") else
                   "*bf16" if n in ("k_ptr", "v_ptr") else
                   "*fp32" if n == "lse_ptr" else "*i32" if n.endswith("_ptr") else

@@ -26,6 +26,9 @@ from ._launch import BoundLaunch, CachedLauncher, DriverCall, TmaBox
 
 TILE = 128  # query tokens per work item: two consumer warpgroups of 64
 STAGES = 3  # K/V ring depth: 3 x 64 KB at head_dim 128, with Q 224 KB of the H200's 227
+# head_dim_qk 192 / head_dim_vo 128 (DeepSeek's non-absorbed prefill, _route.HOPPER_192_128): 2 x (48 + 32) KB,
+# with Q's 48 KB 208 KB
+STAGES_192 = 2
 CONSUMER_REGS = 240  # per consumer thread; the producer warpgroup keeps 24
 PRODUCER_REGS = 24
 # e4m3 K/V (the kernel's FP8 mode): two 16-bit stages the consumers read (FP8_STAGES) and two fp8
@@ -90,13 +93,22 @@ def decode_config() -> dict:
                 maxnreg=(DECODE_CONSUMER_REGS + DECODE_PRODUCER_REGS) // 2 // 8 * 8)
 
 
-def kernel_config(fp8: bool) -> dict:
-    """The kernel's ring and register constants (and ``maxnreg``) for 16-bit or e4m3 K/V."""
+def qk_chunk(head_dim_qk: int) -> int:
+    """Columns of the prefill kernel's Q and K boxes and shared tiles: all of head_dim_qk where it is a
+    power of two (TMA boxes and Gluon tiles are), else chunks of 64 (192: three)."""
+    return head_dim_qk if head_dim_qk & (head_dim_qk - 1) == 0 else 64
+
+
+def kernel_config(fp8: bool, head_dim_qk: int = 128) -> dict:
+    """The kernel's ring and register constants (and ``maxnreg``) for 16-bit or e4m3 K/V (head_dim_qk
+    192: Q and K in chunks, ``qk_chunk``, and a shallower ring, ``STAGES_192``)."""
     if fp8:
         return dict(STAGES=FP8_STAGES, FP8=True, FP8_STAGES=FP8_RING, CONSUMER_REGS=FP8_CONSUMER_REGS,
-                    PRODUCER_REGS=FP8_PRODUCER_REGS, maxnreg=maxnreg(FP8_CONSUMER_REGS, FP8_PRODUCER_REGS))
-    return dict(STAGES=STAGES, FP8=False, FP8_STAGES=1, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-                maxnreg=maxnreg(CONSUMER_REGS, PRODUCER_REGS))
+                    PRODUCER_REGS=FP8_PRODUCER_REGS, QK_CHUNKS=1,
+                    maxnreg=maxnreg(FP8_CONSUMER_REGS, FP8_PRODUCER_REGS))
+    return dict(STAGES=STAGES if head_dim_qk <= 128 else STAGES_192, FP8=False, FP8_STAGES=1,
+                CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+                QK_CHUNKS=head_dim_qk // qk_chunk(head_dim_qk), maxnreg=maxnreg(CONSUMER_REGS, PRODUCER_REGS))
 
 
 @functools.lru_cache(maxsize=None)
@@ -163,14 +175,15 @@ class KVBoxes(NamedTuple):
 
 
 def ragged_descriptors(k: torch.Tensor, v: torch.Tensor) -> Optional[KVBoxes]:
-    """TMA boxes of contiguous NHD K/V (128-token boxes of one head), or None where a 2-D TMA view
-    does not fit them (the run then takes the core)."""
+    """TMA boxes of contiguous NHD K/V (128-token boxes of one head, K's of ``qk_chunk`` columns, V's of
+    its head_dim), or None where a 2-D TMA view does not fit them (the run then takes the core)."""
     if not (tma_ready(k) and tma_ready(v)):
         return None
-    n, h, d = k.shape
-    layout = smem_layout(TILE, d, k.dtype)
-    return KVBoxes((TmaBox(k, (n, h * d), (k.stride()[0], 1), (TILE, d), layout),
-                    TmaBox(v, (n, h * d), (v.stride()[0], 1), (TILE, d), layout)), 0)
+    n, h, dk = k.shape
+    dv = v.shape[2]
+    ck = qk_chunk(dk)
+    return KVBoxes((TmaBox(k, (n, h * dk), (k.stride()[0], 1), (TILE, ck), smem_layout(TILE, ck, k.dtype)),
+                    TmaBox(v, (n, h * dv), (v.stride()[0], 1), (TILE, dv), smem_layout(TILE, dv, v.dtype))), 0)
 
 
 def paged_descriptors(kv: PagedKV) -> Optional[KVBoxes]:
@@ -228,20 +241,21 @@ def launch(q, kv_descriptors, out, lse, qo_indptr, kv_indptr, kv_len, tiles: tor
     building another (session 20: ~90 µs of the dev CPU's Python at every step's first run)."""
     (k_box, v_box), rows_per_page, page, num_pages = kv_descriptors
     tokens, hq, d = q.shape
-    key = ("hopper", hq, num_kv_heads, d, q.dtype, k_box.tensor.dtype, sm_scale, causal, page)
+    key = ("hopper", hq, num_kv_heads, d, v_box.block[1], q.dtype, k_box.tensor.dtype, sm_scale, causal, page)
     bound = launches.get(key)
     if bound is None:
         if len(launches) >= 16:
             launches.clear()
         bound = launches[key] = _HopperLaunch(q.device, hq, num_kv_heads, sm_scale, causal, page,
-                                              k_box.tensor.dtype == torch.float8_e4m3fn)
+                                              k_box.tensor.dtype == torch.float8_e4m3fn, d)
     plan_of = bound.plan_of
     if (plan_of is None or plan_of[0] is not tiles or plan_of[1] is not kv_indices or plan_of[2] is not kv_indptr
             or plan_of[3] is not qo_indptr or plan_of[4] is not kv_len or plan_of[5] != rows_per_page):
         bound.bind_plan(qo_indptr, kv_indptr, kv_len, tiles, kv_indices, rows_per_page)
     if lse is None:  # the kernel always writes one (see kernels/prefill_hopper.py)
         lse = bound.lse_scratch(tokens)
-    q_box = TmaBox(q, (tokens, hq * d), (q.stride()[0], 1), (64, d), smem_layout(64, d, q.dtype))
+    c = k_box.block[1]  # qk_chunk(d)
+    q_box = TmaBox(q, (tokens, hq * d), (q.stride()[0], 1), (64, c), smem_layout(64, c, q.dtype))
     os_ = out.stride()
     # (the gather's reads: the caches' bases, row stride and pages; unread by the TMA modes)
     return bound.launch(q_box, k_box, v_box, out, os_[0], os_[1], lse, lse.stride()[0], k_box.tensor,
@@ -254,7 +268,7 @@ class _HopperLaunch:
     and the grid are rewritten (``BoundLaunch.rebind``). A scratch LSE for runs without one."""
 
     def __init__(self, device: torch.device, num_qo_heads: int, num_kv_heads: int, sm_scale: float, causal: bool,
-                 page: int, fp8: bool) -> None:
+                 page: int, fp8: bool, head_dim_qk: int = 128) -> None:
         from .kernels.prefill_hopper import prefill_hopper_kernel
 
         self.device = device
@@ -262,7 +276,7 @@ class _HopperLaunch:
         self.sm_scale_log2 = sm_scale * math.log2(math.e)
         self.launcher = _device.per_device("prefill_hopper", device, lambda: CachedLauncher(prefill_hopper_kernel))
         self.kwargs = dict(GROUP=num_qo_heads // num_kv_heads, IS_CAUSAL=causal, PAGE_SIZE=page,
-                           GATHER=gather_pages(page), num_warps=4, **kernel_config(fp8))
+                           GATHER=gather_pages(page), num_warps=4, **kernel_config(fp8, head_dim_qk))
         self.launch: Optional[BoundLaunch] = None
         # the plan's tensors the launch holds (compared by identity at each run; kept alive here) and
         # its rows per page

@@ -51,6 +51,12 @@ HOPPER_GATHER = False
 # H200: its GPU tests pass; 4 x 4096 causal at 0.59x of the same kernel's bf16, against the core's fp8 only
 # across runs: off until one run measures it faster than the core.
 HOPPER_FP8 = False
+# DeepSeek's non-absorbed prefill (ragged, head_dim_qk 192 / head_dim_vo 128: issue 22) on the Gluon kernel, Q and
+# K in three 64-column chunks (_hopper.qk_chunk, STAGES_192; False: the core). Session 23, H100: the core runs it
+# at 0.35-0.40x of FlashInfer's fa3 (benchmarks/results/h100/mla-prefill-192-128-s23.md); written and compiled for
+# sm_90 on the CPU after that lease (no spills, 213 KB), not yet run on a GPU: off until its GPU test passes and the
+# bench measures it.
+HOPPER_192_128 = False
 # e4m3 paged decode with grouped-query attention on the Gluon fp8 decode (kernels/decode_hopper.py: a
 # producer warpgroup converts each fp8 tile for a wgmma consumer; issue "Speed, part 3", target 2; False:
 # the core). Session 22, H200: its GPU tests pass, but it runs ~2.2x slower than the core's fp8 decode (64 x 4096,
@@ -131,7 +137,10 @@ class PrefillRoute:
             return core("e4m3 K/V (HOPPER_FP8 is off)")
         if not (f.q_dtype == torch.bfloat16 and (f.kv_dtype == f.q_dtype or fp8)):
             return core("not bf16 q and bf16 or e4m3 K/V")
-        if not f.head_dim_qk == f.head_dim_vo == 128:
+        if (f.head_dim_qk, f.head_dim_vo) == (192, 128):
+            if not HOPPER_192_128 or f.page_size > 0 or fp8:
+                return core("head_dim 192 / 128 (the kernel takes it for contiguous 16-bit K/V with HOPPER_192_128)")
+        elif not f.head_dim_qk == f.head_dim_vo == 128:
             return core("head_dim is not 128 (at 64 the kernel measured 7-12 % slower)")
         reason = self.scores_unsupported(f.params)
         if reason:
@@ -214,7 +223,7 @@ def prefill_switches() -> tuple:
     """The module switches ``PREFILL.at_plan`` reads, for a caller that keeps a route's decision per shape
     (``single_prefill_with_kv_cache``'s kept steps and replays): set before any call in serving; tests and
     benchmarks that flip one between calls get a new decision."""
-    return HOPPER_PREFILL, HOPPER_FORCE, HOPPER_FP8, HOPPER_GATHER, id(HOPPER_MIN_LEN)
+    return HOPPER_PREFILL, HOPPER_FORCE, HOPPER_FP8, HOPPER_GATHER, HOPPER_192_128, id(HOPPER_MIN_LEN)
 
 
 class DecodeRoute:

@@ -2,7 +2,10 @@
 schedule, written out. Used by ``BatchPrefillWithRaggedKVCacheWrapper`` (and so
 ``single_prefill_with_kv_cache``), and in its paged mode by ``BatchPrefillWithPagedKVCacheWrapper``,
 when the attention is plain: 16-bit Q/K/V of one dtype, causal or not, no mask/window/soft
-cap/ALiBi/RoPE/sinks/scales (``_route.PrefillRoute``; it runs head_dim 64 too, but is selected at 128).
+cap/ALiBi/RoPE/sinks/scales (``_route.PrefillRoute``; it runs head_dim 64 too, but is selected at 128,
+and with ``_route.HOPPER_192_128`` at DeepSeek's head_dim_qk 192 / head_dim_vo 128 over contiguous K/V:
+Q and K then sit in shared memory as ``QK_CHUNKS`` tiles of 64 columns, TMA boxes being powers of two,
+and S is that many chained wgmmas).
 Everything else, and every other GPU, runs the shared attention core.
 
 A work item: 128 query tokens of one query head. A program (one per SM, persistent) runs items in
@@ -62,10 +65,10 @@ def _softmax_step(s, m_i, l_i, scale, cols, kv_hi, rows_diag, masked, is_causal)
 
 @gluon.jit
 def _item(item, num_qo_heads, group, tile_req_ptr, tile_start_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
-          is_causal, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+          is_causal, BLOCK_N: gl.constexpr):
     """Work item ``item`` (a 128-token query tile of one query head; heads fastest): its request's
     first query token, the tile's first token m0, the request's query length, first KV entry (token
-    or page-table offset) and KV length, the KV tiles it reads and its K/V column."""
+    or page-table offset) and KV length, the KV tiles it reads, its query head and its KV head."""
     head = item % num_qo_heads
     tile = item // num_qo_heads
     req = gl.load(tile_req_ptr + tile)
@@ -78,20 +81,29 @@ def _item(item, num_qo_heads, group, tile_req_ptr, tile_start_ptr, qo_indptr_ptr
     if is_causal:
         kv_hi = gl.minimum(kv_len, m0 + 2 * ROWS + kv_len - q_len)
     n_tiles = gl.cdiv(gl.maximum(kv_hi, 0), BLOCK_N)
-    return q_start, m0, q_len, kv_start, kv_len, n_tiles, head, (head // group) * HEAD_DIM
+    return q_start, m0, q_len, kv_start, kv_len, n_tiles, head, head // group
 
 
 @gluon.jit
-def _issue_kv_tile(k_desc, v_desc, k_stage, v_stage, bar, kv_start, kv_len, j, kv_col, kv_indices_ptr, rows_per_page,
-                   PAGED: gl.constexpr):
-    """Tile j of an item's K/V by TMA into one stage (``k_stage`` / ``v_stage`` [BLOCK_N, D]), completing
-    on ``bar``, whose byte count the caller set. Contiguous: rows kv_start + j *
-    BLOCK_N ... of the descriptors. Paged: BLOCK_N / PAGE pages, one box [PAGE, D] each into its rows
-    of the stage; ``kv_start`` is the request's first entry in ``kv_indices``, page p's rows start at
-    row p * rows_per_page of the descriptors. Boxes of pages past the request's end read page 0 (their
-    positions are masked by the consumers), so every stage gets the bytes its barrier expects."""
-    BLOCK_N: gl.constexpr = k_stage.type.shape[0]
+def _issue_kv_tile(k_desc, v_desc, k_ring, v_ring, stage, bar, kv_start, kv_len, j, kv_head, kv_indices_ptr,
+                   rows_per_page, PAGED: gl.constexpr):
+    """Tile j of an item's K/V by TMA into ring stage ``stage`` (of ``v_ring`` [stages, BLOCK_N, D_VO] and
+    ``k_ring`` [stages * chunks, BLOCK_N, QC]: K in chunks of QC columns), completing on ``bar``, whose
+    byte count the caller set. Contiguous: rows kv_start + j * BLOCK_N ... of the descriptors, K head
+    ``kv_head``'s chunks, V its columns. Paged (one chunk): BLOCK_N / PAGE pages, one box [PAGE, D] each
+    into its rows of the stage; ``kv_start`` is the request's first entry in ``kv_indices``, page p's
+    rows start at row p * rows_per_page of the descriptors. Boxes of pages past the request's end read
+    page 0 (their positions are masked by the consumers), so every stage gets the bytes its barrier
+    expects."""
+    BLOCK_N: gl.constexpr = v_ring.type.shape[1]
+    QK_CHUNKS: gl.constexpr = k_ring.type.shape[0] // v_ring.type.shape[0]
+    QC: gl.constexpr = k_ring.type.shape[2]
+    v_stage = v_ring.index(stage)
+    v_col = kv_head * v_ring.type.shape[2]
     if PAGED:
+        gl.static_assert(QK_CHUNKS == 1, "paged K/V take K in one chunk")
+        k_stage = k_ring.index(stage)
+        kv_col = kv_head * QC
         PAGE: gl.constexpr = k_desc.block_type.shape[0]
         n_pages = gl.cdiv(kv_len, PAGE)
         for i in gl.static_range(BLOCK_N // PAGE):
@@ -99,10 +111,12 @@ def _issue_kv_tile(k_desc, v_desc, k_stage, v_stage, bar, kv_start, kv_len, j, k
             page = gl.load(kv_indices_ptr + kv_start + idx, mask=idx < n_pages, other=0)
             row = page * rows_per_page
             tma.async_copy_global_to_shared(k_desc, [row, kv_col], bar, k_stage.slice(i * PAGE, PAGE))
-            tma.async_copy_global_to_shared(v_desc, [row, kv_col], bar, v_stage.slice(i * PAGE, PAGE))
+            tma.async_copy_global_to_shared(v_desc, [row, v_col], bar, v_stage.slice(i * PAGE, PAGE))
     else:
-        tma.async_copy_global_to_shared(k_desc, [kv_start + j * BLOCK_N, kv_col], bar, k_stage)
-        tma.async_copy_global_to_shared(v_desc, [kv_start + j * BLOCK_N, kv_col], bar, v_stage)
+        for c in gl.static_range(QK_CHUNKS):
+            tma.async_copy_global_to_shared(k_desc, [kv_start + j * BLOCK_N, (kv_head * QK_CHUNKS + c) * QC], bar,
+                                            k_ring.index(stage * QK_CHUNKS + c))
+        tma.async_copy_global_to_shared(v_desc, [kv_start + j * BLOCK_N, v_col], bar, v_stage)
 
 
 @gluon.jit
@@ -125,23 +139,24 @@ def _load_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, is_causal, qo_indp
                 kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group, num_items,
                 PAGED: gl.constexpr):
     """The TMA producer warp's loop (contiguous or paged K/V, ``_issue_kv_tile``)."""
-    stages: gl.constexpr = k_smem.type.shape[0]
-    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
-    HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
-    # K and V, BLOCK_N rows of boxes (a page's or the tile's rows)
-    kv_bytes: gl.constexpr = 2 * BLOCK_N * k_desc.block_type.nbytes // k_desc.block_type.shape[0]
+    stages: gl.constexpr = v_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = v_smem.type.shape[1]
+    QK_CHUNKS: gl.constexpr = k_smem.type.shape[0] // stages
+    # K (its chunks) and V, BLOCK_N rows of boxes each (a page's or the tile's rows)
+    kv_bytes: gl.constexpr = BLOCK_N * (QK_CHUNKS * k_desc.block_type.nbytes // k_desc.block_type.shape[0]
+                                        + v_desc.block_type.nbytes // v_desc.block_type.shape[0])
     t = 0
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
-        q_start, m0, q_len, kv_start, kv_len, n_tiles, head, kv_col = _item(
+        q_start, m0, q_len, kv_start, kv_len, n_tiles, head, kv_head = _item(
             item, num_qo_heads, group, tile_req_ptr, tile_start_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
-            is_causal, BLOCK_N, HEAD_DIM)
+            is_causal, BLOCK_N)
         for j in range(n_tiles):
             stage = t % stages
             # empty barriers start "released": the first pass over the ring waits on the other phase
             mbarrier.wait(empty.index(stage), ((t // stages) & 1) ^ 1)
             mbarrier.expect(ready.index(stage), kv_bytes)
-            _issue_kv_tile(k_desc, v_desc, k_smem.index(stage), v_smem.index(stage), ready.index(stage), kv_start,
-                           kv_len, j, kv_col, kv_indices_ptr, rows_per_page, PAGED)
+            _issue_kv_tile(k_desc, v_desc, k_smem, v_smem, stage, ready.index(stage), kv_start, kv_len, j, kv_head,
+                           kv_indices_ptr, rows_per_page, PAGED)
             t += 1
 
 
@@ -172,6 +187,8 @@ def _gather_paged_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ba
     stages: gl.constexpr = k_smem.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
+    gl.static_assert(v_smem.type.shape[0] == stages and v_smem.type.shape[2] == HEAD_DIM,
+                     "the gather reads K and V rows of one width, K in one chunk")
     SUB: gl.constexpr = 8
     LAG: gl.constexpr = stages - 1
     # [SUB, HEAD_DIM]: 8 elements (16 bytes) a thread, a warp across HEAD_DIM / 8 threads of a row
@@ -182,9 +199,10 @@ def _gather_paged_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ba
     last_page = (num_pages - 1).to(gl.uint32)
     t = 0
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
-        q_start, m0, q_len, kv_start, kv_len, n_tiles, head, kv_col = _item(
+        q_start, m0, q_len, kv_start, kv_len, n_tiles, head, kv_head = _item(
             item, num_qo_heads, group, tile_req_ptr, tile_start_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
-            is_causal, BLOCK_N, HEAD_DIM)
+            is_causal, BLOCK_N)
+        kv_col = kv_head * HEAD_DIM
         n_pages = gl.cdiv(kv_len, page_size)
         for j in range(n_tiles):
             if t >= LAG:
@@ -248,19 +266,18 @@ def _fp8_tiles(k_desc, v_desc, k8_smem, v8_smem, ready8, k_smem, v_smem, ready, 
     still in flight at the end are converted last."""
     stages8: gl.constexpr = k8_smem.type.shape[0]
     BLOCK_N: gl.constexpr = k8_smem.type.shape[1]
-    HEAD_DIM: gl.constexpr = k8_smem.type.shape[2]
     kv_bytes: gl.constexpr = 2 * BLOCK_N * k_desc.block_type.nbytes // k_desc.block_type.shape[0]
     t = 0  # tiles issued
     c = 0  # tiles converted
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
-        q_start, m0, q_len, kv_start, kv_len, n_tiles, head, kv_col = _item(
+        q_start, m0, q_len, kv_start, kv_len, n_tiles, head, kv_head = _item(
             item, num_qo_heads, group, tile_req_ptr, tile_start_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
-            is_causal, BLOCK_N, HEAD_DIM)
+            is_causal, BLOCK_N)
         for j in range(n_tiles):
             s8 = t % stages8
             mbarrier.expect(ready8.index(s8), kv_bytes)
-            _issue_kv_tile(k_desc, v_desc, k8_smem.index(s8), v8_smem.index(s8), ready8.index(s8), kv_start, kv_len,
-                           j, kv_col, kv_indices_ptr, rows_per_page, PAGED)
+            _issue_kv_tile(k_desc, v_desc, k8_smem, v8_smem, s8, ready8.index(s8), kv_start, kv_len, j, kv_head,
+                           kv_indices_ptr, rows_per_page, PAGED)
             t += 1
             if t - c == stages8:
                 _convert_tile(c, k8_smem, v8_smem, ready8, k_smem, v_smem, ready, empty)
@@ -298,10 +315,33 @@ def _q_origin(item, num_items, num_qo_heads, tile_req_ptr, tile_start_ptr, qo_in
 
 
 @gluon.jit
-def _load_q(q_desc, my_q, my_bar, row, col, valid):
+def _load_q(q_desc, my_q, my_bar, row, col, valid, q_base, QK_CHUNKS: gl.constexpr):
+    """A consumer's Q tile by TMA: one box into ``my_q``, or (``QK_CHUNKS`` > 1) one a chunk, into tiles
+    q_base ... of ``my_q`` (then all of Q's shared memory, [2 * chunks, ROWS, QC])."""
     if valid:
-        mbarrier.expect(my_bar, q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [row, col], my_bar, my_q)
+        mbarrier.expect(my_bar, QK_CHUNKS * q_desc.block_type.nbytes)
+        if QK_CHUNKS == 1:
+            tma.async_copy_global_to_shared(q_desc, [row, col], my_bar, my_q)
+        else:
+            for c in gl.static_range(QK_CHUNKS):
+                tma.async_copy_global_to_shared(q_desc, [row, col + c * q_desc.block_type.shape[1]], my_bar,
+                                                my_q.index(q_base + c))
+
+
+@gluon.jit
+def _scores(q_op, q_base, k_smem, stage, s_zero, QK_CHUNKS: gl.constexpr):
+    """S = Q K^T of ring stage ``stage``, issued asynchronously: one wgmma, or one a chunk of columns
+    chained (Q chunk c at ``q_op`` index q_base + c, K chunk c of the stage at ``k_smem`` index
+    stage * chunks + c)."""
+    if QK_CHUNKS == 1:
+        s = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    else:
+        s = warpgroup_mma(q_op.index(q_base), k_smem.index(stage * QK_CHUNKS).permute((1, 0)), s_zero,
+                          use_acc=False, is_async=True)
+        for c in gl.static_range(1, QK_CHUNKS):
+            s = warpgroup_mma(q_op.index(q_base + c), k_smem.index(stage * QK_CHUNKS + c).permute((1, 0)), s,
+                              is_async=True)
+    return s
 
 
 @gluon.jit
@@ -319,19 +359,20 @@ def _convert_q(src, dst, layout):
 
 
 @gluon.jit
-def _attend_tiles(q_op, k_smem, v_smem, ready, empty, t, n_tiles, m_i, l_i, acc, s_zero, scale, cols0, kv_hi, rows_diag,
+def _attend_tiles(q_op, q_base, k_smem, v_smem, ready, empty, t, n_tiles, m_i, l_i, acc, s_zero, scale, cols0, kv_hi, rows_diag,
                   first_masked, is_causal, p_layout, row_o):
     """A consumer's query rows ``q_op`` (a shared-memory tile or registers) against an item's KV tiles, ring
     tiles t ... t + n_tiles - 1 (n_tiles > 0): S_j = Q K_j^T issued before O += P_{j-1} V_{j-1}, the
     softmax of S_j running under the second wgmma, each stage released once its PV is done. Returns the
     last tile's PV in flight, its stage, and the row maxima and sums: the caller issues what it needs
     meanwhile, then waits for that PV (``warpgroup_mma_wait``) and releases the stage."""
-    stages: gl.constexpr = k_smem.type.shape[0]
-    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    stages: gl.constexpr = v_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = v_smem.type.shape[1]
+    QK_CHUNKS: gl.constexpr = k_smem.type.shape[0] // stages
     dtype: gl.constexpr = k_smem.dtype
     stage = t % stages
     mbarrier.wait(ready.index(stage), (t // stages) & 1)
-    s_tok = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s_tok = _scores(q_op, q_base, k_smem, stage, s_zero, QK_CHUNKS)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
     p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, scale, cols0, kv_hi, rows_diag, 0 >= first_masked, is_causal)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
@@ -339,7 +380,7 @@ def _attend_tiles(q_op, k_smem, v_smem, ready, empty, t, n_tiles, m_i, l_i, acc,
         stage = (t + j) % stages
         prev = (t + j - 1) % stages
         mbarrier.wait(ready.index(stage), ((t + j) // stages) & 1)
-        s_tok = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s_tok = _scores(q_op, q_base, k_smem, stage, s_zero, QK_CHUNKS)
         o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
         p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, scale, cols0 + j * BLOCK_N, kv_hi, rows_diag,
@@ -363,40 +404,47 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
     against every KV tile of the item. The next item's Q loads once this item's last S is done,
     under the last PV and the epilogue. Where the ring's dtype is not Q's (``FP8``: fp16), the Q tile
     is converted in place once it lands, and the wgmmas read it as the ring's dtype."""
-    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
-    HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
+    BLOCK_N: gl.constexpr = v_smem.type.shape[1]
+    QK_CHUNKS: gl.constexpr = k_smem.type.shape[0] // v_smem.type.shape[0]
+    QC: gl.constexpr = k_smem.type.shape[2]  # Q and K columns a chunk (all of head_dim_qk with one chunk)
+    HEAD_DIM_VO: gl.constexpr = v_smem.type.shape[2]
     dtype: gl.constexpr = k_smem.dtype  # the wgmmas' operands (P too)
     convert_q: gl.constexpr = dtype != q_desc.dtype
-    q_load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
+    q_load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (QC // 8), QC // 8], [4, 1], [1, 0])
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+                                                       instr_shape=[16, HEAD_DIM_VO, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    offs_d = gl.arange(0, HEAD_DIM_VO, layout=gl.SliceLayout(0, o_layout))
 
-    my_q = q_smem.index(WG)
-    my_q_mma = my_q._reinterpret(dtype, [ROWS, HEAD_DIM], q_desc.layout) if convert_q else my_q
+    q_base = WG * QK_CHUNKS  # with chunks: this warpgroup's first Q tile, my_q all of Q's shared memory
+    if QK_CHUNKS == 1:
+        my_q = q_smem.index(WG)
+    else:
+        gl.static_assert(not convert_q, "fp8 K/V take Q in one chunk")
+        my_q = q_smem
+    my_q_mma = my_q._reinterpret(dtype, [ROWS, QC], q_desc.layout) if convert_q else my_q
     my_bar = q_bar.index(WG)
     scale = sm_scale_log2 * k_mult
     first = gl.program_id(0)
     step = gl.num_programs(0)
     q_row, q_col = _q_origin(first, num_items, num_qo_heads, tile_req_ptr, tile_start_ptr, qo_indptr_ptr, WG,
-                             HEAD_DIM)
-    _load_q(q_desc, my_q, my_bar, q_row, q_col, first < num_items)
+                             QK_CHUNKS * QC)
+    _load_q(q_desc, my_q, my_bar, q_row, q_col, first < num_items, q_base, QK_CHUNKS)
     t = 0  # KV tiles of the ring consumed before this item
     q_phase = 0
     for item in range(first, num_items, step):
-        q_start, m0, q_len, kv_start, kv_len, n_tiles, head, kv_col = _item(
+        q_start, m0, q_len, kv_start, kv_len, n_tiles, head, kv_head = _item(
             item, num_qo_heads, group, tile_req_ptr, tile_start_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
-            is_causal, BLOCK_N, HEAD_DIM)
+            is_causal, BLOCK_N)
         # the next item's Q origin, read now so the loads are done when its TMA is issued
         q_row, q_col = _q_origin(item + step, num_items, num_qo_heads, tile_req_ptr, tile_start_ptr, qo_indptr_ptr,
-                                 WG, HEAD_DIM)
+                                 WG, QK_CHUNKS * QC)
         r0 = m0 + WG * ROWS
         # this warpgroup's KV limit (causal: bottom-right aligned) and its first tile that needs a mask
         kv_hi = kv_len
@@ -412,19 +460,19 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
         rows_diag = r0 + gl.arange(0, ROWS, layout=row_s) + kv_len - q_len
         m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)
         l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
-        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+        acc = gl.zeros([ROWS, HEAD_DIM_VO], gl.float32, layout=o_layout)
 
         if n_tiles > 0:
-            o_tok, last, m_i, l_i = _attend_tiles(my_q_mma, k_smem, v_smem, ready, empty, t, n_tiles, m_i, l_i, acc,
+            o_tok, last, m_i, l_i = _attend_tiles(my_q_mma, q_base, k_smem, v_smem, ready, empty, t, n_tiles, m_i, l_i, acc,
                                                   s_zero, scale, cols0, kv_hi, rows_diag, first_masked, is_causal,
                                                   p_layout, row_o)
             # every S of this item is done: the next item's Q may overwrite this one
-            _load_q(q_desc, my_q, my_bar, q_row, q_col, item + step < num_items)
+            _load_q(q_desc, my_q, my_bar, q_row, q_col, item + step < num_items, q_base, QK_CHUNKS)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
             mbarrier.arrive(empty.index(last), count=1)
             t += n_tiles
         else:
-            _load_q(q_desc, my_q, my_bar, q_row, q_col, item + step < num_items)
+            _load_q(q_desc, my_q, my_bar, q_row, q_col, item + step < num_items, q_base, QK_CHUNKS)
 
         # rows that saw no key: output 0, LSE -inf (as the attention core)
         l_o = gl.convert_layout(l_i, row_o)
@@ -473,7 +521,7 @@ def prefill_hopper_kernel(
     num_qo_heads, num_items, sm_scale_log2, kv_indices_ptr, rows_per_page,
     GROUP: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     PAGE_SIZE: gl.constexpr, GATHER: gl.constexpr, FP8: gl.constexpr, FP8_STAGES: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, QK_CHUNKS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """q_desc: [tokens, H_qo * D] box [64, D]; o: [tokens, H_qo, D] (any row and head strides); lse:
     [tokens, H_qo] float32 base 2. ``tile_req`` / ``tile_start`` int32 [tiles]: the request and first
@@ -492,21 +540,28 @@ def prefill_hopper_kernel(
     ``num_pages`` pages) and the descriptors only give the stages' layout (box [128, D]).
     ``k_ptr`` ... ``num_pages`` are unread otherwise.
 
+    ``QK_CHUNKS`` > 1 (contiguous 16-bit K/V only: head_dim_qk 192 = 3 x 64): q_desc and k_desc read boxes of
+    D = head_dim_qk / QK_CHUNKS columns, Q and K held as that many tiles a buffer; v_desc's box [128, D_VO] and
+    o [tokens, H_qo, D_VO] may be narrower than head_dim_qk (DeepSeek's non-absorbed prefill: 192 / 128).
+
     ``FP8``: k_desc / v_desc read e4m3 K/V (either mode above, not ``GATHER``) into ``FP8_STAGES``
     stages, which the producer warpgroup (``PRODUCER_REGS`` registers a thread) converts into the
     consumers' ``STAGES`` fp16 stages; Q (bf16) is converted to fp16 by the consumers. ``k_mult``
     multiplies the scores (with ``sm_scale_log2``), ``v_mult`` the output (1 and 1 without fp8 scales)."""
     BLOCK_N: gl.constexpr = 128
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
+    HEAD_DIM_VO: gl.constexpr = v_desc.block_type.shape[1]
+    gl.static_assert((QK_CHUNKS == 1 and HEAD_DIM_VO == HEAD_DIM) or not (FP8 or GATHER or PAGE_SIZE > 0),
+                     "paged, gathered and fp8 K/V take one head_dim, in one chunk")
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [2 * QK_CHUNKS, ROWS, HEAD_DIM], q_desc.layout)
     if FP8:
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float16)
         k_smem = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         v_smem = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
     else:
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES * QK_CHUNKS, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM_VO], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
