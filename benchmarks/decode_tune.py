@@ -8,6 +8,7 @@ A config is ``ORIENT-BLOCK_N-WARPS-STAGES[-p][-sSLOTS]``: ORIENT ``std`` puts th
 of the dots (mma.sync, M padded to 16), ``kvm`` puts the KV positions there (wgmma), ``cc`` is the
 dot-free single-row path (group 1 only; 4 lanes per warp); ``-p`` loads page
 ids one tile ahead; ``-sN`` tells the split planner N programs fit on an SM. ``--programs-per-sm`` changes the resident slots the split planner assumes.
+``auto`` is the planner's own choice for the shape (the baseline of a sweep).
 """
 
 import argparse
@@ -40,31 +41,34 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", required=True, help="comma-separated ORIENT-BLOCK_N-WARPS-STAGES[-p]")
     ap.add_argument("--kv-dtypes", default="bfloat16,float8_e4m3fn")
-    ap.add_argument("--shapes", default=None, help="comma-separated HQ/HK/BATCH/KV_LEN (default: a fixed set)")
+    ap.add_argument("--shapes", default=None, help="comma-separated HQ/HK/BATCH/KV_LEN[/HEAD_DIM[/PAGE]] (head_dim 128 "
+                    "and page 16 where left out; default: a fixed set)")
     ap.add_argument("--programs-per-sm", default="0", help="comma-separated resident programs per SM for the "
                     "split planner (0: the planner's own)")
     ap.add_argument("--layout", default="NHD", choices=["NHD", "HND"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    configs = [parse_config(c) for c in args.configs.split(",")]
-    shapes = SHAPES if args.shapes is None else [tuple(map(int, s.split("/"))) for s in args.shapes.split(",")]
+    configs = [None if c == "auto" else parse_config(c) for c in args.configs.split(",")]
+    shapes = [tuple(s) + (128, 16)[len(s) - 4:] for s in
+              (SHAPES if args.shapes is None else [tuple(map(int, s.split("/"))) for s in args.shapes.split(",")])]
     original = _plan.decode_tiles
-    lines = ["| heads | batch x kv | kv dtype | config | programs/SM | us | TB/s |", "|" + "---|" * 7]
+    lines = ["| heads | head_dim | page | batch x kv | kv dtype | config | programs/SM | us | TB/s |", "|" + "---|" * 9]
     best = {}
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     for kv_name in args.kv_dtypes.split(","):
         kv_dtype = getattr(torch, kv_name)
-        for hq, hk, batch, kv_len in shapes:
+        for hq, hk, batch, kv_len, d, page in shapes:
             torch.manual_seed(0)
-            kv = gpu_paged_kv(batch, kv_len, hk, 128, 16, kv_dtype, args.layout)
+            kv = gpu_paged_kv(batch, kv_len, hk, d, page, kv_dtype, args.layout)
             copies = [kv.cache] + [kv.cache.clone() for _ in range(max(0, min(7, int(3e8 // kv.cache.nbytes))))]
-            q = torch.randn((batch, hq, 128), device="cuda").to(torch.bfloat16)
+            q = torch.randn((batch, hq, d), device="cuda").to(torch.bfloat16)
             nbytes = kv.cache.nbytes + 2 * q.nbytes
             reference_out = None
-            for (kv_as_m, block_n, warps, stages, prefetch, slots, lanes), name in zip(configs, args.configs.split(",")):
+            for config, name in zip(configs, args.configs.split(",")):
+                kv_as_m, block_n, warps, stages, prefetch, slots, lanes = config or (None, 0, 0, 0, None, 0, 0)
                 if lanes and hq != hk:
                     continue
-                for pps in ([slots] if slots else map(int, args.programs_per_sm.split(","))):
+                for pps in ([slots] if slots else [0] if config is None else map(int, args.programs_per_sm.split(","))):
                     def tiles(*a, _c=(kv_as_m, block_n, warps, stages, prefetch, lanes), _pps=pps):
                         # a dot config on a group of one takes the dot tiles, a cc config the lane tiles
                         t = original(*a[:4], lanes_ok=bool(_c[5]) and a[4])
@@ -73,9 +77,9 @@ def main(argv=None):
                                                    lanes=_c[5] if t.lanes else 0)
 
                     decode._decode_tiles.cache_clear()
-                    decode._plan.decode_tiles = tiles
+                    decode._plan.decode_tiles = original if config is None else tiles
                     w = tritoninfer.BatchDecodeWithPagedKVCacheWrapper(ws, args.layout)
-                    w.plan(kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, hq, hk, 128, 16,
+                    w.plan(kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, hq, hk, d, page,
                            q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
                     i = [0]
 
@@ -94,11 +98,11 @@ def main(argv=None):
                     err = ((out.float() - reference_out).norm() / reference_out.norm()).item()
                     if err > 2e-2:
                         print(f"MISMATCH {name}: relative error {err:.3g} against the first config", flush=True)
-                    key = (hq, hk, batch, kv_len, kv_name)
+                    key = (hq, hk, d, page, batch, kv_len, kv_name)
                     if key not in best or us < best[key][0]:
                         best[key] = (us, name, pps)
-                    lines.append(f"| {hq}/{hk} | {batch}x{kv_len} | {kv_name} {args.layout} | {name} | {pps} | {us:.1f} | "
-                                 f"{nbytes / us / 1e6:.2f} |")
+                    lines.append(f"| {hq}/{hk} | {d} | {page} | {batch}x{kv_len} | {kv_name} {args.layout} | {name} | {pps} | "
+                                 f"{us:.1f} | {nbytes / us / 1e6:.2f} |")
                     print(lines[-1], flush=True)
     decode._plan.decode_tiles = original
     decode._decode_tiles.cache_clear()
