@@ -65,6 +65,9 @@
 #   tests-mla-gluon  pytest -m gpu on the Gluon MLA kernel (tests/test_mla.py -k gluon; _route.MLA_HOPPER forced on)
 #   mla-ab       tritoninfer bench mla --quick with the Gluon MLA kernel on, then off (FlashInfer beside: run
 #                warm-mla first)
+#   mla-prefill  DeepSeek's non-absorbed prefill (ragged, 192 / 128): pytest -m gpu on its Gluon-route test, then
+#                tritoninfer bench mla --prefill with _route.HOPPER_192_128 (and HOPPER_FORCE) on, FlashInfer beside,
+#                then ours on the core
 #   rope-tune    benchmarks/rope_append_tune.py: the fused RoPE-quantize-append's program shapes, ours alone
 #   pod-ab       tritoninfer bench pod --quick, ours only, with POD's prefill half on the Gluon kernel and without
 #                (_route.POD_PREFILL_ON_HOPPER)
@@ -235,6 +238,15 @@ case "$part" in
       PYTHONPATH=/tmp/site:$PWD timeout $((limit / 2)) python3 -m tritoninfer bench mla --quick \
         --set _route.MLA_HOPPER=$on --out "$out/mla-ab-$on" > "$out/mla-ab-$on.log" 2>&1 || true
     done ;;
+  mla-prefill)
+    PYTHONPATH=/tmp/site:$PWD timeout $((limit / 3)) python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/test_prefill.py -k 192_128 > "$out/mla-prefill-tests.log" 2>&1 || true
+    shapes="--shapes 128:64:1:8192:1 --prefill --prefill-shapes 128:1:4096,16:1:8192,16:8:2048"
+    PYTHONPATH=/tmp/site:$PWD timeout $((limit / 3)) python3 -m tritoninfer bench mla $shapes \
+      --set _route.HOPPER_192_128=true --set _route.HOPPER_FORCE=true --out "$out/mla-prefill-gluon" \
+      > "$out/mla-prefill-gluon.log" 2>&1 || true
+    PYTHONPATH=/tmp/site:$PWD timeout $((limit / 3)) python3 -m tritoninfer bench mla $shapes --backends= \
+      --out "$out/mla-prefill-core" > "$out/mla-prefill-core.log" 2>&1 || true ;;
   rope-tune)
     PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 benchmarks/rope_append_tune.py --out "$out/rope-tune.md" \
       > "$out/rope-tune.log" 2>&1 || true ;;
