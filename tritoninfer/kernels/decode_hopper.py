@@ -144,7 +144,7 @@ def _decode_consume_kv_m(q_desc, q_smem, q_bar, k_smem, v_smem, ready, empty, o_
     first = gl.program_id(0)
     step = gl.num_programs(0)
     _load_q(q_desc, my_q, my_bar, _q_row(first, num_items, num_qo_heads, num_kv_heads, work_ptr, group), 0,
-            first < num_items)
+            first < num_items, 0, 1)
     t = 0  # KV tiles of the ring consumed before this item
     q_phase = 0
     for item in range(first, num_items, step):
@@ -179,7 +179,7 @@ def _decode_consume_kv_m(q_desc, q_smem, q_bar, k_smem, v_smem, ready, empty, o_
             mbarrier.arrive(empty.index(stage), count=1)
         t += n_tiles
         # every S of this item is done: the next item's Q may overwrite this one
-        _load_q(q_desc, my_q, my_bar, next_row, 0, item + step < num_items)
+        _load_q(q_desc, my_q, my_bar, next_row, 0, item + step < num_items, 0, 1)
 
         l_o = gl.convert_layout(l_i, col_o)
         o = acc / gl.where(l_o > 0, l_o, 1.0)[None, :] * v_mult
