@@ -75,6 +75,9 @@
 #                here, 4 workers each): a = POD, BatchAttention, sinks, block-sparse, Hopper fp8; b = rope,
 #                norm, batch prefill, Hopper
 #   warm-fi      FlashInfer's sampling module JIT-compiled, to run beside test parts before bench-sampling
+#   warm-grid    benchmarks/grid_warm.py: the grid's FlashInfer JIT modules and our variants, one process per
+#                provider and KV dtype (MAX_JOBS=3 each), beside test parts; then bench-all with BENCH_ARGS="--grid
+#                --grid-part K/N" times kernels (session 23: cold, part 2 of 2 ran out of its 330 s in the JIT)
 #   warm-GROUP   tritoninfer bench GROUP --quick beside the test parts, numbers discarded: FlashInfer's
 #                JIT variants compiled before the timed bench-GROUP (POD's took over 90 s)
 #   bench-GROUP  tritoninfer bench GROUP $BENCH_ARGS (default --quick), e.g. bench-sampling
@@ -342,6 +345,12 @@ p = torch.rand(4, 32000, device='cuda').softmax(-1)
 s.top_k_top_p_sampling_from_probs(p, 50, 0.9); s.top_p_sampling_from_probs(p, 0.9)
 s.top_k_renorm_probs(p, 50); s.sampling_from_probs(p); torch.cuda.synchronize(); print('warm')" \
       > "$out/warm-fi.log" 2>&1 || true ;;
+  warm-grid)
+    for p in flashinfer-fa3 flashinfer-fa2 flashinfer-tc flashinfer-cc tritoninfer; do for k in bf16 e4m3; do
+      (MAX_JOBS=3 PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 benchmarks/grid_warm.py --provider $p --kv-dtype $k \
+        > "$out/warm-grid-$p-$k.log" 2>&1 || true) &
+    done; done
+    wait ;;
   warm-*)
     # a bench group run beside the test parts, its numbers thrown away: FlashInfer's JIT cache
     # (FLASHINFER_WORKSPACE_BASE) and Triton's then hold its variants for the timed bench-GROUP after

@@ -1,0 +1,73 @@
+"""Compiles what issue 25's grid (``tritoninfer bench all --grid``) compiles on first use, at tiny sizes (one
+request, short lengths): FlashInfer's JIT modules (one per path × head_dim × KV dtype; page size, mask and heads
+are run-time arguments there) and tritoninfer's kernel variants. Cold, the JIT took most of a 10-minute
+command on the H100 in session 23 (fa3 prefill modules 75-185 s each at MAX_JOBS=3); warmed this way, in
+parallel processes and beside GPU test parts (a few MB of GPU memory each), the timed grid parts time kernels.
+``h200_checks.sh warm-grid`` runs one process per provider and KV dtype; FLASHINFER_WORKSPACE_BASE must be the
+timed run's.
+
+    PYTHONPATH=.:/tmp/site python benchmarks/grid_warm.py [--provider flashinfer-fa3] [--kv-dtype e4m3] [--list]
+"""
+import argparse
+import dataclasses
+import time
+
+import torch
+
+from tritoninfer.bench import grid
+from tritoninfer.bench.cases import Case
+from tritoninfer.bench.providers import ApiDecode, ApiPrefill
+from tritoninfer.bench.shapes import SHORT_DTYPE
+
+PROVIDERS = {"decode": [ApiDecode("tritoninfer", "tritoninfer", True), ApiDecode("flashinfer-tc", "flashinfer", True),
+                        ApiDecode("flashinfer-cc", "flashinfer", False)],
+             "prefill": [ApiPrefill("tritoninfer", "tritoninfer", None),
+                         ApiPrefill("flashinfer-fa2", "flashinfer", "fa2"),
+                         ApiPrefill("flashinfer-fa3", "flashinfer", "fa3")]}
+
+
+def jobs(provider=None, kv_dtype=None):
+    """(provider, tiny shape) for each distinct compile of the grid's rows: FlashInfer keyed by path × head_dim
+    × KV dtype, tritoninfer by everything its variant specialises on."""
+    seen, out = set(), []
+    for row in grid.grid_rows("decode") + grid.grid_rows("prefill"):
+        s = row.shape
+        if kv_dtype and SHORT_DTYPE[s.kv_dtype] != kv_dtype:
+            continue
+        for p in PROVIDERS[s.workload]:
+            if provider and p.name != provider:
+                continue
+            key = ((p.name, s.head_dim, s.kv_dtype) if p.name != "tritoninfer" else
+                   (p.name, s.workload, s.head_dim, s.kv_dtype, s.causal, s.page_size, s.num_qo_heads, s.num_kv_heads))
+            if key not in seen:
+                seen.add(key)
+                n = 64 if s.workload == "prefill" else 512
+                out.append((p, dataclasses.replace(s, batch=1, kv_len=n, qo_len=min(s.qo_len, n))))
+    return out
+
+
+def warm(p, s) -> str:
+    start = time.time()
+    what = f"{p.name} {s.workload} d{s.head_dim} {SHORT_DTYPE[s.kv_dtype]} p{s.page_size} {s.heads}"
+    try:
+        p.setup(Case(s, torch.device("cuda"))).run(0)
+        torch.cuda.synchronize()
+        return f"ok  {time.time() - start:6.1f} s  {what}"
+    except Exception as exc:  # noqa: BLE001 (a path FlashInfer refuses is reported, the others still compile)
+        return f"ERR {time.time() - start:6.1f} s  {what}: {type(exc).__name__}: {str(exc)[:200]}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--provider", choices=list(dict.fromkeys(p.name for ps in PROVIDERS.values() for p in ps)))
+    ap.add_argument("--kv-dtype", choices=sorted(set(SHORT_DTYPE[d] for d in (torch.bfloat16, torch.float8_e4m3fn))))
+    ap.add_argument("--list", action="store_true", help="print the compiles, run nothing")
+    a = ap.parse_args()
+    todo = jobs(a.provider, a.kv_dtype)
+    print(f"{len(todo)} compiles", flush=True)
+    for p, s in todo:
+        print(f"{p.name} {s}" if a.list else warm(p, s), flush=True)
+
+
+if __name__ == "__main__":
+    main()
