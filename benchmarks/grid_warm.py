@@ -27,8 +27,9 @@ PROVIDERS = {"decode": [ApiDecode("tritoninfer", "tritoninfer", True), ApiDecode
 
 
 def jobs(provider=None, kv_dtype=None):
-    """(provider, tiny shape) for each distinct compile of the grid's rows: FlashInfer keyed by path × head_dim
-    × KV dtype, tritoninfer by everything its variant specialises on."""
+    """(provider, tiny shape) for each distinct compile of the grid's rows, as the grid's estimate counts them
+    (``grid.compile_keys``: FlashInfer by path × head_dim × KV dtype, tritoninfer by head_dim × KV dtype × page
+    × mask; a variant of another GQA group still compiles in the timed run, seconds)."""
     seen, out = set(), []
     for row in grid.grid_rows("decode") + grid.grid_rows("prefill"):
         s = row.shape
@@ -37,10 +38,9 @@ def jobs(provider=None, kv_dtype=None):
         for p in PROVIDERS[s.workload]:
             if provider and p.name != provider:
                 continue
-            key = ((p.name, s.head_dim, s.kv_dtype) if p.name != "tritoninfer" else
-                   (p.name, s.workload, s.head_dim, s.kv_dtype, s.causal, s.page_size, s.num_qo_heads, s.num_kv_heads))
-            if key not in seen:
-                seen.add(key)
+            key = grid.compile_keys(s, [p.name])
+            if not key <= seen:
+                seen |= key
                 n = 64 if s.workload == "prefill" else 512
                 out.append((p, dataclasses.replace(s, batch=1, kv_len=n, qo_len=min(s.qo_len, n))))
     return out
