@@ -23,7 +23,7 @@ def hopper_gpu(monkeypatch):
     monkeypatch.setattr(_route._device, "has_gpu", lambda: True)
     monkeypatch.setattr(_route._device, "capability", lambda device=None: (9, 0))
     monkeypatch.setattr(_hopper, "gluon_available", lambda: True)
-    monkeypatch.setattr(_hopper, "work_tiles", lambda qo, kv, causal: np.zeros((2, 1), np.int32))
+    monkeypatch.setattr(_hopper, "work_tiles", lambda qo, kv, causal, tile=128: np.zeros((2, 1), np.int32))
 
 
 @pytest.fixture
@@ -122,6 +122,28 @@ def test_route_takes_deepseek_dims_when_switched_on(hopper_gpu, monkeypatch):
     k_box, v_box = boxes.boxes
     assert (k_box.shape, k_box.block, v_box.shape, v_box.block) == ((256, 384), (128, 64), (256, 256), (128, 128))
     assert _hopper.kernel_config(False, 192)["QK_CHUNKS"] == 3 and _hopper.kernel_config(False)["QK_CHUNKS"] == 1
+
+
+def test_route_takes_head_dim_64_when_switched_on(hopper_gpu, monkeypatch):
+    """``_route.HOPPER_D64``: head_dim 64 takes the kernel for 16-bit K/V (ragged or paged), with 192-token query
+    tiles (three consumer warpgroups: ``_hopper.consumers``); off, or e4m3, it stays on the core."""
+    monkeypatch.setattr(_hopper, "work_tiles", _REAL_WORK_TILES)
+    dims = {"head_dim_qk": 64, "head_dim_vo": 64}
+    assert "HOPPER_D64" in _route.PREFILL.at_plan(_facts(**dims)).reason
+    monkeypatch.setattr(_route, "HOPPER_D64", True)
+    monkeypatch.setattr(_route, "HOPPER_FP8", True)
+    for change in ({}, {"page_size": 16, "mean": 512}):
+        route = _route.PREFILL.at_plan(_facts(**dims, **change))
+        assert route.kernel == "hopper", (change, route)
+        # two requests of 1024 or 512 query tokens: 6 or 3 tiles of 192 each
+        assert route.work.shape[1] == 2 * -(-int(_facts(**dims, **change).qo_lens[0]) // 192), route.work
+    route = _route.PREFILL.at_plan(_facts(kv_dtype=torch.float8_e4m3fn, **dims))
+    assert route.is_core and "head_dim 64" in route.reason
+    config = _hopper.kernel_config(False, 64)
+    assert (config["CONSUMERS"], _hopper.query_tile(64), _hopper.query_tile(128), _hopper.query_tile(64, fp8=True)) == (
+        3, 192, 128, 128)
+    # registers handed out per warpgroup: three consumers and the producer fill the register file exactly
+    assert 16 * 32 * config["maxnreg"] == 3 * 128 * config["CONSUMER_REGS"] + 128 * config["PRODUCER_REGS"] == 65536
 
 
 def test_route_off_hopper_or_other_triton(hopper_gpu, monkeypatch):

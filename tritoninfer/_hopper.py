@@ -6,7 +6,8 @@ The kernel runs plain attention (no mask, window, soft cap, RoPE, ALiBi, sinks o
 of bf16 queries over bf16 K/V, or e4m3 K/V with their scales (its fp8 mode), contiguous NHD or an NHD
 paged cache (one TMA box per page), FlashAttention-3's schedule: a producer loading K/V tiles into a
 ring of shared-memory stages (in the fp8 mode a warpgroup converting fp8 tiles into it) and two
-consumer warpgroups, each a 64-row half of a 128-token query tile. The fp8 decode (``decode_launch``,
+consumer warpgroups, each a 64-row half of a 128-token query tile (three of a 192-token tile at head_dim 64,
+``consumers``). The fp8 decode (``decode_launch``,
 ``kernels/decode_hopper.py``) shares its TMA views of a paged cache and its converting producer.
 """
 
@@ -24,13 +25,18 @@ from ._errors import fault_record
 from ._kvcache import PagedKV
 from ._launch import BoundLaunch, CachedLauncher, DriverCall, TmaBox
 
-TILE = 128  # query tokens per work item: two consumer warpgroups of 64
+TILE = 128  # K/V positions a ring stage holds; query tokens per work item with two consumer warpgroups of 64
 STAGES = 3  # K/V ring depth: 3 x 64 KB at head_dim 128, with Q 224 KB of the H200's 227
 # head_dim_qk 192 / head_dim_vo 128 (DeepSeek's non-absorbed prefill, _route.HOPPER_192_128): 2 x (48 + 32) KB,
 # with Q's 48 KB 208 KB
 STAGES_192 = 2
 CONSUMER_REGS = 240  # per consumer thread; the producer warpgroup keeps 24
 PRODUCER_REGS = 24
+# head_dim 64: three consumer warpgroups (192-token query tiles, FlashAttention-3's there) of 160 registers a
+# thread and a producer of 32 (3 x 160 + 32 = 512: the register file's 64K over 16 warps)
+CONSUMERS_64 = 3
+CONSUMER_REGS_64 = 160
+PRODUCER_REGS_64 = 32
 # e4m3 K/V (the kernel's FP8 mode): two 16-bit stages the consumers read (FP8_STAGES) and two fp8
 # stages the producer warpgroup converts from (FP8_RING), 2 x 64 + 2 x 32 KB, with Q 224 KB; the
 # consumers keep 240 registers a thread and the converting warpgroup 32 (2 x 240 + 32 = 512: the
@@ -79,10 +85,21 @@ def row_stride(t: torch.Tensor) -> int:
     return t.stride(0) if t.shape[1] == 1 else t.stride(1)
 
 
-def maxnreg(consumer_regs: int, producer_regs: int = PRODUCER_REGS) -> int:
+def maxnreg(consumer_regs: int, producer_regs: int = PRODUCER_REGS, consumers: int = 2) -> int:
     """The kernel-wide register limit that leaves ``consumer_regs`` to each consumer thread:
-    registers are handed out per warpgroup, two consumers and the producer's, 12 warps in all."""
-    return (2 * 4 * consumer_regs + 4 * producer_regs) // 12 // 8 * 8
+    registers are handed out per warpgroup, the consumers' and the producer's (a warp of it counts as
+    a warpgroup), 4 * (consumers + 1) warps in all."""
+    return (consumers * 4 * consumer_regs + 4 * producer_regs) // (4 * (consumers + 1)) // 8 * 8
+
+
+def consumers(head_dim_qk: int, fp8: bool = False) -> int:
+    """Consumer warpgroups of the prefill kernel: three for 16-bit K/V at head_dim 64, else two."""
+    return CONSUMERS_64 if head_dim_qk == 64 and not fp8 else 2
+
+
+def query_tile(head_dim_qk: int, fp8: bool = False) -> int:
+    """Query tokens of a prefill work item: 64 a consumer warpgroup."""
+    return 64 * consumers(head_dim_qk, fp8)
 
 
 def decode_config() -> dict:
@@ -104,11 +121,13 @@ def kernel_config(fp8: bool, head_dim_qk: int = 128) -> dict:
     192: Q and K in chunks, ``qk_chunk``, and a shallower ring, ``STAGES_192``)."""
     if fp8:
         return dict(STAGES=FP8_STAGES, FP8=True, FP8_STAGES=FP8_RING, CONSUMER_REGS=FP8_CONSUMER_REGS,
-                    PRODUCER_REGS=FP8_PRODUCER_REGS, QK_CHUNKS=1,
+                    PRODUCER_REGS=FP8_PRODUCER_REGS, QK_CHUNKS=1, CONSUMERS=2,
                     maxnreg=maxnreg(FP8_CONSUMER_REGS, FP8_PRODUCER_REGS))
+    n = consumers(head_dim_qk)
+    regs, producer = (CONSUMER_REGS, PRODUCER_REGS) if n == 2 else (CONSUMER_REGS_64, PRODUCER_REGS_64)
     return dict(STAGES=STAGES if head_dim_qk <= 128 else STAGES_192, FP8=False, FP8_STAGES=1,
-                CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-                QK_CHUNKS=head_dim_qk // qk_chunk(head_dim_qk), maxnreg=maxnreg(CONSUMER_REGS, PRODUCER_REGS))
+                CONSUMER_REGS=regs, PRODUCER_REGS=producer, QK_CHUNKS=head_dim_qk // qk_chunk(head_dim_qk),
+                CONSUMERS=n, maxnreg=maxnreg(regs, producer, n))
 
 
 @functools.lru_cache(maxsize=None)
@@ -127,10 +146,10 @@ def gluon_available() -> bool:
     return True
 
 
-def work_tiles(qo_lens: np.ndarray, kv_lens: np.ndarray, causal: bool) -> np.ndarray:
-    """int32 [2, tiles]: request and first query token of every 128-token query tile, the tiles that
-    read the most KV first: the attention core's work list (no splits), heaviest first."""
-    plan = _plan.heaviest_first(_plan.build_work(qo_lens, kv_lens, TILE, None), qo_lens, kv_lens, TILE, causal)
+def work_tiles(qo_lens: np.ndarray, kv_lens: np.ndarray, causal: bool, tile: int = TILE) -> np.ndarray:
+    """int32 [2, tiles]: request and first query token of every ``tile``-token query tile (``query_tile``),
+    the tiles that read the most KV first: the attention core's work list (no splits), heaviest first."""
+    plan = _plan.heaviest_first(_plan.build_work(qo_lens, kv_lens, tile, None), qo_lens, kv_lens, tile, causal)
     return np.ascontiguousarray(plan.work[:, :2].T)
 
 

@@ -57,6 +57,11 @@ HOPPER_FP8 = False
 # sm_90 on the CPU after that lease (no spills, 213 KB), not yet run on a GPU: off until its GPU test passes and the
 # bench measures it.
 HOPPER_192_128 = False
+# head_dim 64 (16-bit K/V) on the Gluon kernel with three consumer warpgroups (192-token query tiles,
+# _hopper.consumers; False: the core). Session 6, H200: two consumers at 64 ran 7-12 % slower than the core;
+# session 23, H100: the core at 0.59-0.74x of fa3 there. The three-consumer mode was written and compiled for
+# sm_90 on the CPU in session 24: off until its GPU test passes and the bench measures it faster.
+HOPPER_D64 = False
 # e4m3 paged decode with grouped-query attention on the Gluon fp8 decode (kernels/decode_hopper.py: a
 # producer warpgroup converts each fp8 tile for a wgmma consumer; issue "Speed, part 3", target 2; False:
 # the core). Session 22, H200: its GPU tests pass, but it runs ~2.2x slower than the core's fp8 decode (64 x 4096,
@@ -140,8 +145,11 @@ class PrefillRoute:
         if (f.head_dim_qk, f.head_dim_vo) == (192, 128):
             if not HOPPER_192_128 or f.page_size > 0 or fp8:
                 return core("head_dim 192 / 128 (the kernel takes it for contiguous 16-bit K/V with HOPPER_192_128)")
+        elif f.head_dim_qk == f.head_dim_vo == 64:
+            if not HOPPER_D64 or fp8:
+                return core("head_dim 64 (the kernel takes it for 16-bit K/V with HOPPER_D64)")
         elif not f.head_dim_qk == f.head_dim_vo == 128:
-            return core("head_dim is not 128 (at 64 the kernel measured 7-12 % slower)")
+            return core("head_dim is not 128, 64 or 192 / 128")
         reason = self.scores_unsupported(f.params)
         if reason:
             return core(reason)
@@ -157,7 +165,7 @@ class PrefillRoute:
         if mean < need and not HOPPER_FORCE:
             return core(f"{mean:.0f} query tokens per request on average, below {need}")
         return Route("hopper", f"{'paged' if paged else 'ragged'}, {mean:.0f} query tokens per request",
-                     _hopper.work_tiles(f.qo_lens, f.kv_lens, causal))
+                     _hopper.work_tiles(f.qo_lens, f.kv_lens, causal, _hopper.query_tile(f.head_dim_qk, fp8)))
 
     def for_pod(self, facts: PlanFacts) -> Route:
         """POD's prefill half: the route a single prefill of that shape takes, unless
@@ -223,7 +231,7 @@ def prefill_switches() -> tuple:
     """The module switches ``PREFILL.at_plan`` reads, for a caller that keeps a route's decision per shape
     (``single_prefill_with_kv_cache``'s kept steps and replays): set before any call in serving; tests and
     benchmarks that flip one between calls get a new decision."""
-    return HOPPER_PREFILL, HOPPER_FORCE, HOPPER_FP8, HOPPER_GATHER, HOPPER_192_128, id(HOPPER_MIN_LEN)
+    return HOPPER_PREFILL, HOPPER_FORCE, HOPPER_FP8, HOPPER_GATHER, HOPPER_192_128, HOPPER_D64, id(HOPPER_MIN_LEN)
 
 
 class DecodeRoute:

@@ -8,15 +8,17 @@ Q and K then sit in shared memory as ``QK_CHUNKS`` tiles of 64 columns, TMA boxe
 and S is that many chained wgmmas).
 Everything else, and every other GPU, runs the shared attention core.
 
-A work item: 128 query tokens of one query head. A program (one per SM, persistent) runs items in
+A work item: 64 x ``CONSUMERS`` query tokens of one query head. A program (one per SM, persistent) runs items in
 turn, as three partitions (``gl.warp_specialize``):
 - a producer warp that brings K/V tiles by TMA into a ring of ``STAGES`` shared-memory stages, each
-  with a ``ready`` mbarrier (TMA byte count) and an ``empty`` one (both consumers released it);
+  with a ``ready`` mbarrier (TMA byte count) and an ``empty`` one (every consumer released it);
   (paged K/V whose pages TMA cannot box, page 1 as SGLang's: a producer warpgroup that gathers the rows
   by cp.async into the same ring instead, ``GATHER``);
-- two consumer warpgroups of 64 query rows each. A consumer issues the wgmma of S_j = Q K_j^T before
+- ``CONSUMERS`` consumer warpgroups of 64 query rows each: two, three at head_dim 64 (FlashAttention-3's
+  192-row tiles there: a tile's softmax costs as much as at 128 for half the wgmma work, so a third
+  warpgroup's softmax overlaps the other two's wgmmas). A consumer issues the wgmma of S_j = Q K_j^T before
   the wgmma of O += P_{j-1} V_{j-1} and runs the softmax of S_j while the second one works; P goes
-  from the S accumulator's registers into the PV wgmma's A operand. The two consumers are tied only
+  from the S accumulator's registers into the PV wgmma's A operand. The consumers are tied only
   by the ring, so one's softmax overlaps the other's wgmma.
 Scores stay raw; the softmax scale (log2 units) is applied inside exp2's argument.
 
@@ -65,8 +67,8 @@ def _softmax_step(s, m_i, l_i, scale, cols, kv_hi, rows_diag, masked, is_causal)
 
 @gluon.jit
 def _item(item, num_qo_heads, group, tile_req_ptr, tile_start_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
-          is_causal, BLOCK_N: gl.constexpr):
-    """Work item ``item`` (a 128-token query tile of one query head; heads fastest): its request's
+          is_causal, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Work item ``item`` (a ``BLOCK_M``-token query tile of one query head; heads fastest): its request's
     first query token, the tile's first token m0, the request's query length, first KV entry (token
     or page-table offset) and KV length, the KV tiles it reads, its query head and its KV head."""
     head = item % num_qo_heads
@@ -79,7 +81,7 @@ def _item(item, num_qo_heads, group, tile_req_ptr, tile_start_ptr, qo_indptr_ptr
     kv_len = gl.load(kv_len_ptr + req)
     kv_hi = kv_len
     if is_causal:
-        kv_hi = gl.minimum(kv_len, m0 + 2 * ROWS + kv_len - q_len)
+        kv_hi = gl.minimum(kv_len, m0 + BLOCK_M + kv_len - q_len)
     n_tiles = gl.cdiv(gl.maximum(kv_hi, 0), BLOCK_N)
     return q_start, m0, q_len, kv_start, kv_len, n_tiles, head, head // group
 
@@ -126,20 +128,21 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready
                     kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
                     num_items, page_size):
     """Producer warp, contiguous K/V: the program's items in turn, tile j of an item (rows kv_start +
-    j * BLOCK_N ...) into the ring's next stage once both consumers released its last use; the ring
+    j * BLOCK_N ...) into the ring's next stage once every consumer released its last use; the ring
     runs on across items, so the next item's first tiles load under this one's last. (Constants come
     from the shared-memory and descriptor types: a constexpr passed through ``warp_specialize``'s
     argument tuple arrives as a value.)"""
-    _load_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, is_causal, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
+    _load_tiles(k_desc, v_desc, k_smem, v_smem, q_bar, ready, empty, is_causal, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
                 kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group, num_items, False)
 
 
 @gluon.jit
-def _load_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, is_causal, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
+def _load_tiles(k_desc, v_desc, k_smem, v_smem, q_bar, ready, empty, is_causal, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
                 kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group, num_items,
                 PAGED: gl.constexpr):
     """The TMA producer warp's loop (contiguous or paged K/V, ``_issue_kv_tile``)."""
     stages: gl.constexpr = v_smem.type.shape[0]
+    BLOCK_M: gl.constexpr = ROWS * q_bar.type.shape[0]  # a Q barrier a consumer
     BLOCK_N: gl.constexpr = v_smem.type.shape[1]
     QK_CHUNKS: gl.constexpr = k_smem.type.shape[0] // stages
     # K (its chunks) and V, BLOCK_N rows of boxes each (a page's or the tile's rows)
@@ -149,7 +152,7 @@ def _load_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, is_causal, qo_indp
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
         q_start, m0, q_len, kv_start, kv_len, n_tiles, head, kv_head = _item(
             item, num_qo_heads, group, tile_req_ptr, tile_start_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
-            is_causal, BLOCK_N)
+            is_causal, BLOCK_N, BLOCK_M)
         for j in range(n_tiles):
             stage = t % stages
             # empty barriers start "released": the first pass over the ring waits on the other phase
@@ -167,7 +170,7 @@ def _load_paged_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar,
                           kv_indptr_ptr, kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr,
                           num_qo_heads, group, num_items, page_size):
     """Producer warp, paged K/V: tile j is BLOCK_N / PAGE pages, one TMA box each (``_issue_kv_tile``)."""
-    _load_tiles(k_desc, v_desc, k_smem, v_smem, ready, empty, is_causal, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
+    _load_tiles(k_desc, v_desc, k_smem, v_smem, q_bar, ready, empty, is_causal, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
                 kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group, num_items, True)
 
 
@@ -189,6 +192,7 @@ def _gather_paged_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ba
     HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
     gl.static_assert(v_smem.type.shape[0] == stages and v_smem.type.shape[2] == HEAD_DIM,
                      "the gather reads K and V rows of one width, K in one chunk")
+    BLOCK_M: gl.constexpr = ROWS * q_bar.type.shape[0]
     SUB: gl.constexpr = 8
     LAG: gl.constexpr = stages - 1
     # [SUB, HEAD_DIM]: 8 elements (16 bytes) a thread, a warp across HEAD_DIM / 8 threads of a row
@@ -201,7 +205,7 @@ def _gather_paged_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ba
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
         q_start, m0, q_len, kv_start, kv_len, n_tiles, head, kv_head = _item(
             item, num_qo_heads, group, tile_req_ptr, tile_start_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
-            is_causal, BLOCK_N)
+            is_causal, BLOCK_N, BLOCK_M)
         kv_col = kv_head * HEAD_DIM
         n_pages = gl.cdiv(kv_len, page_size)
         for j in range(n_tiles):
@@ -243,7 +247,7 @@ def _convert_stage(src, dst):
 
 @gluon.jit
 def _convert_tile(c, k8_smem, v8_smem, ready8, k_smem, v_smem, ready, empty):
-    """Ring tile c: once its fp8 boxes have landed and both consumers released its 16-bit stage, K and
+    """Ring tile c: once its fp8 boxes have landed and every consumer released its 16-bit stage, K and
     V converted into that stage and published to the consumers (``publish_stage``)."""
     stages8: gl.constexpr = k8_smem.type.shape[0]
     stages: gl.constexpr = k_smem.type.shape[0]
@@ -257,7 +261,7 @@ def _convert_tile(c, k8_smem, v8_smem, ready8, k_smem, v_smem, ready, empty):
 
 
 @gluon.jit
-def _fp8_tiles(k_desc, v_desc, k8_smem, v8_smem, ready8, k_smem, v_smem, ready, empty, is_causal,
+def _fp8_tiles(k_desc, v_desc, k8_smem, v8_smem, ready8, k_smem, v_smem, q_bar, ready, empty, is_causal,
                qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr,
                num_qo_heads, group, num_items, PAGED: gl.constexpr):
     """The fp8 producer warpgroup's loop (``FP8``): tile t by TMA into fp8 stage t % S8 (one elected
@@ -266,13 +270,14 @@ def _fp8_tiles(k_desc, v_desc, k8_smem, v8_smem, ready8, k_smem, v_smem, ready, 
     still in flight at the end are converted last."""
     stages8: gl.constexpr = k8_smem.type.shape[0]
     BLOCK_N: gl.constexpr = k8_smem.type.shape[1]
+    BLOCK_M: gl.constexpr = ROWS * q_bar.type.shape[0]
     kv_bytes: gl.constexpr = 2 * BLOCK_N * k_desc.block_type.nbytes // k_desc.block_type.shape[0]
     t = 0  # tiles issued
     c = 0  # tiles converted
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
         q_start, m0, q_len, kv_start, kv_len, n_tiles, head, kv_head = _item(
             item, num_qo_heads, group, tile_req_ptr, tile_start_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
-            is_causal, BLOCK_N)
+            is_causal, BLOCK_N, BLOCK_M)
         for j in range(n_tiles):
             s8 = t % stages8
             mbarrier.expect(ready8.index(s8), kv_bytes)
@@ -287,19 +292,19 @@ def _fp8_tiles(k_desc, v_desc, k8_smem, v8_smem, ready8, k_smem, v_smem, ready, 
 
 
 @gluon.jit
-def _fp8_partition(k_desc, v_desc, k8_smem, v8_smem, ready8, k_smem, v_smem, ready, empty, is_causal,
+def _fp8_partition(k_desc, v_desc, k8_smem, v8_smem, ready8, k_smem, v_smem, q_bar, ready, empty, is_causal,
                    qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr,
                    tile_start_ptr, num_qo_heads, group, num_items):
-    _fp8_tiles(k_desc, v_desc, k8_smem, v8_smem, ready8, k_smem, v_smem, ready, empty, is_causal,
+    _fp8_tiles(k_desc, v_desc, k8_smem, v8_smem, ready8, k_smem, v_smem, q_bar, ready, empty, is_causal,
                qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr,
                num_qo_heads, group, num_items, False)
 
 
 @gluon.jit
-def _fp8_paged_partition(k_desc, v_desc, k8_smem, v8_smem, ready8, k_smem, v_smem, ready, empty,
+def _fp8_paged_partition(k_desc, v_desc, k8_smem, v8_smem, ready8, k_smem, v_smem, q_bar, ready, empty,
                          is_causal, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr, kv_indices_ptr, rows_per_page,
                          tile_req_ptr, tile_start_ptr, num_qo_heads, group, num_items):
-    _fp8_tiles(k_desc, v_desc, k8_smem, v8_smem, ready8, k_smem, v_smem, ready, empty, is_causal,
+    _fp8_tiles(k_desc, v_desc, k8_smem, v8_smem, ready8, k_smem, v_smem, q_bar, ready, empty, is_causal,
                qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr,
                num_qo_heads, group, num_items, True)
 
@@ -400,11 +405,12 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
              k_mult, v_mult, is_causal, qo_indptr_ptr, kv_indptr_ptr,
              kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
              num_items, page_size, WG: gl.constexpr):
-    """Consumer warpgroup ``WG``: for each of the program's items, query rows m0 + 64 WG ... + 63
+    """Consumer warpgroup ``WG``: for each of the program's items, query rows m0 + 64 WG ... + 63 (of a ``BLOCK_M``-token tile)
     against every KV tile of the item. The next item's Q loads once this item's last S is done,
     under the last PV and the epilogue. Where the ring's dtype is not Q's (``FP8``: fp16), the Q tile
     is converted in place once it lands, and the wgmmas read it as the ring's dtype."""
     BLOCK_N: gl.constexpr = v_smem.type.shape[1]
+    BLOCK_M: gl.constexpr = ROWS * q_bar.type.shape[0]
     QK_CHUNKS: gl.constexpr = k_smem.type.shape[0] // v_smem.type.shape[0]
     QC: gl.constexpr = k_smem.type.shape[2]  # Q and K columns a chunk (all of head_dim_qk with one chunk)
     HEAD_DIM_VO: gl.constexpr = v_smem.type.shape[2]
@@ -441,7 +447,7 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
     for item in range(first, num_items, step):
         q_start, m0, q_len, kv_start, kv_len, n_tiles, head, kv_head = _item(
             item, num_qo_heads, group, tile_req_ptr, tile_start_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
-            is_causal, BLOCK_N)
+            is_causal, BLOCK_N, BLOCK_M)
         # the next item's Q origin, read now so the loads are done when its TMA is issued
         q_row, q_col = _q_origin(item + step, num_items, num_qo_heads, tile_req_ptr, tile_start_ptr, qo_indptr_ptr,
                                  WG, QK_CHUNKS * QC)
@@ -515,17 +521,30 @@ def _consume1(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empt
 
 
 @gluon.jit
+def _consume2(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
+              stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages, sm_scale_log2,
+              k_mult, v_mult, is_causal, qo_indptr_ptr, kv_indptr_ptr,
+              kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
+              num_items, page_size):
+    _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
+             stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages, sm_scale_log2,
+             k_mult, v_mult, is_causal, qo_indptr_ptr, kv_indptr_ptr,
+             kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
+             num_items, page_size, 2)
+
+
+@gluon.jit
 def prefill_hopper_kernel(
     q_desc, k_desc, v_desc, o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr,
     stride_kv_row, num_pages, k_mult, v_mult, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr, tile_req_ptr, tile_start_ptr,
     num_qo_heads, num_items, sm_scale_log2, kv_indices_ptr, rows_per_page,
     GROUP: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     PAGE_SIZE: gl.constexpr, GATHER: gl.constexpr, FP8: gl.constexpr, FP8_STAGES: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr, QK_CHUNKS: gl.constexpr, num_warps: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, QK_CHUNKS: gl.constexpr, CONSUMERS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """q_desc: [tokens, H_qo * D] box [64, D]; o: [tokens, H_qo, D] (any row and head strides); lse:
     [tokens, H_qo] float32 base 2. ``tile_req`` / ``tile_start`` int32 [tiles]: the request and first
-    query token of each 128-token tile (heaviest first); ``kv_len`` int32 [batch]. Work items are
+    query token of each ``64 * CONSUMERS``-token tile (heaviest first); ``kv_len`` int32 [batch]. Work items are
     (tile, query head), heads fastest, so the heads of a KV group run side by side and share K/V in L2;
     program p takes items p, p + grid, ... (grid = the SM count: persistent, so one item's epilogue
     and the next one's loads overlap; grid = items runs one item per program). ``num_warps`` is 4:
@@ -554,7 +573,7 @@ def prefill_hopper_kernel(
     gl.static_assert((QK_CHUNKS == 1 and HEAD_DIM_VO == HEAD_DIM) or not (FP8 or GATHER or PAGE_SIZE > 0),
                      "paged, gathered and fp8 K/V take one head_dim, in one chunk")
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [2 * QK_CHUNKS, ROWS, HEAD_DIM], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS * QK_CHUNKS, ROWS, HEAD_DIM], q_desc.layout)
     if FP8:
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float16)
         k_smem = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
@@ -562,14 +581,14 @@ def prefill_hopper_kernel(
     else:
         k_smem = gl.allocate_shared_memory(dtype, [STAGES * QK_CHUNKS, BLOCK_N, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM_VO], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
+    for i in gl.static_range(CONSUMERS):
         mbarrier.init(q_bar.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
 
     args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok, stride_o_head,
             lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages, sm_scale_log2, k_mult, v_mult, IS_CAUSAL,
@@ -581,15 +600,27 @@ def prefill_hopper_kernel(
         ready8 = gl.allocate_shared_memory(gl.int64, [FP8_STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(FP8_STAGES):
             mbarrier.init(ready8.index(i), count=1)
-        args8 = (k_desc, v_desc, k8_smem, v8_smem, ready8, k_smem, v_smem, ready, empty, IS_CAUSAL,
+        args8 = (k_desc, v_desc, k8_smem, v8_smem, ready8, k_smem, v_smem, q_bar, ready, empty, IS_CAUSAL,
                  qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr,
                  num_qo_heads, GROUP, num_items)
+        gl.static_assert(CONSUMERS == 2, "the fp8 mode has two consumers")
         if PAGE_SIZE > 0:
             gl.warp_specialize([(_consume0, args), (_consume1, args), (_fp8_paged_partition, args8)], [4, 4],
                                [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([(_consume0, args), (_consume1, args), (_fp8_partition, args8)], [4, 4],
                                [CONSUMER_REGS, PRODUCER_REGS])
+    elif CONSUMERS == 3:
+        # (warp_specialize takes its functions as written here: a helper could not receive the producer)
+        if GATHER:
+            gl.warp_specialize([(_consume0, args), (_consume1, args), (_consume2, args), (_gather_paged_partition, args)],
+                               [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+        elif PAGE_SIZE > 0:
+            gl.warp_specialize([(_consume0, args), (_consume1, args), (_consume2, args), (_load_paged_partition, args)],
+                               [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+        else:
+            gl.warp_specialize([(_consume0, args), (_consume1, args), (_consume2, args), (_load_partition, args)],
+                               [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     elif GATHER:
         # the producer a warpgroup (registers are handed out per warpgroup: the same 24 a thread)
         gl.warp_specialize([(_consume0, args), (_consume1, args), (_gather_paged_partition, args)], [4, 4],
