@@ -124,6 +124,24 @@ def test_route_takes_deepseek_dims_when_switched_on(hopper_gpu, monkeypatch):
     assert _hopper.kernel_config(False, 192)["QK_CHUNKS"] == 3 and _hopper.kernel_config(False)["QK_CHUNKS"] == 1
 
 
+def test_route_takes_head_dim_256_when_switched_on(hopper_gpu, monkeypatch):
+    """``_route.HOPPER_D256``: head_dim 256 takes the kernel for 16-bit K/V with 64-position K/V stages, pages
+    of 8 to 64 by TMA (128 no longer divides a stage: core unless gathered); off, or e4m3, it stays on the core."""
+    dims = {"head_dim_qk": 256, "head_dim_vo": 256}
+    assert "HOPPER_D256" in _route.PREFILL.at_plan(_facts(**dims)).reason
+    monkeypatch.setattr(_route, "HOPPER_D256", True)
+    monkeypatch.setattr(_route, "HOPPER_FP8", True)
+    for page in (0, 16, 64):
+        assert _route.PREFILL.at_plan(_facts(page_size=page, **dims)).kernel == "hopper", page
+    assert "page size 128" in _route.PREFILL.at_plan(_facts(page_size=128, **dims)).reason
+    assert "head_dim 256" in _route.PREFILL.at_plan(_facts(kv_dtype=torch.float8_e4m3fn, **dims)).reason
+    assert (_hopper.kernel_config(False, 256)["BLOCK_N"], _hopper.kernel_config(False)["BLOCK_N"]) == (64, 128)
+    q = torch.randn(256, 4, 256).to(torch.bfloat16)
+    k = torch.randn(256, 2, 256).to(torch.bfloat16)
+    k_box, v_box = _route.PREFILL.at_run(_route.Route("hopper", "forced"), q, (k, k)).boxes
+    assert (k_box.block, v_box.block) == ((64, 256), (64, 256))
+
+
 def test_route_takes_head_dim_64_when_switched_on(hopper_gpu, monkeypatch):
     """``_route.HOPPER_D64``: head_dim 64 takes the kernel for 16-bit K/V (ragged or paged), with 192-token query
     tiles (three consumer warpgroups: ``_hopper.consumers``); off, or e4m3, it stays on the core."""

@@ -282,13 +282,15 @@ HOPPER_CASES = {"ragged-causal": (0, True, 4), "ragged": (0, False, 1), "paged16
                 # DeepSeek's non-absorbed prefill: head_dim_qk 192 (three 64-column chunks) / head_dim_vo 128
                 "ragged-192-128-causal": (0, True, 1), "ragged-192-128": (0, False, 1),
                 # head_dim 64: three consumer warpgroups (_hopper.consumers)
-                "d64-ragged-causal": (0, True, 4), "d64-paged16": (16, False, 4)}
+                "d64-ragged-causal": (0, True, 4), "d64-paged16": (16, False, 4),
+                # head_dim 256: 64-position K/V stages (_hopper.kv_tile)
+                "d256-ragged-causal": (0, True, 2), "d256-paged16": (16, False, 8)}
 
 
 def compile_hopper_case(name: str):
     """One variant of the Gluon prefill kernel for sm_90: its TMA descriptors' types as
     ``_hopper.ragged_descriptors`` / ``paged_descriptors`` build them, bf16, head_dim 128 (192 / 128 for the
-    ``192-128`` cases: Q and K boxes of ``_hopper.qk_chunk`` columns; 64 for the ``d64`` ones)."""
+    ``192-128`` cases: Q and K boxes of ``_hopper.qk_chunk`` columns; 64 and 256 for the ``d64`` and ``d256`` ones)."""
     import torch
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -300,14 +302,15 @@ def compile_hopper_case(name: str):
     page, causal, group = HOPPER_CASES[name]
     fp8 = name.startswith("fp8")
     kv_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
-    d, d_vo = (192, 128) if "192-128" in name else (64, 64) if name.startswith("d64") else (128, 128)
+    d, d_vo = ((192, 128) if "192-128" in name else (64, 64) if name.startswith("d64") else
+               (256, 256) if name.startswith("d256") else (128, 128))
 
     def desc(box_rows, dtype, width=d, box_cols=_hopper.qk_chunk(d)):
         rows = torch.empty(1024, 8 * width, dtype=dtype)
         return mangle_type(TensorDescriptor(rows, [1024, 8 * width], [8 * width, 1], [box_rows, box_cols],
                                             _hopper.smem_layout(box_rows, box_cols, dtype)))
 
-    gather = _hopper.gather_pages(page)
+    gather = _hopper.gather_pages(page, d)
     config = _hopper.kernel_config(fp8, d)
     constexprs = dict(GROUP=group, IS_CAUSAL=causal, PAGE_SIZE=page, GATHER=gather, num_warps=4,
                       **{k: v for k, v in config.items() if k != "maxnreg"})
@@ -315,8 +318,8 @@ def compile_hopper_case(name: str):
     for p in prefill_hopper_kernel.params:
         n = p.name
         sig[n] = ("constexpr" if n in constexprs else desc(64, torch.bfloat16) if n == "q_desc" else
-                  desc(_hopper.TILE if gather or not page else page, kv_dtype) if n == "k_desc" else
-                  desc(_hopper.TILE if gather or not page else page, kv_dtype, d_vo, d_vo) if n == "v_desc" else
+                  desc(_hopper.kv_tile(d) if gather or not page else page, kv_dtype) if n == "k_desc" else
+                  desc(_hopper.kv_tile(d) if gather or not page else page, kv_dtype, d_vo, d_vo) if n == "v_desc" else
                   "*bf16" if n == "o_ptr" else "*fp8e4nv" if fp8 and n in ("k_ptr", "v_ptr") else
                   "*bf16" if n in ("k_ptr", "v_ptr") else
                   "*fp32" if n == "lse_ptr" else "*i32" if n.endswith("_ptr") else
@@ -339,9 +342,10 @@ def test_hopper_prefill_kernel_compiles_for_sm90():
     # the rest) and spills 32 bytes in it (sm_90 compile, session 18; 24 before the fp8 multipliers
     # joined the partitions' arguments); the fp8 mode's converting warpgroup (32 registers) spills 8; the
     # three consumers at head_dim 64 (160 registers a thread) spill up to 40 outside their KV loop: the first
-    # tile's masked softmax and the epilogue's stores (SASS, session 24)
+    # tile's masked softmax and the epilogue's stores (SASS, session 24); at head_dim 256 (O takes 128 of the
+    # 240) 24 bytes of per-item values, reloaded once an item
     _check_resources(report, lambda case: 32 if "gather" in case else 8 if "fp8" in case else
-                     40 if case.startswith("case-d64") else 0)
+                     40 if case.startswith("case-d64") else 24 if case.startswith("case-d256") else 0)
 
 
 # the Gluon fp8 decode (kernels/decode_hopper.py) as _hopper.decode_launch launches it: (page size, GQA group)

@@ -30,6 +30,10 @@ STAGES = 3  # K/V ring depth: 3 x 64 KB at head_dim 128, with Q 224 KB of the H2
 # head_dim_qk 192 / head_dim_vo 128 (DeepSeek's non-absorbed prefill, _route.HOPPER_192_128): 2 x (48 + 32) KB,
 # with Q's 48 KB 208 KB
 STAGES_192 = 2
+# head_dim 256 (Gemma's, _route.HOPPER_D256): stages of 64 positions (KV_TILE_256), 2 x 64 KB, with Q's 64 KB
+# 192 KB; the consumers' O accumulator takes 128 of their 240 registers a thread
+STAGES_256 = 2
+KV_TILE_256 = 64
 CONSUMER_REGS = 240  # per consumer thread; the producer warpgroup keeps 24
 PRODUCER_REGS = 24
 # head_dim 64: three consumer warpgroups (192-token query tiles, FlashAttention-3's there) of 160 registers a
@@ -67,10 +71,15 @@ def decode_q_rows(group: int) -> int:
     return -(-group // 8) * 8
 
 
-def gather_pages(page_size: int) -> bool:
+def kv_tile(head_dim_qk: int) -> int:
+    """K/V positions of a prefill ring stage (the kernel's ``BLOCK_N``): 128, 64 at head_dim 256."""
+    return KV_TILE_256 if head_dim_qk == 256 else TILE
+
+
+def gather_pages(page_size: int, head_dim_qk: int = 128) -> bool:
     """Pages the prefill kernel's paged mode gathers by cp.async (its ``GATHER``) rather than TMA boxes:
-    fewer than ``TMA_MIN_PAGE`` positions, or not dividing the 128-token tile."""
-    return page_size > 0 and (page_size < TMA_MIN_PAGE or TILE % page_size != 0)
+    fewer than ``TMA_MIN_PAGE`` positions, or not dividing the K/V tile (``kv_tile``)."""
+    return page_size > 0 and (page_size < TMA_MIN_PAGE or kv_tile(head_dim_qk) % page_size != 0)
 
 
 def mla_gather_pages(page_size: int) -> bool:
@@ -121,13 +130,14 @@ def kernel_config(fp8: bool, head_dim_qk: int = 128) -> dict:
     192: Q and K in chunks, ``qk_chunk``, and a shallower ring, ``STAGES_192``)."""
     if fp8:
         return dict(STAGES=FP8_STAGES, FP8=True, FP8_STAGES=FP8_RING, CONSUMER_REGS=FP8_CONSUMER_REGS,
-                    PRODUCER_REGS=FP8_PRODUCER_REGS, QK_CHUNKS=1, CONSUMERS=2,
+                    PRODUCER_REGS=FP8_PRODUCER_REGS, QK_CHUNKS=1, CONSUMERS=2, BLOCK_N=TILE,
                     maxnreg=maxnreg(FP8_CONSUMER_REGS, FP8_PRODUCER_REGS))
     n = consumers(head_dim_qk)
     regs, producer = (CONSUMER_REGS, PRODUCER_REGS) if n == 2 else (CONSUMER_REGS_64, PRODUCER_REGS_64)
-    return dict(STAGES=STAGES if head_dim_qk <= 128 else STAGES_192, FP8=False, FP8_STAGES=1,
-                CONSUMER_REGS=regs, PRODUCER_REGS=producer, QK_CHUNKS=head_dim_qk // qk_chunk(head_dim_qk),
-                CONSUMERS=n, maxnreg=maxnreg(regs, producer, n))
+    stages = STAGES if head_dim_qk <= 128 else STAGES_192 if head_dim_qk == 192 else STAGES_256
+    return dict(STAGES=stages, FP8=False, FP8_STAGES=1, CONSUMER_REGS=regs, PRODUCER_REGS=producer,
+                QK_CHUNKS=head_dim_qk // qk_chunk(head_dim_qk), CONSUMERS=n, BLOCK_N=kv_tile(head_dim_qk),
+                maxnreg=maxnreg(regs, producer, n))
 
 
 @functools.lru_cache(maxsize=None)
@@ -194,15 +204,15 @@ class KVBoxes(NamedTuple):
 
 
 def ragged_descriptors(k: torch.Tensor, v: torch.Tensor) -> Optional[KVBoxes]:
-    """TMA boxes of contiguous NHD K/V (128-token boxes of one head, K's of ``qk_chunk`` columns, V's of
+    """TMA boxes of contiguous NHD K/V (``kv_tile``-token boxes of one head, K's of ``qk_chunk`` columns, V's of
     its head_dim), or None where a 2-D TMA view does not fit them (the run then takes the core)."""
     if not (tma_ready(k) and tma_ready(v)):
         return None
     n, h, dk = k.shape
     dv = v.shape[2]
-    ck = qk_chunk(dk)
-    return KVBoxes((TmaBox(k, (n, h * dk), (k.stride()[0], 1), (TILE, ck), smem_layout(TILE, ck, k.dtype)),
-                    TmaBox(v, (n, h * dv), (v.stride()[0], 1), (TILE, dv), smem_layout(TILE, dv, v.dtype))), 0)
+    ck, rows = qk_chunk(dk), kv_tile(dk)
+    return KVBoxes((TmaBox(k, (n, h * dk), (k.stride()[0], 1), (rows, ck), smem_layout(rows, ck, k.dtype)),
+                    TmaBox(v, (n, h * dv), (v.stride()[0], 1), (rows, dv), smem_layout(rows, dv, v.dtype))), 0)
 
 
 def paged_descriptors(kv: PagedKV) -> Optional[KVBoxes]:
@@ -226,7 +236,7 @@ def _paged_descriptors(kv: PagedKV) -> Optional[Tuple[tuple, int]]:
         return None
     rows_per_page = page_stride // row
     rows = (kv.k.shape[0] - 1) * rows_per_page + page
-    box = TILE if gather_pages(page) else page
+    box = kv_tile(d) if gather_pages(page, d) else page
     layout = smem_layout(box, d, kv.k.dtype)
     return KVBoxes(tuple(TmaBox(t, (max(rows, box), row), (row, 1), (box, d), layout) for t in (kv.k, kv.v)),
                    rows_per_page, page, kv.k.shape[0])
@@ -295,7 +305,7 @@ class _HopperLaunch:
         self.sm_scale_log2 = sm_scale * math.log2(math.e)
         self.launcher = _device.per_device("prefill_hopper", device, lambda: CachedLauncher(prefill_hopper_kernel))
         self.kwargs = dict(GROUP=num_qo_heads // num_kv_heads, IS_CAUSAL=causal, PAGE_SIZE=page,
-                           GATHER=gather_pages(page), num_warps=4, **kernel_config(fp8, head_dim_qk))
+                           GATHER=gather_pages(page, head_dim_qk), num_warps=4, **kernel_config(fp8, head_dim_qk))
         self.launch: Optional[BoundLaunch] = None
         # the plan's tensors the launch holds (compared by identity at each run; kept alive here) and
         # its rows per page

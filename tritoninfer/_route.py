@@ -62,6 +62,10 @@ HOPPER_192_128 = False
 # session 23, H100: the core at 0.59-0.74x of fa3 there. The three-consumer mode was written and compiled for
 # sm_90 on the CPU in session 24: off until its GPU test passes and the bench measures it faster.
 HOPPER_D64 = False
+# head_dim 256 (Gemma's; 16-bit K/V) on the Gluon kernel with 64-position K/V stages (_hopper.kv_tile; False: the
+# core). Written and compiled for sm_90 on the CPU in session 24: off until its GPU test passes and the bench
+# measures it faster.
+HOPPER_D256 = False
 # e4m3 paged decode with grouped-query attention on the Gluon fp8 decode (kernels/decode_hopper.py: a
 # producer warpgroup converts each fp8 tile for a wgmma consumer; issue "Speed, part 3", target 2; False:
 # the core). Session 22, H200: its GPU tests pass, but it runs ~2.2x slower than the core's fp8 decode (64 x 4096,
@@ -148,16 +152,20 @@ class PrefillRoute:
         elif f.head_dim_qk == f.head_dim_vo == 64:
             if not HOPPER_D64 or fp8:
                 return core("head_dim 64 (the kernel takes it for 16-bit K/V with HOPPER_D64)")
+        elif f.head_dim_qk == f.head_dim_vo == 256:
+            if not HOPPER_D256 or fp8:
+                return core("head_dim 256 (the kernel takes it for 16-bit K/V with HOPPER_D256)")
         elif not f.head_dim_qk == f.head_dim_vo == 128:
-            return core("head_dim is not 128, 64 or 192 / 128")
+            return core("head_dim is not 64, 128, 256 or 192 / 128")
         reason = self.scores_unsupported(f.params)
         if reason:
             return core(reason)
         paged = f.page_size > 0
-        if paged and _hopper.gather_pages(f.page_size) and (fp8 or not HOPPER_GATHER):
-            return core(f"page size {f.page_size} (TMA boxes take {_hopper.TMA_MIN_PAGE}-{_hopper.TILE}, dividing "
-                        f"{_hopper.TILE}; {'the fp8 mode has no gather' if fp8 else 'HOPPER_GATHER is off'})")
-        if not paged and int(f.kv_lens.sum()) < _hopper.TILE:
+        kv_tile = _hopper.kv_tile(f.head_dim_qk)
+        if paged and _hopper.gather_pages(f.page_size, f.head_dim_qk) and (fp8 or not HOPPER_GATHER):
+            return core(f"page size {f.page_size} (TMA boxes take {_hopper.TMA_MIN_PAGE}-{kv_tile}, dividing "
+                        f"{kv_tile}; {'the fp8 mode has no gather' if fp8 else 'HOPPER_GATHER is off'})")
+        if not paged and int(f.kv_lens.sum()) < kv_tile:
             return core("K/V shorter than one TMA box")
         causal = bool(f.params.causal)
         mean = int(f.qo_lens.sum()) / max(f.qo_lens.size, 1)
@@ -231,7 +239,8 @@ def prefill_switches() -> tuple:
     """The module switches ``PREFILL.at_plan`` reads, for a caller that keeps a route's decision per shape
     (``single_prefill_with_kv_cache``'s kept steps and replays): set before any call in serving; tests and
     benchmarks that flip one between calls get a new decision."""
-    return HOPPER_PREFILL, HOPPER_FORCE, HOPPER_FP8, HOPPER_GATHER, HOPPER_192_128, HOPPER_D64, id(HOPPER_MIN_LEN)
+    return (HOPPER_PREFILL, HOPPER_FORCE, HOPPER_FP8, HOPPER_GATHER, HOPPER_192_128, HOPPER_D64, HOPPER_D256,
+            id(HOPPER_MIN_LEN))
 
 
 class DecodeRoute:

@@ -540,7 +540,8 @@ def prefill_hopper_kernel(
     num_qo_heads, num_items, sm_scale_log2, kv_indices_ptr, rows_per_page,
     GROUP: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     PAGE_SIZE: gl.constexpr, GATHER: gl.constexpr, FP8: gl.constexpr, FP8_STAGES: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr, QK_CHUNKS: gl.constexpr, CONSUMERS: gl.constexpr, num_warps: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, QK_CHUNKS: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """q_desc: [tokens, H_qo * D] box [64, D]; o: [tokens, H_qo, D] (any row and head strides); lse:
     [tokens, H_qo] float32 base 2. ``tile_req`` / ``tile_start`` int32 [tiles]: the request and first
@@ -550,24 +551,24 @@ def prefill_hopper_kernel(
     and the next one's loads overlap; grid = items runs one item per program). ``num_warps`` is 4:
     the first consumer is the default partition.
 
-    ``PAGE_SIZE == 0``: contiguous K/V, k_desc / v_desc [kv tokens, H_kv * D] box [128, D],
+    ``BLOCK_N``: K/V positions a ring stage holds (128; 64 at head_dim 256).
+    ``PAGE_SIZE == 0``: contiguous K/V, k_desc / v_desc [kv tokens, H_kv * D] box [BLOCK_N, D],
     ``kv_indptr`` token offsets (``kv_indices_ptr`` and ``rows_per_page`` unused).
-    ``PAGE_SIZE > 0`` (8 to 128, dividing 128): k_desc / v_desc are 2-D views [rows, H_kv * D] of
+    ``PAGE_SIZE > 0`` (8 to BLOCK_N, dividing it): k_desc / v_desc are 2-D views [rows, H_kv * D] of
     the K and V pages, box [PAGE_SIZE, D], page p starting at row p * rows_per_page; ``kv_indptr`` /
     ``kv_indices`` the page table. With ``GATHER`` (any ``PAGE_SIZE``: page 1, SGLang's), the same
     rows are read by cp.async through ``k_ptr`` / ``v_ptr`` (``stride_kv_row`` elements a row,
-    ``num_pages`` pages) and the descriptors only give the stages' layout (box [128, D]).
+    ``num_pages`` pages) and the descriptors only give the stages' layout (box [BLOCK_N, D]).
     ``k_ptr`` ... ``num_pages`` are unread otherwise.
 
     ``QK_CHUNKS`` > 1 (contiguous 16-bit K/V only: head_dim_qk 192 = 3 x 64): q_desc and k_desc read boxes of
-    D = head_dim_qk / QK_CHUNKS columns, Q and K held as that many tiles a buffer; v_desc's box [128, D_VO] and
+    D = head_dim_qk / QK_CHUNKS columns, Q and K held as that many tiles a buffer; v_desc's box [BLOCK_N, D_VO] and
     o [tokens, H_qo, D_VO] may be narrower than head_dim_qk (DeepSeek's non-absorbed prefill: 192 / 128).
 
     ``FP8``: k_desc / v_desc read e4m3 K/V (either mode above, not ``GATHER``) into ``FP8_STAGES``
     stages, which the producer warpgroup (``PRODUCER_REGS`` registers a thread) converts into the
     consumers' ``STAGES`` fp16 stages; Q (bf16) is converted to fp16 by the consumers. ``k_mult``
     multiplies the scores (with ``sm_scale_log2``), ``v_mult`` the output (1 and 1 without fp8 scales)."""
-    BLOCK_N: gl.constexpr = 128
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
     HEAD_DIM_VO: gl.constexpr = v_desc.block_type.shape[1]
     gl.static_assert((QK_CHUNKS == 1 and HEAD_DIM_VO == HEAD_DIM) or not (FP8 or GATHER or PAGE_SIZE > 0),
