@@ -574,27 +574,28 @@ def test_gpu_hopper_ragged_prefill_192_128(causal, monkeypatch):
 # head_dim 64 on the Gluon kernel's three consumer warpgroups (_route.HOPPER_D64, 192-token query tiles) and 256 on
 # its 64-position K/V stages (_route.HOPPER_D256): ragged and paged, causal with requests off the tiles and an
 # empty one, GQA groups of 1 to 8
-HOPPER_HEAD_DIM_CASES = [
-    Case((1000, 0, 77, 400), (1000, 5, 0, 2100), heads=(32, 8), head_dim=64, q_dtype=torch.bfloat16,
-         kv_dtype=torch.bfloat16, causal=True),
-    Case((1500, 193), (1500, 1000), heads=(8, 8), head_dim=64, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16),
-    Case((2000, 0, 385), (2100, 5, 900), page_size=16, heads=(32, 8), head_dim=64, q_dtype=torch.bfloat16,
-         kv_dtype=torch.bfloat16, causal=True),
-    Case((700, 500), (900, 500), page_size=64, form="tuple", heads=(16, 4), head_dim=64, q_dtype=torch.bfloat16,
-         kv_dtype=torch.bfloat16),
-    Case((1000, 0, 77, 400), (1000, 5, 0, 2100), heads=(16, 2), head_dim=256, q_dtype=torch.bfloat16,
-         kv_dtype=torch.bfloat16, causal=True),
-    Case((1500, 193), (1500, 1000), heads=(8, 8), head_dim=256, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16),
-    Case((2000, 0, 385), (2100, 5, 900), page_size=16, heads=(32, 4), head_dim=256, q_dtype=torch.bfloat16,
-         kv_dtype=torch.bfloat16, causal=True),
-    Case((700, 500), (900, 500), page_size=64, form="tuple", heads=(16, 8), head_dim=256, q_dtype=torch.bfloat16,
-         kv_dtype=torch.bfloat16),
+HOPPER_HEAD_DIM_CASES = [  # (case, ragged: False runs the paged wrapper over the case's pages)
+    (Case((1000, 0, 77, 400), (1000, 5, 0, 2100), heads=(32, 8), head_dim=64, q_dtype=torch.bfloat16,
+         kv_dtype=torch.bfloat16, causal=True), True),
+    (Case((1500, 193), (1500, 1000), heads=(8, 8), head_dim=64, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16), True),
+    (Case((2000, 0, 385), (2100, 5, 900), page_size=16, heads=(32, 8), head_dim=64, q_dtype=torch.bfloat16,
+         kv_dtype=torch.bfloat16, causal=True), False),
+    (Case((700, 500), (900, 500), page_size=64, form="tuple", heads=(16, 4), head_dim=64, q_dtype=torch.bfloat16,
+         kv_dtype=torch.bfloat16), False),
+    (Case((1000, 0, 77, 400), (1000, 5, 0, 2100), heads=(16, 2), head_dim=256, q_dtype=torch.bfloat16,
+         kv_dtype=torch.bfloat16, causal=True), True),
+    (Case((1500, 193), (1500, 1000), heads=(8, 8), head_dim=256, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16), True),
+    (Case((2000, 0, 385), (2100, 5, 900), page_size=16, heads=(32, 4), head_dim=256, q_dtype=torch.bfloat16,
+         kv_dtype=torch.bfloat16, causal=True), False),
+    (Case((700, 500), (900, 500), page_size=64, form="tuple", heads=(16, 8), head_dim=256, q_dtype=torch.bfloat16,
+         kv_dtype=torch.bfloat16), False),
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", HOPPER_HEAD_DIM_CASES, ids=lambda c: c.id())
-def test_gpu_hopper_prefill_head_dims(case, monkeypatch):
+@pytest.mark.parametrize("case,ragged", HOPPER_HEAD_DIM_CASES,
+                         ids=lambda c: c.id() if isinstance(c, Case) else "ragged" if c else "paged")
+def test_gpu_hopper_prefill_head_dims(case, ragged, monkeypatch):
     """With ``_route.HOPPER_D64`` / ``HOPPER_D256`` on, head_dim 64 (three consumer warpgroups) and 256
     (64-position stages) run on the Gluon kernel and match the reference (LSE included)."""
     from tritoninfer import _route
@@ -604,10 +605,10 @@ def test_gpu_hopper_prefill_head_dims(case, monkeypatch):
     monkeypatch.setattr(_route, "HOPPER_D256", True)
     monkeypatch.setattr(_route, "HOPPER_FORCE", True)  # lengths below the route's threshold
     calls = _count_hopper_launches(monkeypatch)
-    if case.page_size:
-        test_paged_prefill_matches_reference(case, device="cuda")
-    else:
+    if ragged:
         test_ragged_prefill_matches_reference(case, device="cuda", hopper=True)
+    else:
+        test_paged_prefill_matches_reference(case, device="cuda")
     assert calls
 
 
