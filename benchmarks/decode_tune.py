@@ -37,6 +37,13 @@ def parse_config(text):
             4 * warps if orient == "cc" else 0)
 
 
+def clear_tile_caches():
+    """The decode module's remembered tile choices: per tile arguments, and per plan configuration (a plan with
+    the same arguments would otherwise keep the first config's tiles: sessions 22-24's sweeps did)."""
+    decode._decode_tiles.cache_clear()
+    decode._decode_config.cache_clear()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", required=True, help="comma-separated ORIENT-BLOCK_N-WARPS-STAGES[-p]")
@@ -76,11 +83,15 @@ def main(argv=None):
                                                    prefetch_pages=_c[4], programs_per_sm=_pps or t.programs_per_sm,
                                                    lanes=_c[5] if t.lanes else 0)
 
-                    decode._decode_tiles.cache_clear()
+                    clear_tile_caches()
                     decode._plan.decode_tiles = original if config is None else tiles
                     w = tritoninfer.BatchDecodeWithPagedKVCacheWrapper(ws, args.layout)
                     w.plan(kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, hq, hk, d, page,
                            q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
+                    planned = w._step.tiles
+                    if config is not None and (planned.block_n, planned.num_warps, planned.num_stages) != (
+                            block_n, warps, stages):
+                        raise RuntimeError(f"the plan took {planned}, not the config {name}")
                     i = [0]
 
                     def call():
@@ -105,7 +116,7 @@ def main(argv=None):
                                  f"{us:.1f} | {nbytes / us / 1e6:.2f} |")
                     print(lines[-1], flush=True)
     decode._plan.decode_tiles = original
-    decode._decode_tiles.cache_clear()
+    clear_tile_caches()
     write_table(lines, [f"- {k}: {v[0]:.1f} us with {v[1]}, programs/SM {v[2]}" for k, v in best.items()], args.out)
 
 
