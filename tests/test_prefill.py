@@ -409,9 +409,9 @@ def test_gpu_paged_prefill(case):
     test_paged_prefill_matches_reference(case, device="cuda")
 
 
-# ragged plans on the H200: those the Gluon Hopper kernel takes (bf16, head_dim 128: uneven lengths,
+# ragged plans on the H200: those the Gluon Hopper kernel takes (bf16, head_dim 128 and 64: uneven lengths,
 # empty requests, GQA groups of 4 and 7, causal with long requests) and neighbours that keep the
-# attention core (head_dim 64, fp16, causal with short requests); (case, takes the Gluon kernel)
+# attention core (fp16, causal with short requests); (case, takes the Gluon kernel)
 HOPPER_CASES = [
     (Case((8200, 0, 77, 8200), (8200, 5, 0, 8300), heads=(16, 4), head_dim=128, q_dtype=torch.bfloat16,
           kv_dtype=torch.bfloat16, causal=True), True),
@@ -423,7 +423,7 @@ HOPPER_CASES = [
      False),
     (Case((300, 64), (200, 64), heads=(8, 8), head_dim=64, q_dtype=torch.float16, kv_dtype=torch.float16,
           causal=True), False),
-    (Case((4096,), (4096,), heads=(16, 4), head_dim=64, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16), False),
+    (Case((4096,), (4096,), heads=(16, 4), head_dim=64, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16), True),
 ]
 
 

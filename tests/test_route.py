@@ -58,7 +58,7 @@ def test_route_takes_the_gluon_kernel_only_where_measured(hopper_gpu):
             ({"causal": True}, "below 4096"), ({"mean": 1000}, "below 1024"), ({"causal": True, "mean": 4000}, "below"),
             ({"page_size": 16, "mean": 500}, "below 512"), ({"page_size": 16, "causal": True, "mean": 1000}, "below"),
             ({"q_dtype": torch.float16, "kv_dtype": torch.float16}, "bf16"), ({"kv_dtype": torch.float8_e4m3fn}, "HOPPER_FP8 is off"),
-            ({"head_dim_qk": 64, "head_dim_vo": 64}, "head_dim"), ({"head_dim_vo": 64}, "head_dim"),
+            ({"head_dim_qk": 96, "head_dim_vo": 96}, "head_dim"), ({"head_dim_vo": 64}, "head_dim"),
             ({"layout": TensorLayout.HND}, "HND"), ({"use_cuda_graph": True}, "CUDA-graph"),
             ({"has_mask": True}, "mask"), ({"device": torch.device("cpu")}, "sm_90"),
             ({"page_size": 4}, "page size 4"), ({"page_size": 1}, "page size 1"), ({"page_size": 48}, "page size 48"),
@@ -101,11 +101,12 @@ def test_route_takes_e4m3_kv_when_switched_on(hopper_gpu, monkeypatch):
     assert _route.PREFILL.at_run(route, q, (k8, k8), sinks=torch.zeros(4)) is None
 
 
-def test_route_takes_deepseek_dims_when_switched_on(hopper_gpu, monkeypatch):
+def test_route_deepseek_dims_switch(hopper_gpu, monkeypatch):
     """``_route.HOPPER_192_128``: DeepSeek's non-absorbed prefill (head_dim_qk 192 / vo 128) takes the kernel
     over contiguous 16-bit K/V only; off, or paged, or e4m3, it stays on the core. At run, K is read in boxes
     of 64 columns (TMA boxes are powers of two: ``_hopper.qk_chunk``), V in boxes of its 128."""
     dims = {"head_dim_qk": 192, "head_dim_vo": 128}
+    monkeypatch.setattr(_route, "HOPPER_192_128", False)
     assert "HOPPER_192_128" in _route.PREFILL.at_plan(_facts(**dims)).reason
     monkeypatch.setattr(_route, "HOPPER_192_128", True)
     monkeypatch.setattr(_route, "HOPPER_FP8", True)
@@ -124,10 +125,11 @@ def test_route_takes_deepseek_dims_when_switched_on(hopper_gpu, monkeypatch):
     assert _hopper.kernel_config(False, 192)["QK_CHUNKS"] == 3 and _hopper.kernel_config(False)["QK_CHUNKS"] == 1
 
 
-def test_route_takes_head_dim_256_when_switched_on(hopper_gpu, monkeypatch):
+def test_route_head_dim_256_switch(hopper_gpu, monkeypatch):
     """``_route.HOPPER_D256``: head_dim 256 takes the kernel for 16-bit K/V with 64-position K/V stages, pages
     of 8 to 64 by TMA (128 no longer divides a stage: core unless gathered); off, or e4m3, it stays on the core."""
     dims = {"head_dim_qk": 256, "head_dim_vo": 256}
+    monkeypatch.setattr(_route, "HOPPER_D256", False)
     assert "HOPPER_D256" in _route.PREFILL.at_plan(_facts(**dims)).reason
     monkeypatch.setattr(_route, "HOPPER_D256", True)
     monkeypatch.setattr(_route, "HOPPER_FP8", True)
@@ -142,11 +144,12 @@ def test_route_takes_head_dim_256_when_switched_on(hopper_gpu, monkeypatch):
     assert (k_box.block, v_box.block) == ((64, 256), (64, 256))
 
 
-def test_route_takes_head_dim_64_when_switched_on(hopper_gpu, monkeypatch):
+def test_route_head_dim_64_switch(hopper_gpu, monkeypatch):
     """``_route.HOPPER_D64``: head_dim 64 takes the kernel for 16-bit K/V (ragged or paged), with 192-token query
     tiles (three consumer warpgroups: ``_hopper.consumers``); off, or e4m3, it stays on the core."""
     monkeypatch.setattr(_hopper, "work_tiles", _REAL_WORK_TILES)
     dims = {"head_dim_qk": 64, "head_dim_vo": 64}
+    monkeypatch.setattr(_route, "HOPPER_D64", False)
     assert "HOPPER_D64" in _route.PREFILL.at_plan(_facts(**dims)).reason
     monkeypatch.setattr(_route, "HOPPER_D64", True)
     monkeypatch.setattr(_route, "HOPPER_FP8", True)

@@ -52,20 +52,18 @@ HOPPER_GATHER = False
 # across runs: off until one run measures it faster than the core.
 HOPPER_FP8 = False
 # DeepSeek's non-absorbed prefill (ragged, head_dim_qk 192 / head_dim_vo 128: issue 22) on the Gluon kernel, Q and
-# K in three 64-column chunks (_hopper.qk_chunk, STAGES_192; False: the core). Session 23, H100: the core runs it
-# at 0.35-0.40x of FlashInfer's fa3 (benchmarks/results/h100/mla-prefill-192-128-s23.md); written and compiled for
-# sm_90 on the CPU after that lease (no spills, 213 KB), not yet run on a GPU: off until its GPU test passes and the
-# bench measures it.
-HOPPER_192_128 = False
+# K in three 64-column chunks (_hopper.qk_chunk, STAGES_192; False: the core). Session 24, H200: its GPU test passes
+# (both masks); 1.5-1.9x the core, 0.60-0.65x FlashInfer's fa3 (results/h200/prefill-gluon-d256-192-vs-fa3-s24.md)
+HOPPER_192_128 = True
 # head_dim 64 (16-bit K/V) on the Gluon kernel with three consumer warpgroups (192-token query tiles,
-# _hopper.consumers; False: the core). Session 6, H200: two consumers at 64 ran 7-12 % slower than the core;
-# session 23, H100: the core at 0.59-0.74x of fa3 there. The three-consumer mode was written and compiled for
-# sm_90 on the CPU in session 24: off until its GPU test passes and the bench measures it faster.
-HOPPER_D64 = False
+# _hopper.consumers; False: the core). Session 24, H200: its GPU tests pass (ragged and paged); 1.15-1.64x the core
+# on every row of 32/8 page 16 4-16 x 1K-4K, 1.04-1.22x fa3 but causal 4K-length and 16 x 1K rows (0.87-0.92x)
+# (results/h200/prefill-d64-gluon3-s24.md)
+HOPPER_D64 = True
 # head_dim 256 (Gemma's; 16-bit K/V) on the Gluon kernel with 64-position K/V stages (_hopper.kv_tile; False: the
-# core). Written and compiled for sm_90 on the CPU in session 24: off until its GPU test passes and the bench
-# measures it faster.
-HOPPER_D256 = False
+# core). Session 24, H200: its GPU tests pass but the ragged non-causal case, which the bench ran unchecked; 1.8-2.0x
+# the core at 4 x 4096, 0.60-0.64x fa3 (results/h200/prefill-gluon-d256-192-vs-fa3-s24.md)
+HOPPER_D256 = True
 # e4m3 paged decode with grouped-query attention on the Gluon fp8 decode (kernels/decode_hopper.py: a
 # producer warpgroup converts each fp8 tile for a wgmma consumer; issue "Speed, part 3", target 2; False:
 # the core). Session 22, H200: its GPU tests pass, but it runs ~2.2x slower than the core's fp8 decode (64 x 4096,

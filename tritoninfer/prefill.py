@@ -5,8 +5,8 @@ decode uses.
 Query tokens of a request are cut into tiles of ``block_m // group`` tokens; each tile's rows are
 (token, query head of the GQA group) pairs, so every KV byte is read once per group.
 
-On Hopper, ragged and paged (pages of 8-128 tokens, NHD) plans of plain bf16 attention at head_dim 128
-with long requests (``_route.PrefillRoute``) run a persistent warp-specialised Gluon kernel instead
+On Hopper, ragged and paged (pages of 8-128 tokens, NHD) plans of plain bf16 attention at head_dim 64, 128
+or 256 (and DeepSeek's 192 / 128, ragged) with long requests (``_route.PrefillRoute``) run a persistent warp-specialised Gluon kernel instead
 (``kernels/prefill_hopper.py``, FlashAttention-3's schedule: 1.25-1.8x the attention core at 4K-16K
 tokens); everything else runs the attention core.
 """

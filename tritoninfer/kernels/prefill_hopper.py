@@ -2,10 +2,9 @@
 schedule, written out. Used by ``BatchPrefillWithRaggedKVCacheWrapper`` (and so
 ``single_prefill_with_kv_cache``), and in its paged mode by ``BatchPrefillWithPagedKVCacheWrapper``,
 when the attention is plain: 16-bit Q/K/V of one dtype, causal or not, no mask/window/soft
-cap/ALiBi/RoPE/sinks/scales (``_route.PrefillRoute``; it runs head_dim 64 too, but is selected at 128,
-and with ``_route.HOPPER_192_128`` at DeepSeek's head_dim_qk 192 / head_dim_vo 128 over contiguous K/V:
-Q and K then sit in shared memory as ``QK_CHUNKS`` tiles of 64 columns, TMA boxes being powers of two,
-and S is that many chained wgmmas).
+cap/ALiBi/RoPE/sinks/scales (``_route.PrefillRoute``) at head_dim 64, 128 and 256, and at DeepSeek's
+head_dim_qk 192 / head_dim_vo 128 over contiguous K/V: Q and K then sit in shared memory as ``QK_CHUNKS``
+tiles of 64 columns, TMA boxes being powers of two, and S is that many chained wgmmas).
 Everything else, and every other GPU, runs the shared attention core.
 
 A work item: 64 x ``CONSUMERS`` query tokens of one query head. A program (one per SM, persistent) runs items in
@@ -400,6 +399,17 @@ def _attend_tiles(q_op, q_base, k_smem, v_smem, ready, empty, t, n_tiles, m_i, l
 
 
 @gluon.jit
+def _release_tiles(ready, empty, t, n):
+    """Ring tiles t ... t + n - 1 released without reading them: each once it has landed (so that this
+    arrival counts towards its own use of the stage, not the next)."""
+    stages: gl.constexpr = ready.type.shape[0]
+    for j in range(n):
+        stage = (t + j) % stages
+        mbarrier.wait(ready.index(stage), ((t + j) // stages) & 1)
+        mbarrier.arrive(empty.index(stage), count=1)
+
+
+@gluon.jit
 def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
              stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages, sm_scale_log2,
              k_mult, v_mult, is_causal, qo_indptr_ptr, kv_indptr_ptr,
@@ -468,17 +478,20 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
         l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
         acc = gl.zeros([ROWS, HEAD_DIM_VO], gl.float32, layout=o_layout)
 
-        if n_tiles > 0:
-            o_tok, last, m_i, l_i = _attend_tiles(my_q_mma, q_base, k_smem, v_smem, ready, empty, t, n_tiles, m_i, l_i, acc,
+        # the item's tiles past this warpgroup's causal limit (the later rows' diagonal) are released unread
+        n_mine = gl.minimum(n_tiles, gl.cdiv(gl.maximum(kv_hi, 0), BLOCK_N))
+        if n_mine > 0:
+            o_tok, last, m_i, l_i = _attend_tiles(my_q_mma, q_base, k_smem, v_smem, ready, empty, t, n_mine, m_i, l_i, acc,
                                                   s_zero, scale, cols0, kv_hi, rows_diag, first_masked, is_causal,
                                                   p_layout, row_o)
             # every S of this item is done: the next item's Q may overwrite this one
             _load_q(q_desc, my_q, my_bar, q_row, q_col, item + step < num_items, q_base, QK_CHUNKS)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
             mbarrier.arrive(empty.index(last), count=1)
-            t += n_tiles
         else:
             _load_q(q_desc, my_q, my_bar, q_row, q_col, item + step < num_items, q_base, QK_CHUNKS)
+        _release_tiles(ready, empty, t + n_mine, n_tiles - n_mine)
+        t += n_tiles
 
         # rows that saw no key: output 0, LSE -inf (as the attention core)
         l_o = gl.convert_layout(l_i, row_o)
