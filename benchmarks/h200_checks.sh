@@ -38,6 +38,7 @@
 #   ncu-sampling Nsight Compute on the renorm and sampling kernels (benchmarks/ncu_sampling.py, NCU_BATCH
 #                rows, default 256): throughput, occupancy, warp stalls, memory; needs the Firecracker runtime
 #   ncu-decode   Nsight Compute on the Gluon fp8 decode and the core's fp8 decode (benchmarks/ncu_decode.py)
+#   ncu-prefill  Nsight Compute on the Gluon prefill, ragged causal, head_dim 128, 256 and 192 / 128 (prefill_once.py)
 #   ncu-mla      Nsight Compute on the MLA decode kernels (benchmarks/ncu_mla.py; NCU_MLA_SHAPES as bench mla
 #                --shapes, default 128 and 16 heads 64 x 8K at page 64): stalls, occupancy, memory
 #   fit-sink-mla FlashInfer's own tests for attention sinks and DeepSeek MLA (2 workers)
@@ -302,6 +303,18 @@ case "$part" in
       --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
       --section MemoryWorkloadAnalysis --section SchedulerStats --section SourceCounters \
       python3 benchmarks/ncu_decode.py ${NCU_DECODE:-} > "$out/ncu-decode.txt" 2>&1 || true ;;
+  ncu-prefill)
+    # where the Gluon prefill's warps wait at head_dim 128 (the reference: ~0.95-1.1x fa3), 256 and 192 / 128 (0.60-0.65x
+    # fa3, session 24): ragged, causal, one launch each after two warm-up calls
+    ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    for dims in "128 128 32/8/4/4096" "256 256 32/8/4/4096" "192 128 128/128/1/4096"; do
+      read -r dq dv shape <<< "$dims"
+      PYTHONPATH=/tmp/site:$PWD timeout $((limit / 3)) "$ncu_bin" --clock-control none -k regex:prefill_hopper_kernel \
+        --launch-skip 2 --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats \
+        --section MemoryWorkloadAnalysis --section SchedulerStats --section SourceCounters \
+        python3 benchmarks/prefill_once.py --kv ragged --causal --head-dim "$dq" --head-dim-vo "$dv" --shape "$shape" \
+        > "$out/ncu-prefill-$dq-$dv.txt" 2>&1 || true
+    done ;;
   ncu-mla)
     # where the Gluon MLA kernel's warps wait (NCU_MLA_SHAPES as bench mla --shapes; default 128 and 16 heads,
     # page 64, 64 x 8K): stall reasons, occupancy, memory

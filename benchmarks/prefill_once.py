@@ -29,25 +29,30 @@ def main(argv=None):
     ap.add_argument("--shape", default="32/8/4/4096", help="HQ/HK/BATCH/LEN")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--head-dim-vo", type=int, default=None, help="ragged only (DeepSeek's prefill: 192 / 128)")
     ap.add_argument("--calls", type=int, default=3)
     args = ap.parse_args(argv)
     hq, hk, batch, n = map(int, args.shape.split("/"))
+    d, d_vo = args.head_dim, args.head_dim_vo or args.head_dim
+    if args.kv == "paged" and d_vo != d:
+        ap.error("--head-dim-vo: ragged K/V only")
     kv_dtype = getattr(torch, args.kv_dtype)
-    q = torch.randn((batch * n, hq, 128), device="cuda").to(torch.bfloat16)
+    q = torch.randn((batch * n, hq, d), device="cuda").to(torch.bfloat16)
     qo_indptr = torch.arange(0, batch * n + 1, n, dtype=torch.int32, device="cuda")
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     if args.kv == "paged":
-        kv = gpu_paged_kv(batch, n, hk, 128, args.page_size, kv_dtype, "NHD")
+        kv = gpu_paged_kv(batch, n, hk, d, args.page_size, kv_dtype, "NHD")
         w = tritoninfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
-        w.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, hq, hk, 128, args.page_size,
+        w.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, hq, hk, d, args.page_size,
                causal=args.causal, q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
 
         def run():
             return w.run(q, kv.cache)
     else:
-        k, v = (torch.randn((batch * n, hk, 128), device="cuda").to(kv_dtype) for _ in range(2))
+        k, v = (torch.randn((batch * n, hk, dim), device="cuda").to(kv_dtype) for dim in (d, d_vo))
         w = tritoninfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
-        w.plan(qo_indptr, qo_indptr, hq, hk, 128, causal=args.causal, q_data_type=torch.bfloat16,
+        w.plan(qo_indptr, qo_indptr, hq, hk, d, head_dim_vo=d_vo, causal=args.causal, q_data_type=torch.bfloat16,
                kv_data_type=kv_dtype)
 
         def run():

@@ -320,7 +320,8 @@ def test_block_sparse_plans_take_the_gluon_kernel_from_64_rows(hopper_gpu):
 
 def test_block_sparse_wrapper_plans_with_the_block_sparse_threshold(hopper_plans):
     """BlockSparseAttentionWrapper asks the route with BLOCK_SPARSE_MIN_LEN: 64 x 64 blocks of bf16 at
-    head_dim 128 go to the Gluon kernel, and the plan uploads its work list."""
+    head_dim 128 go to the Gluon kernel, and the plan uploads its work list; other head_dims (measured for the
+    prefill wrappers only) keep the core."""
     from tritoninfer.sparse import BlockSparseAttentionWrapper
 
     wrapper = BlockSparseAttentionWrapper(testing.make_workspace(4 << 20, DEVICE))
@@ -330,6 +331,11 @@ def test_block_sparse_wrapper_plans_with_the_block_sparse_threshold(hopper_plans
     wrapper.plan(indptr, indices, 256, 256, 64, 64, 4, 4, 128, q_data_type=torch.bfloat16, o_data_type=torch.bfloat16)
     step = wrapper._plan.step
     assert step.route.kernel == "hopper" and step.route_work is not None
+    for head_dim in (64, 256):
+        wrapper.plan(indptr, indices, 256, 256, 64, 64, 4, 4, head_dim, q_data_type=torch.bfloat16,
+                     o_data_type=torch.bfloat16)
+        route = wrapper._plan.step.route
+        assert route.is_core and f"head_dim {head_dim}" in route.reason, route
 
 
 def test_pod_prefill_half_takes_the_single_prefill_route(hopper_plans, monkeypatch):

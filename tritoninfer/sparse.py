@@ -103,6 +103,17 @@ def convert_bsr_mask_layout(mask: torch.Tensor, indptr: torch.Tensor) -> torch.T
     return out
 
 
+def _sparse_core_reason(head_dim: int, q_dtype: torch.dtype, o_dtype: torch.dtype) -> Optional[str]:
+    """Why a block-sparse plan keeps the attention core before the prefill route is asked (None: ask it). The
+    Gluon kernel's block-sparse route (block rows as requests, column blocks as pages) was measured at head_dim
+    128 only; its other head_dims' query tiles (192 rows at 64) would mostly idle over 64-row block rows."""
+    if o_dtype != q_dtype:
+        return "the output dtype is not q's"
+    if head_dim != 128:
+        return f"head_dim {head_dim} (the block-sparse route was measured at 128)"
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class _SparsePlan:
     """What a sparse ``plan()`` fixed: the attention step and the shapes ``run()`` checks."""
@@ -186,7 +197,7 @@ class _SparseBase:
         route, work = _route_and_work(facts, tiles, num_qo_heads, num_kv_heads,
                                       workspace_bytes=self._workspace.numel() * self._workspace.element_size(),
                                       num_sms=_device.num_sms(self.device),
-                                      core_reason=None if o_dtype == q_dtype else "the output dtype is not q's")
+                                      core_reason=_sparse_core_reason(head_dim, q_dtype, o_dtype))
         # an empty page list still gets one (unread) entry: the kernel is handed a real allocation
         indices = kv_indices if kv_indices.size else np.zeros(1, np.int64)
         extra = [kv_starts, indices] + ([mask_byte_indptr] if packed_mask is not None else []) + (
