@@ -613,6 +613,22 @@ def test_gpu_hopper_prefill_head_dims(case, ragged, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case,ragged", HOPPER_HEAD_DIM_CASES + [
+    (Case((1000, 0, 77, 300), (1000, 5, 0, 2100), heads=(32, 8), head_dim=128, q_dtype=torch.bfloat16,
+          kv_dtype=torch.bfloat16, causal=True), True),
+    (Case((300, 17, 1, 700), (2000, 500, 4000, 700), page_size=16, heads=(32, 8), head_dim=128,
+          q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, causal=True), False)],
+    ids=lambda c: c.id() if isinstance(c, Case) else "ragged" if c else "paged")
+def test_gpu_hopper_prefill_idle_skip(case, ragged, monkeypatch):
+    """With ``_hopper.IDLE_SKIP`` on, consumers whose rows lie past their request's last query token release
+    the item's tiles unread; outputs and LSE still match the reference (requests off the query tiles)."""
+    from tritoninfer import _hopper
+
+    monkeypatch.setattr(_hopper, "IDLE_SKIP", True)
+    test_gpu_hopper_prefill_head_dims(case, ragged, monkeypatch)
+
+
+@pytest.mark.gpu
 def test_gpu_hopper_paged_fallbacks(monkeypatch):
     """A paged plan in the Gluon kernel's range still takes the core for a run with fp8 scales or sinks
     (which the kernel lacks); the kernel's own run matches the reference with and without an LSE."""

@@ -284,7 +284,9 @@ HOPPER_CASES = {"ragged-causal": (0, True, 4), "ragged": (0, False, 1), "paged16
                 # head_dim 64: three consumer warpgroups (_hopper.consumers)
                 "d64-ragged-causal": (0, True, 4), "d64-paged16": (16, False, 4),
                 # head_dim 256: 64-position K/V stages (_hopper.kv_tile)
-                "d256-ragged-causal": (0, True, 2), "d256-paged16": (16, False, 8)}
+                "d256-ragged-causal": (0, True, 2), "d256-paged16": (16, False, 8),
+                # consumers past the request's last query token release their tiles (_hopper.IDLE_SKIP)
+                "d64-ragged-causal-idle-skip": (0, True, 4), "ragged-causal-idle-skip": (0, True, 4)}
 
 
 def compile_hopper_case(name: str):
@@ -314,6 +316,7 @@ def compile_hopper_case(name: str):
     config = _hopper.kernel_config(fp8, d)
     constexprs = dict(GROUP=group, IS_CAUSAL=causal, PAGE_SIZE=page, GATHER=gather, num_warps=4,
                       **{k: v for k, v in config.items() if k != "maxnreg"})
+    constexprs["IDLE_SKIP"] = name.endswith("idle-skip")
     sig = {}
     for p in prefill_hopper_kernel.params:
         n = p.name

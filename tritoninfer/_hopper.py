@@ -61,6 +61,11 @@ DECODE_FP8_STAGES = 6
 DECODE_CONSUMER_REGS = 248
 DECODE_PRODUCER_REGS = 40
 PERSISTENT = True  # one program per SM running work items in turn (False: one item per program)
+# a consumer warpgroup whose 64 rows all lie past its request's last query token releases the item's KV tiles
+# unread (the kernel's IDLE_SKIP): the last query tile of a request of 1,024 tokens has 64 rows of 192 at head_dim 64,
+# so two of its three consumers computed the request's longest KV span for nothing. Written in session 24 after the
+# lease (sm_90 compile only): off until its GPU tests pass (tests/test_prefill.py -k hopper) and an A/B measures it
+IDLE_SKIP = False
 # smallest page the Gluon kernels read by TMA: a box per page lands in an 8-row slice of a 128-byte
 # swizzled stage; Triton 3.6 cannot slice one below its 8-row swizzle pattern
 TMA_MIN_PAGE = 8
@@ -130,13 +135,14 @@ def kernel_config(fp8: bool, head_dim_qk: int = 128) -> dict:
     192: Q and K in chunks, ``qk_chunk``, and a shallower ring, ``STAGES_192``)."""
     if fp8:
         return dict(STAGES=FP8_STAGES, FP8=True, FP8_STAGES=FP8_RING, CONSUMER_REGS=FP8_CONSUMER_REGS,
-                    PRODUCER_REGS=FP8_PRODUCER_REGS, QK_CHUNKS=1, CONSUMERS=2, BLOCK_N=TILE,
+                    PRODUCER_REGS=FP8_PRODUCER_REGS, QK_CHUNKS=1, CONSUMERS=2, BLOCK_N=TILE, IDLE_SKIP=IDLE_SKIP,
                     maxnreg=maxnreg(FP8_CONSUMER_REGS, FP8_PRODUCER_REGS))
     n = consumers(head_dim_qk)
     regs, producer = (CONSUMER_REGS, PRODUCER_REGS) if n == 2 else (CONSUMER_REGS_64, PRODUCER_REGS_64)
     stages = STAGES if head_dim_qk <= 128 else STAGES_192 if head_dim_qk == 192 else STAGES_256
     return dict(STAGES=stages, FP8=False, FP8_STAGES=1, CONSUMER_REGS=regs, PRODUCER_REGS=producer,
                 QK_CHUNKS=head_dim_qk // qk_chunk(head_dim_qk), CONSUMERS=n, BLOCK_N=kv_tile(head_dim_qk),
+                IDLE_SKIP=IDLE_SKIP,
                 maxnreg=maxnreg(regs, producer, n))
 
 

@@ -125,7 +125,7 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready
                     stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages, sm_scale_log2,
                     k_mult, v_mult, is_causal, qo_indptr_ptr, kv_indptr_ptr,
                     kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
-                    num_items, page_size):
+                    num_items, page_size, idle_skip):
     """Producer warp, contiguous K/V: the program's items in turn, tile j of an item (rows kv_start +
     j * BLOCK_N ...) into the ring's next stage once every consumer released its last use; the ring
     runs on across items, so the next item's first tiles load under this one's last. (Constants come
@@ -167,7 +167,7 @@ def _load_paged_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar,
                           stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages,
                           sm_scale_log2, k_mult, v_mult, is_causal, qo_indptr_ptr,
                           kv_indptr_ptr, kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr,
-                          num_qo_heads, group, num_items, page_size):
+                          num_qo_heads, group, num_items, page_size, idle_skip):
     """Producer warp, paged K/V: tile j is BLOCK_N / PAGE pages, one TMA box each (``_issue_kv_tile``)."""
     _load_tiles(k_desc, v_desc, k_smem, v_smem, q_bar, ready, empty, is_causal, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
                 kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group, num_items, True)
@@ -178,7 +178,7 @@ def _gather_paged_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ba
                             stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages,
                             sm_scale_log2, k_mult, v_mult, is_causal, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
                             kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group, num_items,
-                            page_size):
+                            page_size, idle_skip):
     """Producer warpgroup, paged K/V whose pages TMA cannot box (``GATHER``; page 1: SGLang's cache):
     tile j's rows gathered by cp.async, 16 bytes a thread and copy, in sub-tiles of 32 rows (few
     addresses live at once: the warpgroup keeps 24 registers a thread), into the same ring. A tile's
@@ -414,7 +414,7 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
              stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages, sm_scale_log2,
              k_mult, v_mult, is_causal, qo_indptr_ptr, kv_indptr_ptr,
              kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
-             num_items, page_size, WG: gl.constexpr):
+             num_items, page_size, idle_skip, WG: gl.constexpr):
     """Consumer warpgroup ``WG``: for each of the program's items, query rows m0 + 64 WG ... + 63 (of a ``BLOCK_M``-token tile)
     against every KV tile of the item. The next item's Q loads once this item's last S is done,
     under the last PV and the epilogue. Where the ring's dtype is not Q's (``FP8``: fp16), the Q tile
@@ -478,8 +478,12 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
         l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
         acc = gl.zeros([ROWS, HEAD_DIM_VO], gl.float32, layout=o_layout)
 
-        # the item's tiles past this warpgroup's causal limit (the later rows' diagonal) are released unread
+        # the item's tiles past this warpgroup's causal limit (the later rows' diagonal) are released unread, and
+        # (``IDLE_SKIP``) all of them where its rows are past the request's last query token
         n_mine = gl.minimum(n_tiles, gl.cdiv(gl.maximum(kv_hi, 0), BLOCK_N))
+        if idle_skip:
+            if r0 >= q_len:
+                n_mine = 0
         if n_mine > 0:
             o_tok, last, m_i, l_i = _attend_tiles(my_q_mma, q_base, k_smem, v_smem, ready, empty, t, n_mine, m_i, l_i, acc,
                                                   s_zero, scale, cols0, kv_hi, rows_diag, first_masked, is_causal,
@@ -512,12 +516,12 @@ def _consume0(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empt
               stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages, sm_scale_log2,
               k_mult, v_mult, is_causal, qo_indptr_ptr, kv_indptr_ptr,
               kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
-              num_items, page_size):
+              num_items, page_size, idle_skip):
     _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
              stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages, sm_scale_log2,
              k_mult, v_mult, is_causal, qo_indptr_ptr, kv_indptr_ptr,
              kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
-             num_items, page_size, 0)
+             num_items, page_size, idle_skip, 0)
 
 
 @gluon.jit
@@ -525,12 +529,12 @@ def _consume1(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empt
               stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages, sm_scale_log2,
               k_mult, v_mult, is_causal, qo_indptr_ptr, kv_indptr_ptr,
               kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
-              num_items, page_size):
+              num_items, page_size, idle_skip):
     _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
              stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages, sm_scale_log2,
              k_mult, v_mult, is_causal, qo_indptr_ptr, kv_indptr_ptr,
              kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
-             num_items, page_size, 1)
+             num_items, page_size, idle_skip, 1)
 
 
 @gluon.jit
@@ -538,12 +542,12 @@ def _consume2(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empt
               stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages, sm_scale_log2,
               k_mult, v_mult, is_causal, qo_indptr_ptr, kv_indptr_ptr,
               kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
-              num_items, page_size):
+              num_items, page_size, idle_skip):
     _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
              stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages, sm_scale_log2,
              k_mult, v_mult, is_causal, qo_indptr_ptr, kv_indptr_ptr,
              kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
-             num_items, page_size, 2)
+             num_items, page_size, idle_skip, 2)
 
 
 @gluon.jit
@@ -554,7 +558,7 @@ def prefill_hopper_kernel(
     GROUP: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     PAGE_SIZE: gl.constexpr, GATHER: gl.constexpr, FP8: gl.constexpr, FP8_STAGES: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, QK_CHUNKS: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
-    num_warps: gl.constexpr,
+    IDLE_SKIP: gl.constexpr, num_warps: gl.constexpr,
 ):
     """q_desc: [tokens, H_qo * D] box [64, D]; o: [tokens, H_qo, D] (any row and head strides); lse:
     [tokens, H_qo] float32 base 2. ``tile_req`` / ``tile_start`` int32 [tiles]: the request and first
@@ -564,7 +568,8 @@ def prefill_hopper_kernel(
     and the next one's loads overlap; grid = items runs one item per program). ``num_warps`` is 4:
     the first consumer is the default partition.
 
-    ``BLOCK_N``: K/V positions a ring stage holds (128; 64 at head_dim 256).
+    ``BLOCK_N``: K/V positions a ring stage holds (128; 64 at head_dim 256). ``IDLE_SKIP``: a consumer whose rows
+    all lie past its request's last query token releases the item's tiles unread (``_hopper.IDLE_SKIP``).
     ``PAGE_SIZE == 0``: contiguous K/V, k_desc / v_desc [kv tokens, H_kv * D] box [BLOCK_N, D],
     ``kv_indptr`` token offsets (``kv_indices_ptr`` and ``rows_per_page`` unused).
     ``PAGE_SIZE > 0`` (8 to BLOCK_N, dividing it): k_desc / v_desc are 2-D views [rows, H_kv * D] of
@@ -607,7 +612,7 @@ def prefill_hopper_kernel(
     args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok, stride_o_head,
             lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages, sm_scale_log2, k_mult, v_mult, IS_CAUSAL,
             qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr,
-            num_qo_heads, GROUP, num_items, PAGE_SIZE)
+            num_qo_heads, GROUP, num_items, PAGE_SIZE, IDLE_SKIP)
     if FP8:
         k8_smem = gl.allocate_shared_memory(k_desc.dtype, [FP8_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
         v8_smem = gl.allocate_shared_memory(v_desc.dtype, [FP8_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
