@@ -3,8 +3,8 @@ request, short lengths): FlashInfer's JIT modules (one per path × head_dim × K
 are run-time arguments there) and tritoninfer's kernel variants. Cold, the JIT took most of a 10-minute
 command on the H100 in session 23 (fa3 prefill modules 75-185 s each at MAX_JOBS=3); warmed this way, in
 parallel processes and beside GPU test parts (a few MB of GPU memory each), the timed grid parts time kernels.
-``h200_checks.sh warm-grid`` runs one process per provider and KV dtype; FLASHINFER_WORKSPACE_BASE must be the
-timed run's.
+``h200_checks.sh warm-grid`` runs one process per provider and KV dtype (and per head_dim for FlashInfer's prefill
+paths, whose modules take ~100 s each to build); FLASHINFER_WORKSPACE_BASE must be the timed run's.
 
     PYTHONPATH=.:/tmp/site python benchmarks/grid_warm.py [--provider flashinfer-fa3] [--kv-dtype e4m3] [--list]
 """
@@ -26,14 +26,14 @@ PROVIDERS = {"decode": [ApiDecode("tritoninfer", "tritoninfer", True), ApiDecode
                          ApiPrefill("flashinfer-fa3", "flashinfer", "fa3")]}
 
 
-def jobs(provider=None, kv_dtype=None):
+def jobs(provider=None, kv_dtype=None, head_dim=None):
     """(provider, tiny shape) for each distinct compile of the grid's rows, as the grid's estimate counts them
     (``grid.compile_keys``: FlashInfer by path × head_dim × KV dtype, tritoninfer by head_dim × KV dtype × page
     × mask; a variant of another GQA group still compiles in the timed run, seconds)."""
     seen, out = set(), []
     for row in grid.grid_rows("decode") + grid.grid_rows("prefill"):
         s = row.shape
-        if kv_dtype and SHORT_DTYPE[s.kv_dtype] != kv_dtype:
+        if (kv_dtype and SHORT_DTYPE[s.kv_dtype] != kv_dtype) or (head_dim and s.head_dim != head_dim):
             continue
         for p in PROVIDERS[s.workload]:
             if provider and p.name != provider:
@@ -61,9 +61,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--provider", choices=list(dict.fromkeys(p.name for ps in PROVIDERS.values() for p in ps)))
     ap.add_argument("--kv-dtype", choices=sorted(set(SHORT_DTYPE[d] for d in (torch.bfloat16, torch.float8_e4m3fn))))
+    ap.add_argument("--head-dim", type=int, help="this head_dim's compiles only (FlashInfer builds one module a head_dim: "
+                    "~100 s each for fa3, so one process each)")
     ap.add_argument("--list", action="store_true", help="print the compiles, run nothing")
     a = ap.parse_args()
-    todo = jobs(a.provider, a.kv_dtype)
+    todo = jobs(a.provider, a.kv_dtype, a.head_dim)
     print(f"{len(todo)} compiles", flush=True)
     for p, s in todo:
         print(f"{p.name} {s}" if a.list else warm(p, s), flush=True)

@@ -359,9 +359,14 @@ s.top_k_top_p_sampling_from_probs(p, 50, 0.9); s.top_p_sampling_from_probs(p, 0.
 s.top_k_renorm_probs(p, 50); s.sampling_from_probs(p); torch.cuda.synchronize(); print('warm')" \
       > "$out/warm-fi.log" 2>&1 || true ;;
   warm-grid)
+    # one process per provider and KV dtype, and per head_dim for FlashInfer's prefill paths (a module each, ~100 s)
     for p in flashinfer-fa3 flashinfer-fa2 flashinfer-tc flashinfer-cc tritoninfer; do for k in bf16 e4m3; do
-      (MAX_JOBS=3 PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 benchmarks/grid_warm.py --provider $p --kv-dtype $k \
-        > "$out/warm-grid-$p-$k.log" 2>&1 || true) &
+      dims="0"; case $p in flashinfer-fa*) dims="64 128 256" ;; esac
+      for d in $dims; do
+        hd=""; [ "$d" = 0 ] || hd="--head-dim $d"
+        (MAX_JOBS=2 PYTHONPATH=/tmp/site:$PWD timeout "$limit" python3 benchmarks/grid_warm.py --provider $p --kv-dtype $k \
+          $hd > "$out/warm-grid-$p-$k-$d.log" 2>&1 || true) &
+      done
     done; done
     wait ;;
   warm-*)
