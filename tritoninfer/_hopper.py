@@ -62,9 +62,10 @@ DECODE_CONSUMER_REGS = 248
 DECODE_PRODUCER_REGS = 40
 PERSISTENT = True  # one program per SM running work items in turn (False: one item per program)
 # a consumer warpgroup whose 64 rows all lie past its request's last query token releases the item's KV tiles
-# unread (the kernel's IDLE_SKIP): the last query tile of a request of 1,024 tokens has 64 rows of 192 at head_dim 64,
-# so two of its three consumers computed the request's longest KV span for nothing. Written in session 24 after the
-# lease (sm_90 compile only): off until its GPU tests pass (tests/test_prefill.py -k hopper) and an A/B measures it
+# unread (the kernel's IDLE_SKIP): the last query tile of a request of 1,024 tokens has 64 rows of 192 at head_dim
+# 64, so two of its three consumers compute the request's longest KV span for nothing. Written in session 24
+# after the lease (sm_90 compile only): off until its GPU tests pass (tests/test_prefill.py -k hopper) and an
+# A/B measures it (benchmarks/NOTES.md, session 24)
 IDLE_SKIP = False
 # smallest page the Gluon kernels read by TMA: a box per page lands in an 8-row slice of a 128-byte
 # swizzled stage; Triton 3.6 cannot slice one below its 8-row swizzle pattern
@@ -131,8 +132,9 @@ def qk_chunk(head_dim_qk: int) -> int:
 
 
 def kernel_config(fp8: bool, head_dim_qk: int = 128) -> dict:
-    """The kernel's ring and register constants (and ``maxnreg``) for 16-bit or e4m3 K/V (head_dim_qk
-    192: Q and K in chunks, ``qk_chunk``, and a shallower ring, ``STAGES_192``)."""
+    """The kernel's ring, tile and register constants (and ``maxnreg``) for 16-bit or e4m3 K/V: at head_dim_qk
+    192 Q and K in chunks (``qk_chunk``) and a shallower ring (``STAGES_192``), at 64 three consumers
+    (``consumers``), at 256 stages of 64 positions (``kv_tile``, ``STAGES_256``)."""
     if fp8:
         return dict(STAGES=FP8_STAGES, FP8=True, FP8_STAGES=FP8_RING, CONSUMER_REGS=FP8_CONSUMER_REGS,
                     PRODUCER_REGS=FP8_PRODUCER_REGS, QK_CHUNKS=1, CONSUMERS=2, BLOCK_N=TILE, IDLE_SKIP=IDLE_SKIP,
@@ -142,8 +144,7 @@ def kernel_config(fp8: bool, head_dim_qk: int = 128) -> dict:
     stages = STAGES if head_dim_qk <= 128 else STAGES_192 if head_dim_qk == 192 else STAGES_256
     return dict(STAGES=stages, FP8=False, FP8_STAGES=1, CONSUMER_REGS=regs, PRODUCER_REGS=producer,
                 QK_CHUNKS=head_dim_qk // qk_chunk(head_dim_qk), CONSUMERS=n, BLOCK_N=kv_tile(head_dim_qk),
-                IDLE_SKIP=IDLE_SKIP,
-                maxnreg=maxnreg(regs, producer, n))
+                IDLE_SKIP=IDLE_SKIP, maxnreg=maxnreg(regs, producer, n))
 
 
 @functools.lru_cache(maxsize=None)
