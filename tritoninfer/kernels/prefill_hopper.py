@@ -321,7 +321,7 @@ def _q_origin(item, num_items, num_qo_heads, tile_req_ptr, tile_start_ptr, qo_in
 @gluon.jit
 def _load_q(q_desc, my_q, my_bar, row, col, valid, q_base, QK_CHUNKS: gl.constexpr):
     """A consumer's Q tile by TMA: one box into ``my_q``, or (``QK_CHUNKS`` > 1) one a chunk, into tiles
-    q_base ... of ``my_q`` (then all of Q's shared memory, [2 * chunks, ROWS, QC])."""
+    q_base ... of ``my_q`` (then all of Q's shared memory, [consumers * chunks, ROWS, QC])."""
     if valid:
         mbarrier.expect(my_bar, QK_CHUNKS * q_desc.block_type.nbytes)
         if QK_CHUNKS == 1:
@@ -415,8 +415,8 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
              k_mult, v_mult, is_causal, qo_indptr_ptr, kv_indptr_ptr,
              kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
              num_items, page_size, idle_skip, WG: gl.constexpr):
-    """Consumer warpgroup ``WG``: for each of the program's items, query rows m0 + 64 WG ... + 63 (of a ``BLOCK_M``-token tile)
-    against every KV tile of the item. The next item's Q loads once this item's last S is done,
+    """Consumer warpgroup ``WG``: for each of the program's items, query rows m0 + 64 WG ... + 63 of its
+    ``BLOCK_M``-token tile against the item's KV tiles up to its own causal limit (the rest released unread). The next item's Q loads once this item's last S is done,
     under the last PV and the epilogue. Where the ring's dtype is not Q's (``FP8``: fp16), the Q tile
     is converted in place once it lands, and the wgmmas read it as the ring's dtype."""
     BLOCK_N: gl.constexpr = v_smem.type.shape[1]
@@ -641,12 +641,12 @@ def prefill_hopper_kernel(
             gl.warp_specialize([(_consume0, args), (_consume1, args), (_consume2, args), (_load_partition, args)],
                                [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     elif GATHER:
-        # the producer a warpgroup (registers are handed out per warpgroup: the same 24 a thread)
+        # the producer a warpgroup (registers are handed out per warpgroup: the TMA warp's PRODUCER_REGS)
         gl.warp_specialize([(_consume0, args), (_consume1, args), (_gather_paged_partition, args)], [4, 4],
-                           [CONSUMER_REGS, 24])
+                           [CONSUMER_REGS, PRODUCER_REGS])
     elif PAGE_SIZE > 0:
         gl.warp_specialize([(_consume0, args), (_consume1, args), (_load_paged_partition, args)], [4, 1],
-                           [CONSUMER_REGS, 24])
+                           [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([(_consume0, args), (_consume1, args), (_load_partition, args)], [4, 1],
-                           [CONSUMER_REGS, 24])
+                           [CONSUMER_REGS, PRODUCER_REGS])
