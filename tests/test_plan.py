@@ -123,6 +123,23 @@ def test_decode_tiles_take_the_lane_path_only_for_one_fp8_row(monkeypatch):
     assert _plan.decode_tiles(1, 1, 256, 1, lanes_ok=True).lanes == 0
 
 
+def test_decode_tiles_by_head_dim_for_one_token(monkeypatch):
+    """16-bit decode of one token (16-row tiles) takes the session-25 tiles: 128-position KV-as-M tiles at
+    head_dim 64, 32-position KV-as-M tiles with three stages and page ids ahead at 256. More rows (query
+    tokens or a group above 16) and fp8 at 256 keep the former tiles, which those measurements did not cover."""
+    monkeypatch.setattr(_plan._device, "is_interpreter", lambda: False)
+    shape = lambda t: (t.block_m, t.block_n, t.num_stages, t.kv_as_m, t.prefetch_pages)  # noqa: E731
+    assert shape(_plan.decode_tiles(4, 1, 64, 2)) == (16, 128, 3, True, True)
+    assert shape(_plan.decode_tiles(1, 1, 64, 2)) == (16, 128, 3, True, True)  # a group of one
+    assert shape(_plan.decode_tiles(4, 1, 128, 2)) == (16, 64, 3, True, True)
+    assert shape(_plan.decode_tiles(8, 1, 256, 2)) == (16, 32, 3, True, True)
+    assert shape(_plan.decode_tiles(4, 4, 64, 2)) == (16, 64, 3, True, True)  # four tokens
+    assert shape(_plan.decode_tiles(32, 1, 64, 2)) == (32, 64, 3, True, True)
+    assert shape(_plan.decode_tiles(4, 4, 256, 2)) == (16, 32, 2, False, False)
+    assert shape(_plan.decode_tiles(32, 1, 256, 2)) == (32, 32, 2, False, False)
+    assert shape(_plan.decode_tiles(4, 1, 256, 1)) == (16, 32, 2, False, False)  # fp8
+
+
 def test_build_work_reuses_layouts_without_sharing_them():
     """Consecutive decode plans hit the remembered layout; the result equals a fresh computation and
     writing into one plan's work list cannot change the next plan's."""

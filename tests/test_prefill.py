@@ -619,12 +619,14 @@ def test_gpu_hopper_prefill_head_dims(case, ragged, monkeypatch):
     (Case((300, 17, 1, 700), (2000, 500, 4000, 700), page_size=16, heads=(32, 8), head_dim=128,
           q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, causal=True), False)],
     ids=lambda c: c.id() if isinstance(c, Case) else "ragged" if c else "paged")
-def test_gpu_hopper_prefill_idle_skip(case, ragged, monkeypatch):
-    """With ``_hopper.IDLE_SKIP`` on, consumers whose rows lie past their request's last query token release
-    the item's tiles unread; outputs and LSE still match the reference (requests off the query tiles)."""
+@pytest.mark.parametrize("idle_skip", [True, False], ids=["idle-skip", "no-idle-skip"])
+def test_gpu_hopper_prefill_idle_skip(case, ragged, monkeypatch, idle_skip):
+    """Consumers whose rows lie past their request's last query token release the item's tiles unread
+    (``_hopper.IDLE_SKIP``, on by default) or read them as every other consumer does; outputs and LSE match
+    the reference either way (requests off the query tiles)."""
     from tritoninfer import _hopper
 
-    monkeypatch.setattr(_hopper, "IDLE_SKIP", True)
+    monkeypatch.setattr(_hopper, "IDLE_SKIP", idle_skip)
     test_gpu_hopper_prefill_head_dims(case, ragged, monkeypatch)
 
 

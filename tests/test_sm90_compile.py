@@ -55,6 +55,9 @@ CASES = {
     # bf16 decode, GQA 4 (KV as the dots' M); with 4 query tokens per request (speculative decoding)
     "decode-bf16": (lambda: _plan.decode_tiles(4, 1, 128, 2), "bf16", 4, False, {}),
     "decode-bf16-q4": (lambda: _plan.decode_tiles(4, 4, 128, 2), "bf16", 4, True, {}),
+    # head_dim 64 and 256 (their own one-token tiles)
+    "decode-bf16-d64": (lambda: _plan.decode_tiles(4, 1, 64, 2), "bf16", 4, False, dict(head_dim=64)),
+    "decode-bf16-d256": (lambda: _plan.decode_tiles(8, 1, 256, 2), "bf16", 8, False, dict(head_dim=256)),
     # fp8 decode (query rows as M), with sinks, soft cap and the LSE written
     "decode-fp8": (lambda: _plan.decode_tiles(4, 1, 128, 1), "fp8e4nv", 4, False,
                    dict(has_sinks=True, write_lse=True, soft_cap=30.0)),
@@ -80,12 +83,13 @@ def compile_case(name: str):
     compiler's function, and the tile choices are the GPU's)."""
     make_tiles, kv_dtype, group, causal, extra = CASES[name]
     tiles = make_tiles()
+    head_dim = extra.get("head_dim", 128)
     params = score_params("ROPE_LLAMA" if extra.get("rope") else "NONE", -1, extra.get("soft_cap"), None, None,
-                          None, 128, causal=causal)
+                          None, head_dim, causal=causal)
     if extra.get("multi_item"):
         params = dataclasses.replace(params, multi_item=True)
     dot = tl.float16 if kv_dtype.startswith("fp8") else tl.bfloat16
-    variant = attention_variant(params, tiles, group=group, head_dim_qk=128, head_dim_vo=128, page_size=16,
+    variant = attention_variant(params, tiles, group=group, head_dim_qk=head_dim, head_dim_vo=head_dim, page_size=16,
                                 has_custom_mask=extra.get("has_mask", False), has_sinks=extra.get("has_sinks", False),
                                 has_head_scales=extra.get("head_scales", False),
                                 write_lse=extra.get("write_lse", False), dot=dot)
@@ -168,6 +172,9 @@ def test_attention_kernel_compiles_for_sm90():
     assert set(report) == {f"case-{n}" for n in CASES} | {"case-pod-pair"}, done.stdout
     assert "kv_as_m" in report["case-decode-bf16"] and "lanes" in report["case-decode-lanes"]
     assert "block_m=128" in report["case-prefill"] or "block_m=64" in report["case-prefill"]
+    # the core's 128-row prefill tile with RoPE on the fly and a mask (or multi-item positions) and a soft
+    # cap spills ~440 bytes (session 25: the registers are the 8 warps' 255); every decode tile fits
+    _check_resources(report, lambda case: 512 if case in ("case-prefill", "case-prefill-multi-item") else 0)
 
 
 # the MLA kernel (kernels/mla.py) at DeepSeek's dims: (heads, mean query tokens, causal, page size, lse
@@ -285,8 +292,8 @@ HOPPER_CASES = {"ragged-causal": (0, True, 4), "ragged": (0, False, 1), "paged16
                 "d64-ragged-causal": (0, True, 4), "d64-paged16": (16, False, 4),
                 # head_dim 256: 64-position K/V stages (_hopper.kv_tile)
                 "d256-ragged-causal": (0, True, 2), "d256-paged16": (16, False, 8),
-                # consumers past the request's last query token release their tiles (_hopper.IDLE_SKIP)
-                "d64-ragged-causal-idle-skip": (0, True, 4), "ragged-causal-idle-skip": (0, True, 4)}
+                # _hopper.IDLE_SKIP's other side (every consumer reads the item's tiles)
+                "d64-ragged-causal-no-idle-skip": (0, True, 4), "ragged-causal-no-idle-skip": (0, True, 4)}
 
 
 def compile_hopper_case(name: str):
@@ -316,7 +323,7 @@ def compile_hopper_case(name: str):
     config = _hopper.kernel_config(fp8, d)
     constexprs = dict(GROUP=group, IS_CAUSAL=causal, PAGE_SIZE=page, GATHER=gather, num_warps=4,
                       **{k: v for k, v in config.items() if k != "maxnreg"})
-    constexprs["IDLE_SKIP"] = name.endswith("idle-skip")
+    constexprs["IDLE_SKIP"] = _hopper.IDLE_SKIP and not name.endswith("no-idle-skip")
     sig = {}
     for p in prefill_hopper_kernel.params:
         n = p.name
@@ -640,7 +647,10 @@ elif __name__ == "__main__":
         tiles, kernel = compile_case(case)
         assert kernel.asm["cubin"], case
         facts = [f"block_m={tiles.block_m}"] + [k for k in ("kv_as_m", "lanes") if getattr(tiles, k)]
-        print(f"case-{case} {' '.join(facts)} shared={kernel.metadata.shared}", flush=True)
+        use = resource_usage(kernel)
+        print(f"case-{case} {' '.join(facts)} regs={use['reg']} stack={use['stack']} shared={kernel.metadata.shared}",
+              flush=True)
     pair = compile_pair()
     assert pair.asm["cubin"]
-    print(f"case-pod-pair shared={pair.metadata.shared}", flush=True)
+    use = resource_usage(pair)
+    print(f"case-pod-pair regs={use['reg']} stack={use['stack']} shared={pair.metadata.shared}", flush=True)

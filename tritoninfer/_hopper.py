@@ -63,10 +63,10 @@ DECODE_PRODUCER_REGS = 40
 PERSISTENT = True  # one program per SM running work items in turn (False: one item per program)
 # a consumer warpgroup whose 64 rows all lie past its request's last query token releases the item's KV tiles
 # unread (the kernel's IDLE_SKIP): the last query tile of a request of 1,024 tokens has 64 rows of 192 at head_dim
-# 64, so two of its three consumers compute the request's longest KV span for nothing. Written in session 24
-# after the lease (sm_90 compile only): off until its GPU tests pass (tests/test_prefill.py -k hopper) and an
-# A/B measures it (benchmarks/NOTES.md, session 24)
-IDLE_SKIP = False
+# 64, so two of its three consumers would compute the request's longest KV span for nothing. H200, session 25
+# (benchmarks/NOTES.md): 32/8 16 x 1088 causal p16 d64 354 -> 312 us, 4 x 1088 112 -> 95, d128 455 -> 445 and
+# 144 -> 132; GPU tests (tests/test_prefill.py -k idle_skip) pass both ways
+IDLE_SKIP = True
 # smallest page the Gluon kernels read by TMA: a box per page lands in an 8-row slice of a 128-byte
 # swizzled stage; Triton 3.6 cannot slice one below its 8-row swizzle pattern
 TMA_MIN_PAGE = 8

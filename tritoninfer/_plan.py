@@ -86,6 +86,15 @@ def decode_tiles(group: int, q_len_per_req: int, head_dim: int, kv_elem_bytes: i
     if _device.is_interpreter():
         return Tiles(block_m, 16, 1, 1, q_len_per_req, math.ceil(rows / block_m))
     row_tiles = math.ceil(rows / block_m)
+    # the head_dim 64 and 256 tiles below were measured (H200, benchmarks/NOTES.md, session 25) on one
+    # query token in 16 rows only: at 64 rows the head_dim 256 one spills and the head_dim 64 one needs
+    # 120 KB (one program an SM)
+    one_token_tile = block_m == 16 and q_len_per_req == 1
+    if head_dim > 128 and kv_elem_bytes == 2 and one_token_tile:
+        # 16-bit KV at head_dim 256: KV positions as M in 32-position tiles, three stages, page ids
+        # ahead (89 KB, two programs an SM): 32/8 64 x 4096 p16 481 us (4.47 TB/s) against the query-rows-
+        # as-M 32-position tiles' 694
+        return Tiles(block_m, 32, 4, 3, q_len_per_req, row_tiles, prefetch_pages=True, kv_as_m=True)
     if head_dim > 128:
         return Tiles(block_m, 32, 4, 2, q_len_per_req, row_tiles, prefetch_pages=False)
     if kv_elem_bytes == 1:
@@ -95,9 +104,11 @@ def decode_tiles(group: int, q_len_per_req: int, head_dim: int, kv_elem_bytes: i
         # 3 stages give two buffers (106 KB, two programs an SM), 4 three (139 KB, one)
         return Tiles(block_m, 128, 4, FP8_DECODE_STAGES, q_len_per_req, row_tiles, prefetch_pages=True,
                      programs_per_sm=FP8_DECODE_PROGRAMS)
-    # 16-bit KV: KV positions as M (wgmma reads K and V from shared memory), 64-token tiles,
-    # three stages (benchmarks/NOTES.md, v4)
-    return Tiles(block_m, 64, 4, 3, q_len_per_req, row_tiles, prefetch_pages=True, kv_as_m=True)
+    # 16-bit KV: KV positions as M (wgmma reads K and V from shared memory), three stages
+    # (benchmarks/NOTES.md, v4); 64-token tiles at head_dim 128, 128-token ones at 64 and below in a
+    # 16-row tile, so that a stage holds as many bytes (32/8 64 x 4096 p16: 138 us against 188)
+    block_n = 128 if head_dim <= 64 and one_token_tile else 64
+    return Tiles(block_m, block_n, 4, 3, q_len_per_req, row_tiles, prefetch_pages=True, kv_as_m=True)
 
 
 _TILES: "dict[Tiles, Tiles]" = {}
