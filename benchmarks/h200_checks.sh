@@ -39,6 +39,9 @@
 #                rows, default 256): throughput, occupancy, warp stalls, memory; needs the Firecracker runtime
 #   ncu-decode   Nsight Compute on the Gluon fp8 decode and the core's fp8 decode (benchmarks/ncu_decode.py)
 #   ncu-prefill  Nsight Compute on the Gluon prefill, ragged causal, head_dim 128, 256 and 192 / 128 (prefill_once.py)
+#   ncu-rows     Nsight Compute on the grid's rows below 0.95x that no ncu has seen (session 25): decode 16/2 1 x 4096
+#                bf16 and 32/32 d256 1 x 32K page 64 e4m3 (planner's tiles, decode_once.py), page-1 prefill 4 x 4096
+#                causal on the core (prefill_once.py)
 #   ncu-mla      Nsight Compute on the MLA decode kernels (benchmarks/ncu_mla.py; NCU_MLA_SHAPES as bench mla
 #                --shapes, default 128 and 16 heads 64 x 8K at page 64): stalls, occupancy, memory
 #   fit-sink-mla FlashInfer's own tests for attention sinks and DeepSeek MLA (2 workers)
@@ -315,6 +318,19 @@ case "$part" in
         python3 benchmarks/prefill_once.py --kv ragged --causal --head-dim "$dq" --head-dim-vo "$dv" --shape "$shape" \
         > "$out/ncu-prefill-$dq-$dv.txt" 2>&1 || true
     done ;;
+  ncu-rows)
+    ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    sections="--section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+      --section MemoryWorkloadAnalysis --section SchedulerStats"
+    for row in "bf16 16/2/1/4096" "float8_e4m3fn 32/32/1/32768/256/64"; do
+      read -r dtype shape <<< "$row"
+      PYTHONPATH=/tmp/site:$PWD timeout $((limit / 3)) "$ncu_bin" --clock-control none -k regex:attention \
+        --launch-skip 2 --launch-count 1 $sections python3 benchmarks/decode_once.py --kv-dtype "${dtype/bf16/bfloat16}" \
+        --shape "$shape" > "$out/ncu-decode-${shape//\//-}.txt" 2>&1 || true
+    done
+    PYTHONPATH=/tmp/site:$PWD timeout $((limit / 3)) "$ncu_bin" --clock-control none -k regex:attention \
+      --launch-skip 2 --launch-count 1 $sections python3 benchmarks/prefill_once.py --kv paged --page-size 1 --causal \
+      --shape 32/8/4/4096 > "$out/ncu-prefill-page1.txt" 2>&1 || true ;;
   ncu-mla)
     # where the Gluon MLA kernel's warps wait (NCU_MLA_SHAPES as bench mla --shapes; default 128 and 16 heads,
     # page 64, 64 x 8K): stall reasons, occupancy, memory
