@@ -38,7 +38,8 @@
 #   ncu-sampling Nsight Compute on the renorm and sampling kernels (benchmarks/ncu_sampling.py, NCU_BATCH
 #                rows, default 256): throughput, occupancy, warp stalls, memory; needs the Firecracker runtime
 #   ncu-decode   Nsight Compute on the Gluon fp8 decode and the core's fp8 decode (benchmarks/ncu_decode.py)
-#   ncu-prefill  Nsight Compute on the Gluon prefill, ragged causal, head_dim 128, 256 and 192 / 128 (prefill_once.py)
+#   ncu-prefill  Nsight Compute on the Gluon prefill, ragged causal, head_dim 128, 256 and 192 / 128 (prefill_once.py;
+#                NCU_SET=MODULE.NAME=VALUE: one --set for the runs, e.g. _hopper.HEAD_SECTIONS=true)
 #   ncu-rows     Nsight Compute on the grid's rows below 0.95x that no ncu has seen (session 25): decode 16/2 1 x 4096
 #                bf16 and 32/32 d256 1 x 32K page 64 e4m3 (planner's tiles, decode_once.py), page-1 prefill 4 x 4096
 #                causal on the core (prefill_once.py)
@@ -316,7 +317,7 @@ case "$part" in
         --launch-skip 2 --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats \
         --section MemoryWorkloadAnalysis --section SchedulerStats --section SourceCounters \
         python3 benchmarks/prefill_once.py --kv ragged --causal --head-dim "$dq" --head-dim-vo "$dv" --shape "$shape" \
-        > "$out/ncu-prefill-$dq-$dv.txt" 2>&1 || true
+        ${NCU_SET:+--set "$NCU_SET"} > "$out/ncu-prefill-$dq-$dv${NCU_SET:+-${NCU_SET//[^A-Za-z0-9]/_}}.txt" 2>&1 || true
     done ;;
   ncu-rows)
     ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)

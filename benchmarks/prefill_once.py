@@ -17,6 +17,7 @@ import sys
 import torch
 
 import tritoninfer
+from tritoninfer.bench import settings
 
 sys.path.insert(0, "benchmarks")
 from decode_sweep import gpu_paged_kv  # noqa: E402
@@ -32,7 +33,10 @@ def main(argv=None):
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--head-dim-vo", type=int, default=None, help="ragged only (DeepSeek's prefill: 192 / 128)")
     ap.add_argument("--calls", type=int, default=3)
+    ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                    help="a tritoninfer module constant for the run, as tritoninfer bench --set")
     args = ap.parse_args(argv)
+    settings.apply(args.set)
     hq, hk, batch, n = map(int, args.shape.split("/"))
     d, d_vo = args.head_dim, args.head_dim_vo or args.head_dim
     if args.kv == "paged" and d_vo != d:

@@ -332,6 +332,28 @@ def test_a_new_plan_rebinds_the_driver_launch():
     assert capacities[2] != capacities[1] and w._step.device_plan.has_splits
 
 
+def test_a_plan_with_splits_after_one_without_compiles_nothing():
+    """A decode wrapper whose first plan has no KV split (every item writes its output) and whose next plan
+    splits: the split plan's run takes the same compiled kernel (the partial states' stand-in has their dtype;
+    an int32 one made Triton specialise the kernel again, a compile mid-serving)."""
+    from tritoninfer import BatchDecodeWithPagedKVCacheWrapper, testing
+
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(3, 8, 128, generator=g).to(torch.bfloat16)
+    cache = torch.zeros(2600, 2, 16, 2, 128, dtype=torch.bfloat16)
+    splits = []
+    with testing.fake_driver_launches() as record:
+        w = BatchDecodeWithPagedKVCacheWrapper(testing.make_workspace(8 << 20, "cpu"), use_tensor_cores=True)
+        for lens, fixed in (([100, 60, 90], None), ([40000, 1, 2], 64)):
+            kv = testing.make_paged_kv(lens, 16, 2, 128, dtype=torch.bfloat16, device="cpu", generator=g)
+            w.plan(kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, 8, 2, 128, 16, q_data_type=torch.bfloat16,
+                   fixed_split_size=fixed)
+            w.run(q, cache)
+            splits.append(w._step.device_plan.has_splits)
+    assert splits == [False, True]
+    assert len(record.compiles) == 1, record.compiles
+
+
 @pytest.mark.parametrize("paged", [False, True], ids=["ragged", "paged"])
 def test_a_new_plan_rebinds_the_gluon_prefill_launch(paged):
     """The Gluon prefill's launch path on the CPU (``fake_driver_launches(hopper=True)``: the route sees

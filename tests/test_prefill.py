@@ -631,6 +631,32 @@ def test_gpu_hopper_prefill_idle_skip(case, ragged, monkeypatch, idle_skip):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case,ragged", HOPPER_HEAD_DIM_CASES + [
+    (Case((1000, 0, 77, 300), (1000, 5, 0, 2100), heads=(32, 8), head_dim=128, q_dtype=torch.bfloat16,
+          kv_dtype=torch.bfloat16, causal=True), True),
+    (Case((300, 17, 1, 700), (2000, 500, 4000, 700), page_size=16, heads=(24, 24), head_dim=128,
+          q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, causal=True), False),
+    (HOPPER_FP8_PAGED_CASES[0], False), (None, True)],
+    ids=lambda c: c.id() if isinstance(c, Case) else "192-128" if c is None else "ragged" if c else "paged")
+def test_gpu_hopper_prefill_head_sections(case, ragged, monkeypatch):
+    """With ``_hopper.HEAD_SECTIONS`` on, work items run in sections of a few query heads (here 2, or the GQA
+    group where it is larger: every case has several sections) and outputs and LSE still match the reference:
+    head_dim 64, 128, 256, e4m3 K/V and (``case`` None) DeepSeek's 192 / 128 with 16 heads."""
+    from tritoninfer import _hopper, _route
+
+    monkeypatch.setattr(_hopper, "HEAD_SECTIONS", True)
+    monkeypatch.setattr(_hopper, "SECTION_HEADS", 2)
+    if case is None:
+        assert _hopper.section_heads(16, 1) == 2
+        test_gpu_hopper_ragged_prefill_192_128(True, monkeypatch)
+        return
+    monkeypatch.setattr(_route, "HOPPER_FP8", True)
+    hq, hk = case.heads
+    assert _hopper.section_heads(hq, hq // hk) < hq
+    test_gpu_hopper_prefill_head_dims(case, ragged, monkeypatch)
+
+
+@pytest.mark.gpu
 def test_gpu_hopper_paged_fallbacks(monkeypatch):
     """A paged plan in the Gluon kernel's range still takes the core for a run with fp8 scales or sinks
     (which the kernel lacks); the kernel's own run matches the reference with and without an LSE."""

@@ -544,3 +544,19 @@ def test_decode_plans_store_the_route(hopper_plans, monkeypatch):
     plan(torch.float8_e4m3fn)
     wrapper._override("NONE", -1, 30.0, None, None, None)
     assert wrapper._step.route.is_core and "soft cap" in wrapper._step.route.reason
+
+
+def test_section_heads_are_whole_groups_dividing_the_heads(monkeypatch):
+    """``_hopper.section_heads``: the largest multiple of the GQA group that divides the query heads and is at
+    most ``SECTION_HEADS``; never less than a group (a KV head's query heads stay in one section)."""
+    monkeypatch.setattr(_hopper, "SECTION_HEADS", 8)
+    assert _hopper.section_heads(128, 1) == 8  # DeepSeek's 128-head MHA prefill: 16 sections
+    assert _hopper.section_heads(32, 4) == 8
+    assert _hopper.section_heads(28, 7) == 7  # group 7: a section a KV head
+    assert _hopper.section_heads(24, 1) == 8
+    assert _hopper.section_heads(12, 1) == 6  # 8 does not divide 12
+    assert _hopper.section_heads(64, 16) == 16  # a group above the target
+    assert _hopper.section_heads(8, 8) == 8  # one section: the plain order
+    for hq, group in ((128, 1), (32, 4), (28, 7), (12, 1), (64, 16), (40, 5)):
+        n = _hopper.section_heads(hq, group)
+        assert n % group == 0 and hq % n == 0

@@ -515,6 +515,10 @@ class AttentionLaunch:
         # (a plan view may not be, which would keep every call off the driver launch path)
         self.dummy = dummy = _device.per_device("unread", device,
                                                 lambda: torch.zeros(16, dtype=torch.int32, device=device))
+        # the partial states' stand-in for a plan without splits: float32 as the states are, so that a later
+        # plan with splits specialises the kernel the same way (an int32 stand-in compiled it again mid-serving)
+        self.unread_states = _device.per_device("unread_states", device,
+                                                lambda: torch.zeros(16, dtype=torch.float32, device=device))
         self.sm_scale = params.sm_scale
         self.num_qo_heads, self.num_kv_heads, self.head_dim_vo = num_qo_heads, num_kv_heads, head_dim_vo
         self.tiles, self.state_mult, self.workspace = tiles, state_mult, workspace
@@ -573,7 +577,9 @@ class AttentionLaunch:
             # one counter per (group of split items, KV head, row program); groups <= work items
             counters = plan.counters.get(plan.capacity * self.num_kv_heads * self.tiles.row_tiles)
         else:
-            part_o = part_lse = counters = dummy  # never touched: every item writes its final output
+            # never touched: every item writes its final output
+            part_o = part_lse = self.unread_states
+            counters = dummy
         self.plan, self.kv_indptr, self.kv_indices = plan, kv.kv_indptr, kv.kv_indices
         self.packed_mask, self.mask_indptr = packed_mask, mask_indptr
         self.needs_pages = kv.page_size > 0 and plan.reads_kv

@@ -67,6 +67,14 @@ PERSISTENT = True  # one program per SM running work items in turn (False: one i
 # (benchmarks/NOTES.md): 32/8 16 x 1088 causal p16 d64 354 -> 312 us, 4 x 1088 112 -> 95, d128 455 -> 445 and
 # 144 -> 132; GPU tests (tests/test_prefill.py -k idle_skip) pass both ways
 IDLE_SKIP = True
+# work items in sections of a few query heads (the kernel's HEAD_SECTIONS): items run heads fastest, so the
+# programs side by side take the same query tile of ~132 different heads and, with many KV heads (DeepSeek's
+# 128-head MHA prefill), share no K/V in L2: ncu, session 25, 192 / 128 128 heads 1 x 4096 causal: L2 hit rate
+# 8 %, DRAM 69 % busy (d128 32/8: 76 %). Sections of SECTION_HEADS heads (a multiple of the group) put ~16 tiles
+# of each head side by side. Written in session 25 without a device (sm_90 compile only): off until its GPU
+# tests pass and an A/B measures it (benchmarks/NOTES.md, session 25)
+HEAD_SECTIONS = False
+SECTION_HEADS = 8
 # smallest page the Gluon kernels read by TMA: a box per page lands in an 8-row slice of a 128-byte
 # swizzled stage; Triton 3.6 cannot slice one below its 8-row swizzle pattern
 TMA_MIN_PAGE = 8
@@ -131,6 +139,17 @@ def qk_chunk(head_dim_qk: int) -> int:
     return head_dim_qk if head_dim_qk & (head_dim_qk - 1) == 0 else 64
 
 
+def section_heads(num_qo_heads: int, group: int) -> int:
+    """Query heads a section of work items holds (``HEAD_SECTIONS``): the largest multiple of ``group`` that
+    divides ``num_qo_heads`` and is at most ``SECTION_HEADS`` (at least ``group``: a KV head's heads stay in one
+    section). All of them (one section, the kernel's plain order) where that is every head."""
+    best = group
+    for n in range(group, min(SECTION_HEADS, num_qo_heads) + 1, group):
+        if num_qo_heads % n == 0:
+            best = n
+    return best
+
+
 def kernel_config(fp8: bool, head_dim_qk: int = 128) -> dict:
     """The kernel's ring, tile and register constants (and ``maxnreg``) for 16-bit or e4m3 K/V: at head_dim_qk
     192 Q and K in chunks (``qk_chunk``) and a shallower ring (``STAGES_192``), at 64 three consumers
@@ -138,13 +157,13 @@ def kernel_config(fp8: bool, head_dim_qk: int = 128) -> dict:
     if fp8:
         return dict(STAGES=FP8_STAGES, FP8=True, FP8_STAGES=FP8_RING, CONSUMER_REGS=FP8_CONSUMER_REGS,
                     PRODUCER_REGS=FP8_PRODUCER_REGS, QK_CHUNKS=1, CONSUMERS=2, BLOCK_N=TILE, IDLE_SKIP=IDLE_SKIP,
-                    maxnreg=maxnreg(FP8_CONSUMER_REGS, FP8_PRODUCER_REGS))
+                    HEAD_SECTIONS=HEAD_SECTIONS, maxnreg=maxnreg(FP8_CONSUMER_REGS, FP8_PRODUCER_REGS))
     n = consumers(head_dim_qk)
     regs, producer = (CONSUMER_REGS, PRODUCER_REGS) if n == 2 else (CONSUMER_REGS_64, PRODUCER_REGS_64)
     stages = STAGES if head_dim_qk <= 128 else STAGES_192 if head_dim_qk == 192 else STAGES_256
     return dict(STAGES=stages, FP8=False, FP8_STAGES=1, CONSUMER_REGS=regs, PRODUCER_REGS=producer,
                 QK_CHUNKS=head_dim_qk // qk_chunk(head_dim_qk), CONSUMERS=n, BLOCK_N=kv_tile(head_dim_qk),
-                IDLE_SKIP=IDLE_SKIP, maxnreg=maxnreg(regs, producer, n))
+                IDLE_SKIP=IDLE_SKIP, HEAD_SECTIONS=HEAD_SECTIONS, maxnreg=maxnreg(regs, producer, n))
 
 
 @functools.lru_cache(maxsize=None)
@@ -325,7 +344,8 @@ class _HopperLaunch:
         num_items = tiles.shape[1] * hq
         grid = (min(num_items, _device.num_sms(self.device)) if PERSISTENT else num_items,)
         tail = (qo_indptr, kv_indptr, kv_len, tiles[0], tiles[1], hq, num_items, self.sm_scale_log2,
-                kv_indices if kv_indices is not None else kv_indptr, rows_per_page)
+                kv_indices if kv_indices is not None else kv_indptr, rows_per_page,
+                section_heads(hq, self.kwargs["GROUP"]))
         if self.launch is None:
             self.launch = BoundLaunch(self.launcher, grid, tail, self.kwargs)
         else:

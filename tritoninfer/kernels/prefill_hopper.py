@@ -65,13 +65,29 @@ def _softmax_step(s, m_i, l_i, scale, cols, kv_hi, rows_diag, masked, is_causal)
 
 
 @gluon.jit
-def _item(item, num_qo_heads, group, tile_req_ptr, tile_start_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
-          is_causal, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
-    """Work item ``item`` (a ``BLOCK_M``-token query tile of one query head; heads fastest): its request's
+def _head_and_tile(item, num_items, num_qo_heads, heads_per_section, head_sections):
+    """Work item ``item``'s query head and query tile: heads fastest, or (``head_sections``) heads fastest within
+    sections of ``heads_per_section`` heads, one section's items (all its tiles) before the next section's, so
+    that the programs running side by side read the K/V of few heads (L2 reuse)."""
+    if head_sections:
+        per_section = heads_per_section * (num_items // num_qo_heads)
+        section = item // per_section
+        r = item - section * per_section
+        head = section * heads_per_section + r % heads_per_section
+        tile = r // heads_per_section
+    else:
+        head = item % num_qo_heads
+        tile = item // num_qo_heads
+    return head, tile
+
+
+@gluon.jit
+def _item(item, num_items, num_qo_heads, heads_per_section, head_sections, group, tile_req_ptr, tile_start_ptr,
+          qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr, is_causal, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Work item ``item`` (a ``BLOCK_M``-token query tile of one query head, ``_head_and_tile``): its request's
     first query token, the tile's first token m0, the request's query length, first KV entry (token
     or page-table offset) and KV length, the KV tiles it reads, its query head and its KV head."""
-    head = item % num_qo_heads
-    tile = item // num_qo_heads
+    head, tile = _head_and_tile(item, num_items, num_qo_heads, heads_per_section, head_sections)
     req = gl.load(tile_req_ptr + tile)
     m0 = gl.load(tile_start_ptr + tile)
     q_start = gl.load(qo_indptr_ptr + req)
@@ -125,20 +141,21 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready
                     stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages, sm_scale_log2,
                     k_mult, v_mult, is_causal, qo_indptr_ptr, kv_indptr_ptr,
                     kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
-                    num_items, page_size, idle_skip):
+                    num_items, page_size, idle_skip, heads_per_section, head_sections):
     """Producer warp, contiguous K/V: the program's items in turn, tile j of an item (rows kv_start +
     j * BLOCK_N ...) into the ring's next stage once every consumer released its last use; the ring
     runs on across items, so the next item's first tiles load under this one's last. (Constants come
     from the shared-memory and descriptor types: a constexpr passed through ``warp_specialize``'s
     argument tuple arrives as a value.)"""
     _load_tiles(k_desc, v_desc, k_smem, v_smem, q_bar, ready, empty, is_causal, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
-                kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group, num_items, False)
+                kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group, num_items,
+                heads_per_section, head_sections, False)
 
 
 @gluon.jit
 def _load_tiles(k_desc, v_desc, k_smem, v_smem, q_bar, ready, empty, is_causal, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
                 kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group, num_items,
-                PAGED: gl.constexpr):
+                heads_per_section, head_sections, PAGED: gl.constexpr):
     """The TMA producer warp's loop (contiguous or paged K/V, ``_issue_kv_tile``)."""
     stages: gl.constexpr = v_smem.type.shape[0]
     BLOCK_M: gl.constexpr = ROWS * q_bar.type.shape[0]  # a Q barrier a consumer
@@ -150,8 +167,8 @@ def _load_tiles(k_desc, v_desc, k_smem, v_smem, q_bar, ready, empty, is_causal, 
     t = 0
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
         q_start, m0, q_len, kv_start, kv_len, n_tiles, head, kv_head = _item(
-            item, num_qo_heads, group, tile_req_ptr, tile_start_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
-            is_causal, BLOCK_N, BLOCK_M)
+            item, num_items, num_qo_heads, heads_per_section, head_sections, group, tile_req_ptr, tile_start_ptr,
+            qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr, is_causal, BLOCK_N, BLOCK_M)
         for j in range(n_tiles):
             stage = t % stages
             # empty barriers start "released": the first pass over the ring waits on the other phase
@@ -167,10 +184,11 @@ def _load_paged_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar,
                           stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages,
                           sm_scale_log2, k_mult, v_mult, is_causal, qo_indptr_ptr,
                           kv_indptr_ptr, kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr,
-                          num_qo_heads, group, num_items, page_size, idle_skip):
+                          num_qo_heads, group, num_items, page_size, idle_skip, heads_per_section, head_sections):
     """Producer warp, paged K/V: tile j is BLOCK_N / PAGE pages, one TMA box each (``_issue_kv_tile``)."""
     _load_tiles(k_desc, v_desc, k_smem, v_smem, q_bar, ready, empty, is_causal, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
-                kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group, num_items, True)
+                kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group, num_items,
+                heads_per_section, head_sections, True)
 
 
 @gluon.jit
@@ -178,7 +196,7 @@ def _gather_paged_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ba
                             stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages,
                             sm_scale_log2, k_mult, v_mult, is_causal, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
                             kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group, num_items,
-                            page_size, idle_skip):
+                            page_size, idle_skip, heads_per_section, head_sections):
     """Producer warpgroup, paged K/V whose pages TMA cannot box (``GATHER``; page 1: SGLang's cache):
     tile j's rows gathered by cp.async, 16 bytes a thread and copy, in sub-tiles of 32 rows (few
     addresses live at once: the warpgroup keeps 24 registers a thread), into the same ring. A tile's
@@ -203,8 +221,8 @@ def _gather_paged_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ba
     t = 0
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
         q_start, m0, q_len, kv_start, kv_len, n_tiles, head, kv_head = _item(
-            item, num_qo_heads, group, tile_req_ptr, tile_start_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
-            is_causal, BLOCK_N, BLOCK_M)
+            item, num_items, num_qo_heads, heads_per_section, head_sections, group, tile_req_ptr, tile_start_ptr,
+            qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr, is_causal, BLOCK_N, BLOCK_M)
         kv_col = kv_head * HEAD_DIM
         n_pages = gl.cdiv(kv_len, page_size)
         for j in range(n_tiles):
@@ -262,7 +280,7 @@ def _convert_tile(c, k8_smem, v8_smem, ready8, k_smem, v_smem, ready, empty):
 @gluon.jit
 def _fp8_tiles(k_desc, v_desc, k8_smem, v8_smem, ready8, k_smem, v_smem, q_bar, ready, empty, is_causal,
                qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr,
-               num_qo_heads, group, num_items, PAGED: gl.constexpr):
+               num_qo_heads, group, num_items, heads_per_section, head_sections, PAGED: gl.constexpr):
     """The fp8 producer warpgroup's loop (``FP8``): tile t by TMA into fp8 stage t % S8 (one elected
     thread issues it), and whenever S8 tiles are in flight the oldest converted into the 16-bit ring
     (``_convert_tile``), so a fp8 stage is refilled only after this warpgroup read it; the tiles
@@ -275,8 +293,8 @@ def _fp8_tiles(k_desc, v_desc, k8_smem, v8_smem, ready8, k_smem, v_smem, q_bar, 
     c = 0  # tiles converted
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
         q_start, m0, q_len, kv_start, kv_len, n_tiles, head, kv_head = _item(
-            item, num_qo_heads, group, tile_req_ptr, tile_start_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
-            is_causal, BLOCK_N, BLOCK_M)
+            item, num_items, num_qo_heads, heads_per_section, head_sections, group, tile_req_ptr, tile_start_ptr,
+            qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr, is_causal, BLOCK_N, BLOCK_M)
         for j in range(n_tiles):
             s8 = t % stages8
             mbarrier.expect(ready8.index(s8), kv_bytes)
@@ -293,29 +311,35 @@ def _fp8_tiles(k_desc, v_desc, k8_smem, v8_smem, ready8, k_smem, v_smem, q_bar, 
 @gluon.jit
 def _fp8_partition(k_desc, v_desc, k8_smem, v8_smem, ready8, k_smem, v_smem, q_bar, ready, empty, is_causal,
                    qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr,
-                   tile_start_ptr, num_qo_heads, group, num_items):
+                   tile_start_ptr, num_qo_heads, group, num_items, heads_per_section, head_sections):
     _fp8_tiles(k_desc, v_desc, k8_smem, v8_smem, ready8, k_smem, v_smem, q_bar, ready, empty, is_causal,
                qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr,
-               num_qo_heads, group, num_items, False)
+               num_qo_heads, group, num_items, heads_per_section, head_sections, False)
 
 
 @gluon.jit
 def _fp8_paged_partition(k_desc, v_desc, k8_smem, v8_smem, ready8, k_smem, v_smem, q_bar, ready, empty,
                          is_causal, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr, kv_indices_ptr, rows_per_page,
-                         tile_req_ptr, tile_start_ptr, num_qo_heads, group, num_items):
+                         tile_req_ptr, tile_start_ptr, num_qo_heads, group, num_items, heads_per_section,
+                         head_sections):
     _fp8_tiles(k_desc, v_desc, k8_smem, v8_smem, ready8, k_smem, v_smem, q_bar, ready, empty, is_causal,
                qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr,
-               num_qo_heads, group, num_items, True)
+               num_qo_heads, group, num_items, heads_per_section, head_sections, True)
 
 
 @gluon.jit
-def _q_origin(item, num_items, num_qo_heads, tile_req_ptr, tile_start_ptr, qo_indptr_ptr, WG: gl.constexpr,
-              HEAD_DIM: gl.constexpr):
+def _q_origin(item, num_items, num_qo_heads, heads_per_section, head_sections, tile_req_ptr, tile_start_ptr,
+              qo_indptr_ptr, WG: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Where a consumer's 64 query rows of ``item`` start in q_desc: (row, column); any valid item's
     for an ``item`` past the last (whose Q is not loaded)."""
-    tile = gl.minimum(item, num_items - 1) // num_qo_heads
+    if head_sections:
+        head, tile = _head_and_tile(gl.minimum(item, num_items - 1), num_items, num_qo_heads, heads_per_section,
+                                    True)
+    else:
+        tile = gl.minimum(item, num_items - 1) // num_qo_heads
+        head = item % num_qo_heads
     row = gl.load(qo_indptr_ptr + gl.load(tile_req_ptr + tile)) + gl.load(tile_start_ptr + tile) + WG * ROWS
-    return row, (item % num_qo_heads) * HEAD_DIM
+    return row, head * HEAD_DIM
 
 
 @gluon.jit
@@ -414,7 +438,8 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
              stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages, sm_scale_log2,
              k_mult, v_mult, is_causal, qo_indptr_ptr, kv_indptr_ptr,
              kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
-             num_items, page_size, idle_skip, WG: gl.constexpr):
+             num_items, page_size, idle_skip, heads_per_section, head_sections,
+             WG: gl.constexpr):
     """Consumer warpgroup ``WG``: for each of the program's items, query rows m0 + 64 WG ... + 63 of its
     ``BLOCK_M``-token tile against the item's KV tiles up to its own causal limit (the rest released unread). The next item's Q loads once this item's last S is done,
     under the last PV and the epilogue. Where the ring's dtype is not Q's (``FP8``: fp16), the Q tile
@@ -449,18 +474,18 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
     scale = sm_scale_log2 * k_mult
     first = gl.program_id(0)
     step = gl.num_programs(0)
-    q_row, q_col = _q_origin(first, num_items, num_qo_heads, tile_req_ptr, tile_start_ptr, qo_indptr_ptr, WG,
-                             QK_CHUNKS * QC)
+    q_row, q_col = _q_origin(first, num_items, num_qo_heads, heads_per_section, head_sections, tile_req_ptr,
+                             tile_start_ptr, qo_indptr_ptr, WG, QK_CHUNKS * QC)
     _load_q(q_desc, my_q, my_bar, q_row, q_col, first < num_items, q_base, QK_CHUNKS)
     t = 0  # KV tiles of the ring consumed before this item
     q_phase = 0
     for item in range(first, num_items, step):
         q_start, m0, q_len, kv_start, kv_len, n_tiles, head, kv_head = _item(
-            item, num_qo_heads, group, tile_req_ptr, tile_start_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
-            is_causal, BLOCK_N, BLOCK_M)
+            item, num_items, num_qo_heads, heads_per_section, head_sections, group, tile_req_ptr, tile_start_ptr,
+            qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr, is_causal, BLOCK_N, BLOCK_M)
         # the next item's Q origin, read now so the loads are done when its TMA is issued
-        q_row, q_col = _q_origin(item + step, num_items, num_qo_heads, tile_req_ptr, tile_start_ptr, qo_indptr_ptr,
-                                 WG, QK_CHUNKS * QC)
+        q_row, q_col = _q_origin(item + step, num_items, num_qo_heads, heads_per_section, head_sections,
+                                 tile_req_ptr, tile_start_ptr, qo_indptr_ptr, WG, QK_CHUNKS * QC)
         r0 = m0 + WG * ROWS
         # this warpgroup's KV limit (causal: bottom-right aligned) and its first tile that needs a mask
         kv_hi = kv_len
@@ -516,12 +541,12 @@ def _consume0(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empt
               stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages, sm_scale_log2,
               k_mult, v_mult, is_causal, qo_indptr_ptr, kv_indptr_ptr,
               kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
-              num_items, page_size, idle_skip):
+              num_items, page_size, idle_skip, heads_per_section, head_sections):
     _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
              stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages, sm_scale_log2,
              k_mult, v_mult, is_causal, qo_indptr_ptr, kv_indptr_ptr,
              kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
-             num_items, page_size, idle_skip, 0)
+             num_items, page_size, idle_skip, heads_per_section, head_sections, 0)
 
 
 @gluon.jit
@@ -529,12 +554,12 @@ def _consume1(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empt
               stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages, sm_scale_log2,
               k_mult, v_mult, is_causal, qo_indptr_ptr, kv_indptr_ptr,
               kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
-              num_items, page_size, idle_skip):
+              num_items, page_size, idle_skip, heads_per_section, head_sections):
     _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
              stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages, sm_scale_log2,
              k_mult, v_mult, is_causal, qo_indptr_ptr, kv_indptr_ptr,
              kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
-             num_items, page_size, idle_skip, 1)
+             num_items, page_size, idle_skip, heads_per_section, head_sections, 1)
 
 
 @gluon.jit
@@ -542,28 +567,30 @@ def _consume2(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empt
               stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages, sm_scale_log2,
               k_mult, v_mult, is_causal, qo_indptr_ptr, kv_indptr_ptr,
               kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
-              num_items, page_size, idle_skip):
+              num_items, page_size, idle_skip, heads_per_section, head_sections):
     _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok,
              stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages, sm_scale_log2,
              k_mult, v_mult, is_causal, qo_indptr_ptr, kv_indptr_ptr,
              kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr, num_qo_heads, group,
-             num_items, page_size, idle_skip, 2)
+             num_items, page_size, idle_skip, heads_per_section, head_sections, 2)
 
 
 @gluon.jit
 def prefill_hopper_kernel(
     q_desc, k_desc, v_desc, o_ptr, stride_o_tok, stride_o_head, lse_ptr, stride_lse_tok, k_ptr, v_ptr,
     stride_kv_row, num_pages, k_mult, v_mult, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr, tile_req_ptr, tile_start_ptr,
-    num_qo_heads, num_items, sm_scale_log2, kv_indices_ptr, rows_per_page,
+    num_qo_heads, num_items, sm_scale_log2, kv_indices_ptr, rows_per_page, heads_per_section,
     GROUP: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     PAGE_SIZE: gl.constexpr, GATHER: gl.constexpr, FP8: gl.constexpr, FP8_STAGES: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, QK_CHUNKS: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
-    IDLE_SKIP: gl.constexpr, num_warps: gl.constexpr,
+    IDLE_SKIP: gl.constexpr, HEAD_SECTIONS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """q_desc: [tokens, H_qo * D] box [64, D]; o: [tokens, H_qo, D] (any row and head strides); lse:
     [tokens, H_qo] float32 base 2. ``tile_req`` / ``tile_start`` int32 [tiles]: the request and first
     query token of each ``64 * CONSUMERS``-token tile (heaviest first); ``kv_len`` int32 [batch]. Work items are
-    (tile, query head), heads fastest, so the heads of a KV group run side by side and share K/V in L2;
+    (tile, query head), heads fastest, so the heads of a KV group run side by side and share K/V in L2; with
+    ``HEAD_SECTIONS``, heads fastest within sections of ``heads_per_section`` heads (a multiple of the group that
+    divides num_qo_heads), each section's items before the next's (``_head_and_tile``);
     program p takes items p, p + grid, ... (grid = the SM count: persistent, so one item's epilogue
     and the next one's loads overlap; grid = items runs one item per program). ``num_warps`` is 4:
     the first consumer is the default partition.
@@ -612,7 +639,7 @@ def prefill_hopper_kernel(
     args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, stride_o_tok, stride_o_head,
             lse_ptr, stride_lse_tok, k_ptr, v_ptr, stride_kv_row, num_pages, sm_scale_log2, k_mult, v_mult, IS_CAUSAL,
             qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr,
-            num_qo_heads, GROUP, num_items, PAGE_SIZE, IDLE_SKIP)
+            num_qo_heads, GROUP, num_items, PAGE_SIZE, IDLE_SKIP, heads_per_section, HEAD_SECTIONS)
     if FP8:
         k8_smem = gl.allocate_shared_memory(k_desc.dtype, [FP8_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
         v8_smem = gl.allocate_shared_memory(v_desc.dtype, [FP8_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
@@ -621,7 +648,7 @@ def prefill_hopper_kernel(
             mbarrier.init(ready8.index(i), count=1)
         args8 = (k_desc, v_desc, k8_smem, v8_smem, ready8, k_smem, v_smem, q_bar, ready, empty, IS_CAUSAL,
                  qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr, kv_indices_ptr, rows_per_page, tile_req_ptr, tile_start_ptr,
-                 num_qo_heads, GROUP, num_items)
+                 num_qo_heads, GROUP, num_items, heads_per_section, HEAD_SECTIONS)
         gl.static_assert(CONSUMERS == 2, "the fp8 mode has two consumers")
         if PAGE_SIZE > 0:
             gl.warp_specialize([(_consume0, args), (_consume1, args), (_fp8_paged_partition, args8)], [4, 4],
