@@ -43,8 +43,10 @@ BLOCK_SPARSE_MIN_LEN = 48
 # in one grid of the core's pair kernel. False keeps every POD in one launch (to time both)
 POD_PREFILL_ON_HOPPER = True
 # Other page sizes (page 1: SGLang's default) in the paged mode with K/V rows gathered by cp.async
-# (kernels/prefill_hopper.py's GATHER; False: the core). Written and compiled for sm_90 on the CPU in
-# session 17, not yet run on a GPU: off until its GPU tests pass and the bench measures it.
+# (kernels/prefill_hopper.py's GATHER; False: the core). Session 19, H200: 4 x 4096 causal page 1 3,640 us
+# against fa3's 1,199 (its producer waited on one page-id load a sub-tile: 16 dependent round trips a tile);
+# session 25 (sm_90 compile only): one load a tile, handed on through shared memory. Off until its GPU tests
+# pass again and the bench measures it faster than the core (page 1 on the core: 0.58-0.66x fa3).
 HOPPER_GATHER = False
 # e4m3 K/V with bf16 queries on the Gluon kernel (its FP8 mode: a producer warpgroup converts each
 # fp8 tile into the consumers' fp16 ring; issue "Speed, part 3", target 4; False: the core). Session 19,
