@@ -431,6 +431,13 @@ GPU_CASES = [
          kv_dtype=torch.float8_e4m3fn, window=1000),
     Case((4000, 1, 300), page_size=16, heads=(16, 16), head_dim=96, q_dtype=torch.float16, kv_dtype=torch.float8_e4m3fn,
          soft_cap=30.0),
+    # 16-bit KV at head_dim 64 and 256 (their own one-token tiles, session 25): lengths off the tiles, pages 1/16/64
+    Case((4000, 1, 37, 1029), page_size=16, heads=(32, 8), head_dim=64, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16),
+    Case((2000, 130), page_size=1, form="tuple3d", heads=(32, 32), head_dim=64, q_dtype=torch.float16,
+         kv_dtype=torch.float16, window=500),
+    Case((4000, 1, 37, 1029), page_size=64, heads=(28, 4), head_dim=256, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16),
+    Case((3000, 65), page_size=16, layout="HND", heads=(32, 32), head_dim=256, q_dtype=torch.bfloat16,
+         kv_dtype=torch.bfloat16, soft_cap=30.0),
 ]
 
 
