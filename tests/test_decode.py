@@ -113,6 +113,37 @@ def test_kv_as_m_orientation_matches_reference(case, monkeypatch):
     test_batch_decode_matches_reference(case)
 
 
+@pytest.mark.parametrize("case", [
+    Case((5, 0, 300, 129), page_size=16, heads=(8, 2), head_dim=64, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16),
+    Case((1, 140), page_size=1, form="tuple3d", heads=(2, 2), head_dim=64, q_dtype=torch.float16,
+         kv_dtype=torch.float16, window=50),
+    Case((70, 0, 33), page_size=16, heads=(7, 1), head_dim=256, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16,
+         soft_cap=5.0),
+    Case((40, 97), page_size=64, layout="HND", heads=(2, 2), head_dim=256, q_dtype=torch.bfloat16,
+         kv_dtype=torch.bfloat16, pos="ROPE_LLAMA"),
+], ids=Case.id)
+def test_gpu_decode_tiles_of_head_dims_match_reference(case, monkeypatch):
+    """The GPU's one-token tiles at head_dim 64 (128-position KV-as-M) and 256 (32-position KV-as-M, 3 stages, page
+    ids ahead), run by the interpreter (which otherwise takes its own small tiles) on lengths off the tiles:
+    the masks, the page prefetch and the splits at those tile sizes."""
+    from tritoninfer import _plan as plan_mod
+    from tritoninfer import decode
+
+    taken = []
+
+    def gpu_tiles(*args):
+        with monkeypatch.context() as m:
+            m.setattr(plan_mod._device, "is_interpreter", lambda: False)
+            tiles = plan_mod.decode_tiles(*args)
+        taken.append(tiles)
+        return tiles
+
+    monkeypatch.setattr(decode, "_decode_tiles", gpu_tiles)
+    decode._decode_config.cache_clear()  # (plans of earlier tests would keep their tiles)
+    test_batch_decode_matches_reference(case)
+    assert taken and all(t.kv_as_m and t.block_n == (128 if case.head_dim == 64 else 32) for t in taken)
+
+
 @pytest.mark.parametrize("fixed_pages", [None, 1])
 def test_split_kv_is_exercised_and_correct(fixed_pages):
     """One long request and one KV head: the planner must split, and the merge (the last split of a
