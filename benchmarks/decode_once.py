@@ -19,7 +19,6 @@ from tritoninfer import _plan, decode
 sys.path.insert(0, "benchmarks")
 from decode_sweep import gpu_paged_kv  # noqa: E402
 import decode_tune  # noqa: E402
-from decode_tune import parse_config  # noqa: E402
 
 
 def main(argv=None):
@@ -34,7 +33,7 @@ def main(argv=None):
     hq, hk, batch, kv_len, head_dim, page = shape + (128, 16)[len(shape) - 4:]
     decode_tune.clear_tile_caches()
     if args.config != "auto":
-        kv_as_m, block_n, warps, stages, prefetch, slots, lanes = parse_config(args.config)
+        kv_as_m, block_n, warps, stages, prefetch, slots, lanes = decode_tune.parse_config(args.config)
         original = _plan.decode_tiles
         decode._plan.decode_tiles = lambda *a: dataclasses.replace(
             original(*a), kv_as_m=kv_as_m, block_n=block_n, num_warps=warps, num_stages=stages,

@@ -332,6 +332,7 @@ class _HopperLaunch:
         self.launcher = _device.per_device("prefill_hopper", device, lambda: CachedLauncher(prefill_hopper_kernel))
         self.kwargs = dict(GROUP=num_qo_heads // num_kv_heads, IS_CAUSAL=causal, PAGE_SIZE=page,
                            GATHER=gather_pages(page, head_dim_qk), num_warps=4, **kernel_config(fp8, head_dim_qk))
+        self.heads_per_section = section_heads(num_qo_heads, num_qo_heads // num_kv_heads)  # (read with HEAD_SECTIONS)
         self.launch: Optional[BoundLaunch] = None
         # the plan's tensors the launch holds (compared by identity at each run; kept alive here) and
         # its rows per page
@@ -344,8 +345,7 @@ class _HopperLaunch:
         num_items = tiles.shape[1] * hq
         grid = (min(num_items, _device.num_sms(self.device)) if PERSISTENT else num_items,)
         tail = (qo_indptr, kv_indptr, kv_len, tiles[0], tiles[1], hq, num_items, self.sm_scale_log2,
-                kv_indices if kv_indices is not None else kv_indptr, rows_per_page,
-                section_heads(hq, self.kwargs["GROUP"]))
+                kv_indices if kv_indices is not None else kv_indptr, rows_per_page, self.heads_per_section)
         if self.launch is None:
             self.launch = BoundLaunch(self.launcher, grid, tail, self.kwargs)
         else:
