@@ -639,12 +639,13 @@ def test_gpu_hopper_prefill_idle_skip(case, ragged, monkeypatch, idle_skip):
     (HOPPER_FP8_PAGED_CASES[0], False), (None, True)],
     ids=lambda c: c.id() if isinstance(c, Case) else "192-128" if c is None else "ragged" if c else "paged")
 def test_gpu_hopper_prefill_head_sections(case, ragged, monkeypatch):
-    """With ``_hopper.HEAD_SECTIONS`` on, work items run in sections of a few query heads (here 2, or the GQA
+    """With ``_hopper.HEAD_SECTIONS`` on at every head_dim, work items run in sections of a few query heads (here 2, or the GQA
     group where it is larger: every case has several sections) and outputs and LSE still match the reference:
     head_dim 64, 128, 256, e4m3 K/V and (``case`` None) DeepSeek's 192 / 128 with 16 heads."""
     from tritoninfer import _hopper, _route
 
     monkeypatch.setattr(_hopper, "HEAD_SECTIONS", True)
+    monkeypatch.setattr(_hopper, "SECTIONS_FROM_HEAD_DIM", 0)  # (by default only from head_dim 192)
     monkeypatch.setattr(_hopper, "SECTION_HEADS", 2)
     if case is None:
         assert _hopper.section_heads(16, 1) == 2

@@ -546,6 +546,15 @@ def test_decode_plans_store_the_route(hopper_plans, monkeypatch):
     assert wrapper._step.route.is_core and "soft cap" in wrapper._step.route.reason
 
 
+def test_head_sections_from_head_dim_192(monkeypatch):
+    """The Gluon prefill runs its items in head sections from head_dim_qk 192 (DeepSeek's 192 / 128, 256: faster
+    on the H100, session 26) and in the plain order below (head_dim 128 was slower); the switch turns them off."""
+    assert [_hopper.kernel_config(False, d)["HEAD_SECTIONS"] for d in (64, 128, 192, 256)] == [False, False, True, True]
+    assert not _hopper.kernel_config(True, 128)["HEAD_SECTIONS"]
+    monkeypatch.setattr(_hopper, "HEAD_SECTIONS", False)
+    assert not any(_hopper.kernel_config(False, d)["HEAD_SECTIONS"] for d in (64, 128, 192, 256))
+
+
 def test_section_heads_are_whole_groups_dividing_the_heads(monkeypatch):
     """``_hopper.section_heads``: the largest multiple of the GQA group that divides the query heads and is at
     most ``SECTION_HEADS``; never less than a group (a KV head's query heads stay in one section)."""

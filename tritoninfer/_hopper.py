@@ -71,9 +71,12 @@ IDLE_SKIP = True
 # programs side by side take the same query tile of ~132 different heads and, with many KV heads (DeepSeek's
 # 128-head MHA prefill), share no K/V in L2: ncu, session 25, 192 / 128 128 heads 1 x 4096 causal: L2 hit rate
 # 8 %, DRAM 69 % busy (d128 32/8: 76 %). Sections of SECTION_HEADS heads (a multiple of the group) put ~16 tiles
-# of each head side by side. Written in session 25 without a device (sm_90 compile only): off until its GPU
-# tests pass and an A/B measures it (benchmarks/NOTES.md, session 25)
-HEAD_SECTIONS = False
+# of each head side by side. Measured on an H100 (session 26, benchmarks/NOTES.md; no H200 came): 192 / 128
+# ragged causal 128 heads 1 x 4096 2,043-2,081 -> 1,616 us (L2 hit 41 %), 16 heads 8 x 2048 587-598 -> 506,
+# 16 heads 1 x 8192 829-832 -> 875 (slower); d256 32/8 4 x 4096 causal ragged 2,458-2,541 -> 2,322, paged 16
+# beside fa3 0.82 -> 0.92x; d128 32/8 4 x 4096 979 -> 996 (slower): on from SECTIONS_FROM_HEAD_DIM
+HEAD_SECTIONS = True
+SECTIONS_FROM_HEAD_DIM = 192
 SECTION_HEADS = 8
 # smallest page the Gluon kernels read by TMA: a box per page lands in an 8-row slice of a 128-byte
 # swizzled stage; Triton 3.6 cannot slice one below its 8-row swizzle pattern
@@ -139,6 +142,11 @@ def qk_chunk(head_dim_qk: int) -> int:
     return head_dim_qk if head_dim_qk & (head_dim_qk - 1) == 0 else 64
 
 
+def head_sections(head_dim_qk: int) -> bool:
+    """Whether the kernel runs its work items in sections of heads (``HEAD_SECTIONS``) at this head_dim."""
+    return HEAD_SECTIONS and head_dim_qk >= SECTIONS_FROM_HEAD_DIM
+
+
 def section_heads(num_qo_heads: int, group: int) -> int:
     """Query heads a section of work items holds (``HEAD_SECTIONS``): the largest multiple of ``group`` that
     divides ``num_qo_heads`` and is at most ``SECTION_HEADS`` (at least ``group``: a KV head's heads stay in one
@@ -157,13 +165,13 @@ def kernel_config(fp8: bool, head_dim_qk: int = 128) -> dict:
     if fp8:
         return dict(STAGES=FP8_STAGES, FP8=True, FP8_STAGES=FP8_RING, CONSUMER_REGS=FP8_CONSUMER_REGS,
                     PRODUCER_REGS=FP8_PRODUCER_REGS, QK_CHUNKS=1, CONSUMERS=2, BLOCK_N=TILE, IDLE_SKIP=IDLE_SKIP,
-                    HEAD_SECTIONS=HEAD_SECTIONS, maxnreg=maxnreg(FP8_CONSUMER_REGS, FP8_PRODUCER_REGS))
+                    HEAD_SECTIONS=head_sections(head_dim_qk), maxnreg=maxnreg(FP8_CONSUMER_REGS, FP8_PRODUCER_REGS))
     n = consumers(head_dim_qk)
     regs, producer = (CONSUMER_REGS, PRODUCER_REGS) if n == 2 else (CONSUMER_REGS_64, PRODUCER_REGS_64)
     stages = STAGES if head_dim_qk <= 128 else STAGES_192 if head_dim_qk == 192 else STAGES_256
     return dict(STAGES=stages, FP8=False, FP8_STAGES=1, CONSUMER_REGS=regs, PRODUCER_REGS=producer,
                 QK_CHUNKS=head_dim_qk // qk_chunk(head_dim_qk), CONSUMERS=n, BLOCK_N=kv_tile(head_dim_qk),
-                IDLE_SKIP=IDLE_SKIP, HEAD_SECTIONS=HEAD_SECTIONS, maxnreg=maxnreg(regs, producer, n))
+                IDLE_SKIP=IDLE_SKIP, HEAD_SECTIONS=head_sections(head_dim_qk), maxnreg=maxnreg(regs, producer, n))
 
 
 @functools.lru_cache(maxsize=None)
