@@ -25,7 +25,7 @@
 #                and graph tests)
 #   fit          FlashInfer's own tests for sampling and the logits processor (FIT_PER_TEST=20, 4 workers:
 #                the sampling tests synchronise after every call, and many processes time-slice the GPU);
-#                FIT_K="softmax or min_p" passes -k to pytest (any fit part)
+#                FIT_K="softmax or min_p" passes -k to pytest (any fit part); FIT_WORKERS=1 overrides a part's workers
 #   tests-sampling  pytest -m gpu on the sampling, logits-processor and demo-sampling tests
 #   fit-lp       FlashInfer's own tests for the logits processor alone (2 workers)
 #   fit-lp-vs    ... the logits processor's pipeline-against-function cases only (exact sample equality)
@@ -158,7 +158,7 @@ new_a="tests/test_mla.py tests/test_pod.py tests/test_batch_attention.py tests/t
 new_b="tests/test_sampling.py tests/test_logits_processor.py tests/test_integration_transformers.py tests/test_demo.py"
 # FlashInfer's tests at FIT_PER_TEST=20 from .fit; per-test outcome counts in NAME-counts.txt
 fit_run() {
-  local name=$1 workers=$2; shift 2
+  local name=$1 workers=${FIT_WORKERS:-$2}; shift 2
   (cd .fit && PYTHONPATH=/tmp/site:$OLDPWD FIT_PER_TEST=${FIT_PER_TEST:-20} FIT_LOG="$out/$name.tsv" timeout "$limit" python3 -m pytest \
     -n "$workers" -q -p no:cacheprovider --timeout 150 ${FIT_K:+-k "$FIT_K"} $* > "$out/$name.log" 2>&1 || true)
   sort -u -t$'\t' -k3,3 "$out/$name.tsv" | awk -F'\t' '{split($3,a,"::"); split(a[2],b,"["); print $1, a[1]"::"b[1]}' \
