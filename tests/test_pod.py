@@ -68,7 +68,7 @@ def test_pod_decode_scales_and_splits():
     """q_scale/k_scale scale the decode half's logits and v_scale its output only; a long decode
     request splits its KV (the fused merge runs inside the pair launch)."""
     g = torch.Generator().manual_seed(2)
-    kv = testing.make_paged_kv((150, 3), 8, 1, 16, device=DEVICE, generator=g)
+    kv = testing.make_paged_kv((1500, 3), 8, 1, 16, device=DEVICE, generator=g)
     q_p, k_p, v_p = (testing.randn(s, torch.float16, DEVICE, g) for s in ((5, 4, 16), (12, 1, 16), (12, 1, 16)))
     q_d = testing.randn((2, 4, 16), torch.float16, DEVICE, g)
     pod = PODWithPagedKVCacheWrapper(testing.make_workspace(4 << 20, DEVICE))
