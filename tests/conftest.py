@@ -1,4 +1,4 @@
-"""Test harness: interpreter switch, seeds, the ``gpu`` marker and NaN-poisoned allocations.
+"""Test harness: interpreter switch, seeds, the ``gpu`` and ``interpreter_plan`` markers and NaN-poisoned allocations.
 
 Without a usable CUDA GPU, ``TRITON_INTERPRET=1`` is set here, before any test module imports a
 kernel module: Triton reads it when ``@triton.jit`` decorates a function, so it cannot be switched
@@ -22,10 +22,13 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 
 def pytest_collection_modifyitems(config, items):
     if ON_GPU:
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        skip = pytest.mark.skip(reason="plans for the interpreter's tiles and 4 SMs")
+        marker = "interpreter_plan"
+    else:
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        marker = "gpu"
     for item in items:
-        if "gpu" in item.keywords:
+        if marker in item.keywords:
             item.add_marker(skip)
 
 

@@ -915,6 +915,7 @@ def run_multi_step_draft(fi, cfg: Config, batches, real_graph: bool):
     return draft
 
 
+@pytest.mark.interpreter_plan  # lengths of 3-64 split KV only on the interpreter's tiles and 4 SMs (GPU test below)
 def test_sglang_multi_step_draft_fast_decode_plan(fi):
     """FlashInferMultiStepDraftBackend: the draft steps' wrappers share one workspace and index
     buffers, are all planned (fast_decode_plan + global_override_indptr_cpu rows of one .cpu()

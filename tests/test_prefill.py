@@ -51,7 +51,7 @@ PAGED_CASES = [
          kv_dtype=torch.bfloat16),
     Case((3, 4), (8, 13), heads=(8, 2), kv_dtype=torch.float8_e4m3fn, causal=True, form="tuple"),
     Case((2, 3), (5, 9), head_dim=48, head_dim_vo=32, form="tuple", q_dtype=torch.bfloat16, kv_dtype=torch.float8_e5m2),
-    Case((2,), (150,), heads=(4, 1), page_size=8, causal=True, split="auto"),
+    Case((2,), (1500,), heads=(4, 1), page_size=8, causal=True, split="auto"),
     Case((3, 1), (70, 41), heads=(4, 1), page_size=4, split="fixed", window=20),
 ]
 
@@ -102,7 +102,7 @@ def test_paged_prefill_matches_reference(case, device=DEVICE):
     wrapper.plan(qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, case.heads[0], case.heads[1],
                  case.head_dim, case.page_size, head_dim_vo=case.head_dim_vo, q_data_type=case.q_dtype,
                  kv_data_type=case.kv_dtype, **_opts(case), **_mask_args(case, mask))
-    if case is PAGED_CASES[8]:  # one long request, one KV head: the interpreter's 4 "SMs" need splits
+    if case is PAGED_CASES[8]:  # one long request, one KV head: splits with the interpreter's and the GPU's tiles and SMs
         assert wrapper._step.device_plan.has_splits
     o, lse = wrapper.run(q, kv.cache, k_scale=kv.k_scale, v_scale=kv.v_scale, sinks=sinks, return_lse=True)
     ref_o, ref_lse = reference.batch_prefill_with_paged_kv_cache(
@@ -136,8 +136,9 @@ def test_a_new_plan_keeps_the_bound_launch():
 def test_folded_softmax_scale_of_any_sign(sm_scale, k_scale):
     """Prefill tiles apply the softmax scale inside exp2 (``FOLD_SCALE``), with the row max taken on
     raw scores, for positive scales; a scale <= 0 (from plan() or from run()'s k_scale) takes the
-    unfolded launch. Rows that see no key (causal, more queries than keys) stay 0 / -inf."""
-    case = Case((6, 3), (3, 20), heads=(4, 2), causal=True)
+    unfolded launch. Rows that see no key (causal, more queries than keys) stay 0 / -inf. (73 query tokens:
+    above 64 packed rows a request, the GPU's planner too takes prefill tiles, not decode's.)"""
+    case = Case((70, 3), (67, 20), heads=(4, 2), causal=True)
     g, q, qo_indptr, _, _ = _inputs(case)
     kv = testing.make_paged_kv(case.kv_lens, case.page_size, 2, 32, device=DEVICE, generator=g)
     wrapper = BatchPrefillWithPagedKVCacheWrapper(testing.make_workspace(4 << 20, DEVICE))
