@@ -327,7 +327,7 @@ def compile_hopper_case(name: str):
     constexprs = dict(GROUP=group, IS_CAUSAL=causal, PAGE_SIZE=page, GATHER=gather, num_warps=4,
                       **{k: v for k, v in config.items() if k != "maxnreg"})
     constexprs["IDLE_SKIP"] = _hopper.IDLE_SKIP and not name.endswith("no-idle-skip")
-    constexprs["HEAD_SECTIONS"] = _hopper.head_sections(d) or name.endswith("head-sections")
+    constexprs["HEAD_SECTIONS"] = config["HEAD_SECTIONS"] or name.endswith("head-sections")
     sig = {}
     for p in prefill_hopper_kernel.params:
         n = p.name
@@ -349,8 +349,6 @@ def compile_hopper_case(name: str):
 def test_hopper_prefill_kernel_compiles_for_sm90():
     """The Gluon prefill kernel (which the interpreter cannot run) compiles for sm_90 on the CPU in
     each mode, without spills and within an H200 SM's 227 KB of shared memory."""
-    from tritoninfer import _hopper
-
     done = _compile_in_subprocess("hopper")
     report = _report(done)
     assert set(report) == {f"case-{n}" for n in HOPPER_CASES}, done.stdout
@@ -360,17 +358,12 @@ def test_hopper_prefill_kernel_compiles_for_sm90():
     # three consumers at head_dim 64 (160 registers a thread) spill up to 56 outside their KV loops: the first
     # tile's masked softmax, the epilogue's stores and the producer's per-item values (SASS, session 24); at
     # head_dim 256 (O takes 128 of the 240) 24 bytes of per-item values, reloaded once an item. Head sections
-    # (their item arithmetic in the producers' 24 / 32 registers) add 8 and 16 bytes there (session 25)
-    # (on by default from head_dim 192: _hopper.head_sections)
-    def sections(case):
-        on = case.endswith("head-sections") or _hopper.head_sections(
-            256 if case.startswith("case-d256") else 192 if "192-128" in case else 64 if case.startswith("case-d64")
-            else 128)
-        return (16 if "fp8" in case else 8) if on else 0
-
+    # (their item arithmetic in the producers' 24 / 32 registers) add 8 and 16 bytes there (session 25); on by
+    # default from head_dim 192, they add none to the d256 and 192 / 128 variants (session 26)
+    sections = lambda case: 16 if "fp8" in case else 8  # noqa: E731
     _check_resources(report, lambda case: (32 if "gather" in case else 8 if "fp8" in case else
                                            56 if case.startswith("case-d64") else 24 if case.startswith("case-d256")
-                                           else 0) + sections(case))
+                                           else 0) + (sections(case) if case.endswith("head-sections") else 0))
 
 
 # the Gluon fp8 decode (kernels/decode_hopper.py) as _hopper.decode_launch launches it: (page size, GQA group)
