@@ -429,8 +429,10 @@ HOPPER_CASES = [
 
 
 # paged plans the Gluon kernel's paged mode takes (page sizes 8 to 64, 5-D and tuple caches, shuffled
-# pages, empty requests, causal with long requests) and neighbours that keep the core (HND, pages of
-# 1 or 48 tokens, short causal requests); (case, takes the Gluon kernel)
+# pages, empty requests, causal with long requests) and neighbours that keep the core (HND, short causal
+# requests) or take it unless _route.HOPPER_GATHER is on (pages of 1 or 48 tokens, which TMA cannot box);
+# (case, takes the Gluon kernel: True, False or GATHERED)
+GATHERED = "gathered"
 HOPPER_PAGED_CASES = [
     (Case((6000, 0, 77, 3000), (6000, 5, 0, 6100), page_size=16, heads=(32, 8), head_dim=128,
           q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, causal=True), True),
@@ -439,13 +441,13 @@ HOPPER_PAGED_CASES = [
     (Case((700, 500), (900, 500), page_size=32, heads=(16, 2), head_dim=128, q_dtype=torch.bfloat16,
           kv_dtype=torch.bfloat16), True),
     (Case((1100, 1000), (1300, 1000), page_size=1, form="tuple3d", heads=(16, 2), head_dim=128,
-          q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16), False),
+          q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16), GATHERED),
     (Case((2048, 2100), (2100, 4000), page_size=8, heads=(32, 8), head_dim=128, q_dtype=torch.bfloat16,
           kv_dtype=torch.bfloat16, causal=True), True),
     (Case((1024, 1024), (1100, 1024), page_size=32, layout="HND", heads=(32, 8), head_dim=128,
           q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16), False),
     (Case((1024, 1024), (1100, 1024), page_size=48, heads=(32, 8), head_dim=128, q_dtype=torch.bfloat16,
-          kv_dtype=torch.bfloat16), False),
+          kv_dtype=torch.bfloat16), GATHERED),
     (Case((1000, 0, 77, 300), (1000, 5, 0, 2100), page_size=16, heads=(32, 8), head_dim=128,
           q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, causal=True), False),
 ]
@@ -478,14 +480,17 @@ def test_gpu_hopper_ragged_prefill(case, gluon, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case,gluon", HOPPER_PAGED_CASES, ids=lambda c: c.id() if isinstance(c, Case) else str(c))
 def test_gpu_hopper_paged_prefill(case, gluon, monkeypatch):
+    from tritoninfer import _route
+
     _needs_hopper()
     calls = _count_hopper_launches(monkeypatch)
     test_paged_prefill_matches_reference(case, device="cuda")
-    assert bool(calls) == gluon
+    assert bool(calls) == (_route.HOPPER_GATHER if gluon == GATHERED else gluon)
 
 
 # pages TMA cannot box, on the Gluon kernel's gathering producer (_route.HOPPER_GATHER): page 1 (SGLang's,
-# as 3-D tuples), 4 (5-D, causal, empty requests), 48 (not dividing the 128-token tile)
+# as 3-D tuples), 4 (5-D, causal, empty requests), 48 (not dividing the 128-token tile), 128 at head_dim 256
+# (a page spans two 64-position tiles)
 HOPPER_GATHER_CASES = [
     Case((1100, 1000), (1300, 1000), page_size=1, form="tuple3d", heads=(16, 2), head_dim=128,
          q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16),
@@ -493,6 +498,8 @@ HOPPER_GATHER_CASES = [
          q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, causal=True),
     Case((1024, 1024), (1100, 1024), page_size=48, heads=(32, 8), head_dim=128, q_dtype=torch.bfloat16,
          kv_dtype=torch.bfloat16),
+    Case((1100, 1000), (1300, 2000), page_size=128, heads=(16, 8), head_dim=256, q_dtype=torch.bfloat16,
+         kv_dtype=torch.bfloat16, causal=True),
 ]
 
 

@@ -46,9 +46,11 @@ def _facts(**change):
     return _route.PlanFacts(**{**base, **change})
 
 
-def test_route_takes_the_gluon_kernel_only_where_measured(hopper_gpu):
+def test_route_takes_the_gluon_kernel_only_where_measured(hopper_gpu, monkeypatch):
     """sm_90, Triton 3.6, bf16, head_dim 128, NHD, no mask, no CUDA graph, plain scores, requests of
-    1024 query tokens on average (causal: 4096; paged: 512 and 1024, pages of 8-128 dividing 128)."""
+    1024 query tokens on average (causal: 4096; paged: 512 and 1024, pages of 8-128 dividing 128, or any
+    page with ``_route.HOPPER_GATHER``, off here)."""
+    monkeypatch.setattr(_route, "HOPPER_GATHER", False)
     at_plan = _route.PREFILL.at_plan
     assert at_plan(_facts()).kernel == "hopper"
     assert at_plan(_facts(causal=True, mean=4096)).kernel == "hopper"
@@ -71,10 +73,10 @@ def test_route_takes_the_gluon_kernel_only_where_measured(hopper_gpu):
         assert repr(route).startswith("Route(core: ")
 
 
-def test_route_gathers_pages_tma_cannot_box_when_switched_on(hopper_gpu, monkeypatch):
-    """``_route.HOPPER_GATHER``: paged plans whose pages TMA cannot box (page 1, SGLang's; 4; 48) take
-    the kernel's gathering producer; the other limits stay."""
-    monkeypatch.setattr(_route, "HOPPER_GATHER", True)
+def test_route_gathers_pages_tma_cannot_box(hopper_gpu):
+    """``_route.HOPPER_GATHER`` (on by default): paged plans whose pages TMA cannot box (page 1, SGLang's;
+    4; 48) take the kernel's gathering producer; the other limits stay."""
+    assert _route.HOPPER_GATHER
     for page in (1, 4, 48):
         assert _route.PREFILL.at_plan(_facts(page_size=page, mean=512)).kernel == "hopper"
     assert "below 512" in _route.PREFILL.at_plan(_facts(page_size=1, mean=500)).reason
@@ -129,6 +131,7 @@ def test_route_head_dim_256_switch(hopper_gpu, monkeypatch):
     """``_route.HOPPER_D256``: head_dim 256 takes the kernel for 16-bit K/V with 64-position K/V stages, pages
     of 8 to 64 by TMA (128 no longer divides a stage: core unless gathered); off, or e4m3, it stays on the core."""
     dims = {"head_dim_qk": 256, "head_dim_vo": 256}
+    monkeypatch.setattr(_route, "HOPPER_GATHER", False)
     monkeypatch.setattr(_route, "HOPPER_D256", False)
     assert "HOPPER_D256" in _route.PREFILL.at_plan(_facts(**dims)).reason
     monkeypatch.setattr(_route, "HOPPER_D256", True)
@@ -221,10 +224,14 @@ def test_plans_store_the_route_and_its_work_list(hopper_plans):
     assert wrapper._step.route.is_core and wrapper._step.route_work is None
 
 
-@pytest.mark.parametrize("page_size,gluon", [(8, True), (16, True), (128, True), (4, False), (1, False), (48, False)])
-def test_paged_plan_route(hopper_plans, monkeypatch, page_size, gluon):
+@pytest.mark.parametrize("gather", [True, False])
+@pytest.mark.parametrize("page_size,boxed", [(8, True), (16, True), (128, True), (4, False), (1, False), (48, False)])
+def test_paged_plan_route(hopper_plans, monkeypatch, page_size, boxed, gather):
     """Past the device checks, a paged plan takes the kernel's paged mode for pages that tile its
-    128-token KV tiles, with the same work list as a ragged plan; the page table it reads is the plan's."""
+    128-token KV tiles (TMA boxes) and, with ``_route.HOPPER_GATHER``, for any other page size; with the
+    same work list as a ragged plan; the page table it reads is the plan's."""
+    gluon = boxed or gather
+    monkeypatch.setattr(_route, "HOPPER_GATHER", gather)
     monkeypatch.setattr(_hopper, "work_tiles", _REAL_WORK_TILES)
     monkeypatch.setattr(_route, "HOPPER_MIN_LEN", dict.fromkeys(_route.HOPPER_MIN_LEN, 0))
     qo_lens, kv_lens = (300, 0, 100), (300, 5, 1000)

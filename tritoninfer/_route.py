@@ -46,9 +46,10 @@ POD_PREFILL_ON_HOPPER = True
 # (kernels/prefill_hopper.py's GATHER; False: the core). Session 19, H200: 4 x 4096 causal page 1 3,640 us
 # against fa3's 1,199 (its producer waited on one page-id load a sub-tile: 16 dependent round trips a tile);
 # session 25: one load a tile, handed on through shared memory. Session 26, H100: 12-22 % faster than the core
-# on the grid's three page-1 rows (0.74-0.77x fa3, the core ~0.6), but its GPU test's 6000-token case failed
-# beside other tests with no logged cause: off until that case passes alone (benchmarks/NOTES.md, session 26).
-HOPPER_GATHER = False
+# on the grid's three page-1 rows (0.74-0.77x fa3, the core ~0.6). Session 27, H100, on: every prefill GPU test
+# (its 6000-token causal case too) and FlashInfer's paged prefill tests (pages 1, 5, 16) pass; 4 x 4096 d128 causal
+# page 1 1,463-1,499 us against the core's 1,710, d256 16 x 1024 1,056-1,092 against 1,303 (benchmarks/NOTES.md).
+HOPPER_GATHER = True
 # e4m3 K/V with bf16 queries on the Gluon kernel (its FP8 mode: a producer warpgroup converts each
 # fp8 tile into the consumers' fp16 ring; issue "Speed, part 3", target 4; False: the core). Session 19,
 # H200: its GPU tests pass; 4 x 4096 causal at 0.59x of the same kernel's bf16, against the core's fp8 only
